@@ -1,0 +1,111 @@
+"""Small pieces every script shares: the user-error convention and atomic file writes.
+
+A user's mistake (bad config, missing data, corrupt checkpoint) raises UserError; the entry
+scripts wrap main() in `run_main`, which prints one line to stderr and exits 2, no traceback.
+Every file we write goes through `atomic_write`: temp file in the same directory, fsync, rename,
+fsync of the directory, so a crash at any moment leaves either the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import IO, Callable, Iterator
+
+EXIT_USER_ERROR = 2
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+class UserError(Exception):
+    """A mistake the user can fix; reported as one line, exit code 2."""
+
+
+def run_main(main: Callable[[], int | None]) -> None:
+    """Run an entry point; turn UserError and Ctrl-C into a one-line message and an exit code."""
+    try:
+        code = main()
+    except UserError as e:
+        for line in str(e).splitlines() or ["unknown error"]:
+            print(f"error: {line}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:  # e.g. `python sample.py ... | head`
+        sys.exit(0)
+    sys.exit(code or 0)
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems refuse to open directories
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
+    """Open a temp file beside `path`; on success fsync it and rename it over `path`.
+
+    On any exception the temp file is removed and `path` is untouched. A disk-full or
+    read-only directory surfaces as UserError naming the file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give ours the usual permissions
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise UserError(f"cannot write {path}: {e.strerror or e} (the previous file, if any, is untouched)") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_write(path, "w") as f:
+        f.write(text)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: object) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> dict:
+    """Read a JSON object, turning a missing or malformed file into a UserError."""
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{what} not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{what} {path} is unreadable or malformed: {e}") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{what} {path} is malformed: expected a JSON object")
+    return obj
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"

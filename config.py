@@ -1,0 +1,432 @@
+"""The training configuration: one typed schema, loaded from TOML, overridden from the command line.
+
+Precedence: schema defaults < TOML file < command line (`--section.key value`, `--section.key=value`,
+and the short flags --max-iters, --device, --tokenizer). Every field has its type, default and a
+one-line description here, in one place; the README's config reference is generated from it:
+
+    python config.py --markdown        # print the reference table
+    python config.py configs/base/base.toml --training.max_iters 10   # print the resolved config
+
+Every mistake is collected and reported together, one line each, as a ConfigError (exit code 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from common import UserError, run_main
+from model import GPTConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(UserError):
+    """One or more config mistakes, one per line."""
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class RunConfig:
+    name: str | None = _f(None, "run name: checkpoints go to out_dir/name (None: generated from dataset and time)")
+    out_dir: str = _f("checkpoints", "root directory of run directories")
+    seed: int = _f(1337, "seed for weights, dropout and the data stream")
+    device: str = _f("auto", "auto | cpu | cuda | cuda:N | mps")
+    init_from: str = _f("scratch", "scratch | a checkpoint or run dir | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a local HF GPT-2 dir")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = _f("pystdlib", "dataset name: data/<dataset>/ (pystdlib, shakespeare_char, shakespeare, or your own)")
+    input: str | None = _f(None, "raw text file to prepare the dataset from when data/<dataset>/ is missing")
+    tokenizer: str = _f("char", "char | bpe | a tiktoken encoding name such as gpt2")
+    bpe_vocab_size: int = _f(4096, "vocabulary size the bpe tokenizer is trained to")
+    data_dir: str = _f("data", "root directory of prepared datasets")
+    processed_dir: str | None = _f(None, "read train/val from this directory instead of data_dir/dataset (seed layout: data/processed)")
+    val_fraction: float = _f(0.1, "fraction of the text held out for validation when preparing")
+    max_bytes: int | None = _f(None, "cap on the bytes of raw text read when preparing (pystdlib default: 4 MB)")
+
+
+@dataclass
+class ModelConfig(GPTConfig):
+    compile: bool | None = _f(None, "torch.compile the model (None: on for CUDA, off for CPU)")
+
+
+@dataclass
+class TrainingConfig:
+    batch_size: int = _f(12, "micro-batch size per step and rank")
+    grad_accum_steps: int = _f(1, "micro-steps accumulated per optimizer step")
+    global_batch_size: int | None = _f(None, "if set, must equal batch_size * grad_accum_steps * world_size")
+    max_iters: int = _f(5000, "optimizer steps to train for")
+    precision: str = _f("auto", "fp32 | fp16 | bf16 | auto (bf16/fp16 on CUDA, fp32 on CPU)",
+                        choices=("fp32", "fp16", "bf16", "auto"))
+    gradient_checkpointing: bool = _f(False, "recompute each block in backward to save activation memory")
+    data_format: str = _f("bin", "bin (token memmaps) | txt (train.txt/val.txt tokenized once and cached)",
+                          choices=("bin", "txt"))
+    eval_interval: int = _f(250, "evaluate every this many steps (0: only at the end)")
+    eval_iters: int = _f(200, "batches per split in each evaluation")
+    eval_only: bool = _f(False, "evaluate once and exit")
+    log_interval: int = _f(10, "console/JSON log line every this many steps")
+    save_interval: int = _f(250, "write ckpt_last.pt and a step checkpoint every this many steps (0: only at evals and the end)")
+    keep_last: int = _f(3, "step checkpoints kept (older ones pruned; 0 keeps none)")
+    save_best: bool = _f(True, "write ckpt_best.pt whenever val loss improves by early_stopping_min_delta")
+    early_stopping: bool = _f(False, "stop when val loss stops improving")
+    early_stopping_patience: int = _f(3, "evaluations without sufficient improvement before stopping")
+    early_stopping_min_delta: float = _f(0.0, "minimum val-loss decrease that counts as improvement")
+    max_nonfinite_steps: int = _f(10, "consecutive non-finite losses tolerated (steps skipped) before stopping")
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = _f("adamw", "adamw | muon (Muon for 2-D hidden weights, AdamW for the rest)", choices=("adamw", "muon"))
+    learning_rate: float = _f(6e-4, "peak learning rate (AdamW)")
+    min_lr: float = _f(6e-5, "learning rate at the end of the cosine decay")
+    weight_decay: float = _f(0.1, "AdamW weight decay on matrices and embeddings")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    grad_clip: float = _f(1.0, "clip gradients to this global L2 norm (0: off)")
+    decay_lr: bool = _f(True, "cosine decay after warmup (false: constant learning_rate)")
+    warmup_iters: int = _f(100, "linear warmup steps")
+    lr_decay_iters: int | None = _f(None, "steps of cosine decay (None: max_iters)")
+    muon_lr: float = _f(0.02, "Muon learning rate (name = muon)")
+    muon_momentum: float = _f(0.95, "Muon momentum")
+    fused: bool | None = _f(None, "fused AdamW kernel (None: where the device supports it)")
+
+
+@dataclass
+class LoggingConfig:
+    json_log: bool = _f(True, "write train_log.json in the run directory")
+    plot: bool = _f(True, "write loss_curve.png in the run directory at each evaluation")
+    wandb_project: str | None = _f(None, "log to this Weights & Biases project (needs the wandb extra)")
+    wandb_run_name: str | None = _f(None, "wandb run name (None: the run name)")
+    peak_tflops: float | None = _f(None, "device peak TFLOP/s for MFU (None: a default per device)")
+
+
+@dataclass
+class DistributedConfig:
+    backend: str | None = _f(None, "nccl | gloo (None: nccl on CUDA, gloo on CPU)")
+    fsdp: bool = _f(False, "shard weights and optimizer state with FSDP2 (fully_shard) instead of DDP")
+    timeout_s: int = _f(300, "seconds a collective may wait for a dead or stuck rank before the job fails")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def model_args(self) -> dict:
+        """The plain model-argument dict stored in checkpoints (without training-only switches)."""
+        return {f.name: getattr(self.model, f.name) for f in fields(GPTConfig)}
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
+SHORT_FLAGS = {"--max-iters": "training.max_iters", "--device": "run.device", "--tokenizer": "data.tokenizer"}
+
+
+# ---- types ----------------------------------------------------------------------------------------
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(tp))
+    return tp, False
+
+
+def type_name(tp: Any) -> str:
+    base, optional = _unwrap_optional(tp)
+    name = getattr(base, "__name__", str(base))
+    if typing.get_origin(base) is list:
+        name = f"list[{typing.get_args(base)[0].__name__}]"
+    return f"{name} or none" if optional else name
+
+
+def coerce(value: Any, tp: Any) -> Any:
+    """Check a TOML/CLI value against a schema type; returns the value or raises TypeError."""
+    base, optional = _unwrap_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise TypeError
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+    elif base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif base is str:
+        if isinstance(value, str):
+            return value
+    elif typing.get_origin(base) is list:
+        if isinstance(value, list):
+            return [coerce(v, typing.get_args(base)[0]) for v in value]
+    raise TypeError
+
+
+def parse_cli_value(text: str) -> Any:
+    """A command-line value: TOML syntax when it parses (4, 1e-3, true, [1, 2], "s"), else a bare string."""
+    if text.lower() in ("none", "null"):
+        return None
+    if text.lower() in ("true", "false", "yes", "no", "on", "off"):
+        return text.lower() in ("true", "yes", "on")
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+# ---- building -----------------------------------------------------------------------------------
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, source: str, errors: list[str]) -> None:
+    if section not in SECTIONS:
+        errors.append(f"{source}: unknown section [{section}]{_suggest(section, list(SECTIONS))}")
+        return
+    sec_cls = SECTIONS[section]
+    types_ = _field_types(sec_cls)
+    if key not in types_:
+        flat = [f"{s}.{k}" for s, c in SECTIONS.items() for k in _field_types(c)]
+        hint = _suggest(key, list(types_)) or _suggest(f"{section}.{key}", flat)
+        errors.append(f"{source}: unknown key '{section}.{key}'{hint}")
+        return
+    try:
+        value = coerce(value, types_[key])
+    except TypeError:
+        errors.append(f"{source}: {section}.{key} = {value!r} has the wrong type, expected {type_name(types_[key])}")
+        return
+    setattr(getattr(cfg, section), key, value)
+
+
+def load_toml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config path is a directory, not a TOML file: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: unreadable: {e}") from None
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """['--training.max_iters', '10', '--model.bias=false', '--max-iters', '5'] -> [(dotted key, value)]."""
+    out, errors, i = [], [], 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg.partition("=")
+        if not name.startswith("--"):
+            errors.append(f"unexpected argument '{arg}' (overrides look like --section.key value)")
+            i += 1
+            continue
+        key = SHORT_FLAGS.get(name, name[2:])
+        if not eq:
+            if i + 1 >= len(args):
+                errors.append(f"{name} needs a value")
+                break
+            value = args[i + 1]
+            i += 1
+        i += 1
+        if "." not in key:
+            flat = [f"{s}.{k}" for s, c in SECTIONS.items() for k in _field_types(c)]
+            errors.append(f"unknown option '{name}'{_suggest(key, flat + [f[2:] for f in SHORT_FLAGS])}")
+            continue
+        out.append((key, parse_cli_value(value)))
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return out
+
+
+def build_config(toml: dict | None = None, overrides: list[tuple[str, Any]] | dict | None = None,
+                 source: str = "config", world_size: int = 1) -> Config:
+    """Defaults < TOML dict < overrides; then validate. Raises ConfigError listing every problem."""
+    cfg, errors = Config(), []
+    for section, table in (toml or {}).items():
+        if not isinstance(table, dict):
+            if section in SECTIONS:
+                errors.append(f"{source}: [{section}] must be a table of keys")
+            else:
+                hint = _suggest(section, [f"{s}.{k}" for s, c in SECTIONS.items() for k in _field_types(c)])
+                errors.append(f"{source}: top-level key '{section}' is not a section{hint or ' (put it under a [section])'}")
+            continue
+        for key, value in table.items():
+            _apply(cfg, section, key, value, source, errors)
+    items = overrides.items() if isinstance(overrides, dict) else (overrides or [])
+    for dotted, value in items:
+        section, _, key = dotted.partition(".")
+        _apply(cfg, section, key, value, "command line", errors)
+    errors += validate(cfg, world_size)  # fields with type errors kept their defaults, so this is safe
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return cfg
+
+
+def load_config(path: str | Path | None, cli_args: list[str] | None = None, world_size: int = 1) -> Config:
+    toml = load_toml(path) if path else {}
+    return build_config(toml, parse_overrides(cli_args or []), source=str(path or "config"), world_size=world_size)
+
+
+# ---- validation ---------------------------------------------------------------------------------
+
+def validate(cfg: Config, world_size: int = 1) -> list[str]:
+    """Every rule that can be checked from the config alone; data and device rules live in train.py."""
+    errors: list[str] = []
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            errors.append(msg)
+
+    for section, sec_cls in SECTIONS.items():
+        for f in fields(sec_cls):
+            choices = f.metadata.get("choices")
+            value = getattr(getattr(cfg, section), f.name)
+            if choices and value is not None and value not in choices:
+                errors.append(f"{section}.{f.name} = {value!r} must be one of {' | '.join(choices)}")
+    t, o, m, d = cfg.training, cfg.optimizer, cfg.model, cfg.data
+    for key in ("batch_size", "grad_accum_steps", "max_iters", "eval_iters", "max_nonfinite_steps"):
+        need(getattr(t, key) > 0, f"training.{key} = {getattr(t, key)} must be positive")
+    for key in ("eval_interval", "log_interval", "save_interval", "keep_last", "early_stopping_patience"):
+        need(getattr(t, key) >= 0, f"training.{key} = {getattr(t, key)} must be >= 0")
+    need(t.early_stopping_min_delta >= 0, f"training.early_stopping_min_delta = {t.early_stopping_min_delta} must be >= 0")
+    need(o.learning_rate > 0, f"optimizer.learning_rate = {o.learning_rate} must be positive")
+    need(0 <= o.min_lr <= o.learning_rate, f"optimizer.min_lr = {o.min_lr} must be in [0, learning_rate]")
+    need(o.grad_clip >= 0, f"optimizer.grad_clip = {o.grad_clip} must be >= 0 (0 disables clipping)")
+    need(o.weight_decay >= 0, f"optimizer.weight_decay = {o.weight_decay} must be >= 0")
+    need(o.warmup_iters >= 0, f"optimizer.warmup_iters = {o.warmup_iters} must be >= 0")
+    need(o.lr_decay_iters is None or o.lr_decay_iters > 0, f"optimizer.lr_decay_iters = {o.lr_decay_iters} must be positive")
+    need(o.muon_lr > 0, f"optimizer.muon_lr = {o.muon_lr} must be positive")
+    for key in ("beta1", "beta2", "muon_momentum"):
+        need(0 <= getattr(o, key) < 1, f"optimizer.{key} = {getattr(o, key)} must be in [0, 1)")
+    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+        need(getattr(m, key) > 0, f"model.{key} = {getattr(m, key)} must be positive")
+    need(m.vocab_size is None or m.vocab_size > 0, f"model.vocab_size = {m.vocab_size} must be positive")
+    if m.n_head > 0 and m.n_embd > 0:
+        need(m.n_embd % m.n_head == 0, f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
+        if m.pos_emb == "rope" and m.n_embd % m.n_head == 0:
+            need((m.n_embd // m.n_head) % 2 == 0, f"model.pos_emb = 'rope' needs an even head size, got {m.n_embd // m.n_head}")
+    need(0 <= m.dropout < 1, f"model.dropout = {m.dropout} must be in [0, 1)")
+    need(m.logit_softcap >= 0, f"model.logit_softcap = {m.logit_softcap} must be >= 0 (0: off)")
+    need(m.rope_theta > 0, f"model.rope_theta = {m.rope_theta} must be positive")
+    need(0 < d.val_fraction < 1, f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
+    need(d.bpe_vocab_size >= 256, f"data.bpe_vocab_size = {d.bpe_vocab_size} must be >= 256 (byte-level BPE)")
+    need(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes = {d.max_bytes} must be positive")
+    need(cfg.distributed.timeout_s > 0, f"distributed.timeout_s = {cfg.distributed.timeout_s} must be positive")
+    need(cfg.distributed.backend in (None, "nccl", "gloo"), f"distributed.backend = {cfg.distributed.backend!r} must be nccl or gloo")
+    device = cfg.run.device
+    need(device == "auto" or device in ("cpu", "mps") or device == "cuda" or
+         (device.startswith("cuda:") and device[5:].isdigit()),
+         f"run.device = {device!r} must be auto | cpu | cuda | cuda:N | mps")
+    if t.global_batch_size is not None and t.batch_size > 0 and t.grad_accum_steps > 0:
+        g = t.global_batch_size
+        need(g > 0, f"training.global_batch_size = {g} must be positive")
+        need(t.batch_size <= g, f"training.batch_size = {t.batch_size} exceeds training.global_batch_size = {g}")
+        got = t.batch_size * t.grad_accum_steps * world_size
+        need(got == g or g <= 0 or t.batch_size > g,
+             f"training.global_batch_size = {g} but batch_size {t.batch_size} x grad_accum_steps {t.grad_accum_steps}"
+             f" x world_size {world_size} = {got}")
+    return errors
+
+
+# ---- output -------------------------------------------------------------------------------------
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (None values are omitted: they are every such field's default)."""
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        for k, v in dataclasses.asdict(getattr(cfg, section)).items():
+            if v is not None:
+                lines.append(f"{k} = {_toml_value(v)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def config_from_dict(d: dict) -> Config:
+    """Rebuild a Config from Config.to_dict() (as stored in checkpoints); unknown keys are errors."""
+    return build_config({s: {k: v for k, v in t.items() if v is not None} for s, t in d.items()},
+                        source="checkpoint config")
+
+
+def summary(cfg: Config) -> str:
+    """Compact one-line-per-section view of the values that differ from the defaults."""
+    default = Config()
+    parts = []
+    for section in SECTIONS:
+        cur, ref = getattr(cfg, section), getattr(default, section)
+        diff = [f"{f.name}={getattr(cur, f.name)}" for f in fields(cur) if getattr(cur, f.name) != getattr(ref, f.name)]
+        if diff:
+            parts.append(f"  [{section}] " + " ".join(diff))
+    return "config (non-default values):\n" + ("\n".join(parts) if parts else "  (all defaults)")
+
+
+def markdown_reference() -> str:
+    """The README's config reference, generated from the schema."""
+    out = []
+    for section, sec_cls in SECTIONS.items():
+        hints = _field_types(sec_cls)
+        out.append(f"#### [{section}]\n\n| key | type | default | description |\n| --- | --- | --- | --- |")
+        for f in fields(sec_cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            shown = "none" if default is None else _toml_value(default)
+            out.append(f"| `{f.name}` | {type_name(hints[f.name])} | `{shown}` | {f.metadata.get('help', '').replace('|', '/')} |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if args[:1] == ["--markdown"]:
+        print(markdown_reference(), end="")
+        return
+    path = args[0] if args and not args[0].startswith("--") else None
+    cfg = load_config(path, args[1:] if path else args)
+    print(to_toml(cfg), end="")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,149 @@
+"""Prepared datasets on disk -> checked token memmaps -> reproducible (x, y) batches.
+
+Each micro-batch is drawn from a counter-based generator keyed by (seed, split, global index),
+where the global index of a training micro-batch is step * slots + slot and slot = rank *
+grad_accum_steps + micro_step. Resuming is therefore "restore the step counter", and N ranks x
+accumulation 1 see exactly the batches of 1 rank x accumulation N.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import UserError, read_json
+from tokenizer import Tokenizer, load_tokenizer
+
+SPLIT_IDS = {"train": 0, "val": 1}
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+@dataclass
+class Dataset:
+    directory: Path
+    meta: dict
+    tokenizer: Tokenizer
+    dtype: np.dtype
+    lengths: dict[str, int]  # tokens per split
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    def path(self, split: str) -> Path:
+        return self.directory / f"{split}.bin"
+
+
+def tokenizer_label(meta_tokenizer: dict) -> str:
+    """meta.json's tokenizer section -> the name a user types (char, bpe, gpt2, ...)."""
+    return meta_tokenizer.get("name") or meta_tokenizer.get("kind", "?")
+
+
+def load_dataset(directory: str | Path, expect_tokenizer: str | None = None, scan: bool = True) -> Dataset:
+    """Open and check a prepared dataset directory (train.bin, val.bin, meta.json, tokenizer.json)."""
+    directory = Path(directory)
+    meta = read_json(directory / "meta.json", "dataset metadata")
+    try:
+        dtype = np.dtype(DTYPES[meta["dtype"]])
+        vocab_size = int(meta["vocab_size"])
+        tok_meta = meta["tokenizer"]
+        tok_file = directory / tok_meta.get("file", "tokenizer.json")
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{directory / 'meta.json'} is malformed (missing or bad field {e}); re-run prepare.py with --reset") from None
+    if expect_tokenizer is not None and tokenizer_label(tok_meta) != expect_tokenizer:
+        raise UserError(f"{directory} was prepared with the {tokenizer_label(tok_meta)} tokenizer but the config asks for "
+                        f"{expect_tokenizer}: re-prepare it (prepare.py --tokenizer {expect_tokenizer} --reset) or change data.tokenizer")
+    tokenizer = load_tokenizer(tok_file)
+    lengths = {}
+    for split in ("train", "val"):
+        path = directory / f"{split}.bin"
+        if not path.exists():
+            raise UserError(f"{path} is missing: re-run prepare.py")
+        size = path.stat().st_size
+        if size % dtype.itemsize:
+            raise UserError(f"{path} has {size} bytes, not a multiple of its dtype {meta['dtype']} ({dtype.itemsize} bytes): the file is truncated or corrupt")
+        lengths[split] = size // dtype.itemsize
+        if lengths[split] == 0:
+            raise UserError(f"{path} is empty: the {split} split has no tokens (use a larger input or another data.val_fraction)")
+        if scan:
+            check_token_ids(path, dtype, vocab_size)
+    return Dataset(directory, meta, tokenizer, dtype, lengths)
+
+
+def check_token_ids(path: Path, dtype: np.dtype, vocab_size: int, chunk: int = 1 << 24) -> None:
+    """A vectorised scan for ids >= vocab_size (about 1 GB/s)."""
+    data = np.memmap(path, dtype=dtype, mode="r")
+    for start in range(0, len(data), chunk):
+        top = int(data[start:start + chunk].max())
+        if top >= vocab_size:
+            raise UserError(f"{path} holds token id {top} but the vocabulary has {vocab_size} entries: "
+                            "the data and meta.json come from different tokenizers; re-run prepare.py with --reset")
+
+
+def check_fits(dataset: Dataset, block_size: int, model_vocab_size: int) -> None:
+    for split, n in dataset.lengths.items():
+        if n < block_size + 1:
+            raise UserError(f"the {split} split of {dataset.directory} has {n} tokens, fewer than block_size + 1 = "
+                            f"{block_size + 1}: lower model.block_size or use more data")
+    if model_vocab_size < dataset.vocab_size:
+        raise UserError(f"model.vocab_size = {model_vocab_size} is smaller than the dataset's vocabulary ({dataset.vocab_size})")
+
+
+def batch_rng(seed: int, split: str, index: int) -> np.random.Generator:
+    """The generator for one micro-batch: a pure function of (seed, split, index)."""
+    return np.random.Generator(np.random.Philox(key=[seed & 0xFFFFFFFFFFFFFFFF, SPLIT_IDS[split]], counter=index))
+
+
+def gather_rows(path: Path, dtype: np.dtype, starts: np.ndarray, block_size: int) -> np.ndarray:
+    """(B,) start offsets -> (B, block_size + 1) int64 tokens, by one vectorised memmap gather.
+
+    The memmap is opened per batch so the pages it touched are released afterwards and RSS does
+    not grow with the dataset (nanoGPT's reason too)."""
+    data = np.memmap(path, dtype=dtype, mode="r")
+    rows = data[starts[:, None] + np.arange(block_size + 1)]  # (B, T+1)
+    return rows.astype(np.int64)
+
+
+class BatchSource:
+    """Reproducible batches for training and evaluation, optionally prefetched on a thread."""
+
+    def __init__(self, dataset: Dataset, block_size: int, batch_size: int, seed: int,
+                 device: torch.device, prefetch: bool = True):
+        self.dataset, self.block_size, self.batch_size, self.seed = dataset, block_size, batch_size, seed
+        self.device = device
+        self.pin = device.type == "cuda"
+        self.prefetch = prefetch
+        self._next: tuple[tuple, threading.Thread, list] | None = None
+
+    def starts(self, split: str, index: int) -> np.ndarray:
+        high = self.dataset.lengths[split] - self.block_size
+        return batch_rng(self.seed, split, index).integers(0, high, size=self.batch_size)
+
+    def _load(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.from_numpy(gather_rows(self.dataset.path(split), self.dataset.dtype,
+                                            self.starts(split, index), self.block_size))
+        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        if self.pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        return x, y
+
+    def get(self, split: str, index: int, next_index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch for (split, index); with next_index, start loading that one in the background."""
+        key = (split, index)
+        if self._next is not None and self._next[0] == key:
+            _, thread, box = self._next
+            thread.join()
+            x, y = box[0]
+        else:
+            x, y = self._load(split, index)
+        self._next = None
+        if self.prefetch and next_index is not None:
+            box: list = []
+            thread = threading.Thread(target=lambda: box.append(self._load(split, next_index)), daemon=True)
+            thread.start()
+            self._next = ((split, next_index), thread, box)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)

@@ -1,0 +1,120 @@
+"""Training telemetry: the console line, train_log.json, wandb, the loss-curve PNG, and MFU's peak.
+
+Only rank 0 creates a MetricsLog. train_log.json and loss_curve.png are rewritten atomically at
+each evaluation, each checkpoint and the end, so they always match a loadable checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from common import UserError, atomic_write, atomic_write_json, format_duration
+
+# Dense bf16/fp16 tensor-core peaks of common accelerators (FLOP/s); fp32 is taken as 1/2 of TF32-less peak.
+CUDA_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10": 125e12, "L4": 121e12, "4090": 165e12,
+              "3090": 71e12, "V100": 125e12, "T4": 65e12}
+
+
+def default_peak_flops(device: torch.device, precision: str) -> float:
+    """A sensible peak FLOP/s for MFU when logging.peak_tflops is not set."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = next((v for k, v in CUDA_PEAKS.items() if k in name), 100e12)
+        return peak if precision in ("bf16", "fp16") else peak / 2
+    # CPU: cores x ~3 GHz x FLOPs per cycle of the vector FMA units (AVX-512: 64 fp32, AVX2: 32)
+    flops_per_cycle = 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
+    if precision == "bf16":
+        flops_per_cycle *= 2
+    return torch.get_num_threads() * 3.0e9 * flops_per_cycle
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, json_log: bool = True, plot: bool = True, history: list[dict] | None = None):
+        self.run_dir = run_dir
+        self.json_log, self.plot = json_log, plot
+        self.history: list[dict] = history or []
+        self.wandb = None
+
+    @classmethod
+    def resume(cls, run_dir: Path, upto_iter: int, **kw) -> "MetricsLog":
+        """Reload train_log.json, dropping points logged after the checkpoint we resume from."""
+        history = []
+        path = run_dir / "train_log.json"
+        if path.is_file():
+            try:
+                history = [p for p in json.loads(path.read_text())["history"] if p.get("iter", 0) <= upto_iter]
+            except (ValueError, KeyError, TypeError):
+                history = []
+        return cls(run_dir, history=history, **kw)
+
+    def start_wandb(self, project: str, run_name: str, run_id: str | None, config: dict) -> str:
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("logging.wandb_project is set but wandb is not installed: pip install '.[wandb]'") from None
+        run_id = run_id or wandb.util.generate_id()
+        self.wandb = wandb.init(project=project, name=run_name, id=run_id, resume="allow", config=config,
+                                dir=str(self.run_dir))
+        return run_id
+
+    def record(self, point: dict) -> None:
+        self.history.append(point)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in point.items() if k not in ("iter", "kind")}, step=point["iter"])
+
+    def flush(self) -> None:
+        """Write train_log.json and the loss curve (atomically)."""
+        if self.json_log:
+            atomic_write_json(self.run_dir / "train_log.json", {"history": self.history})
+        if self.plot:
+            self.write_plot()
+
+    def write_plot(self) -> None:
+        import matplotlib
+        matplotlib.use("Agg")  # no display, no browser
+        import matplotlib.pyplot as plt
+
+        train = [(p["iter"], p["loss"]) for p in self.history if p["kind"] == "train"]
+        evals = [p for p in self.history if p["kind"] == "eval"]
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        if train:
+            ax.plot(*zip(*train), label="train (step)", alpha=0.4, linewidth=1)
+        if evals:
+            ax.plot([p["iter"] for p in evals], [p["train_loss"] for p in evals], "o-", label="train (eval)")
+            ax.plot([p["iter"] for p in evals], [p["val_loss"] for p in evals], "o-", label="val")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("loss")
+        ax.set_title(self.run_dir.name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", bbox_inches="tight")
+        plt.close(fig)
+        with atomic_write(self.run_dir / "loss_curve.png", "wb") as f:
+            f.write(buf.getvalue())
+
+    def finish(self) -> None:
+        self.flush()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def format_step_line(it: int, max_iters: int, loss: float, lr: float, grad_norm: float, dt: float,
+                     tokens_per_s: float, mfu: float, eta_s: float) -> str:
+    return (f"iter {it:>6}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | norm {grad_norm:.2f} | "
+            f"{dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu * 100:.1f}% | eta {format_duration(eta_s)}")
+
+
+def rss_mb() -> float:
+    """Resident set size of this process in MB (Linux /proc; psutil elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except OSError:
+        import psutil
+        return psutil.Process().memory_info().rss / 1e6

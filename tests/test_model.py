@@ -1,0 +1,144 @@
+"""model.py: shapes, causality, initialisation, KV-cache generation, sampling filters, optimizer groups."""
+
+import math
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, sample_next
+
+MODERN = dict(pos_emb="rope", norm="rmsnorm", qk_norm=True, mlp="swiglu", tie_embeddings=False,
+              logit_softcap=15.0, zero_init_proj=False)
+VARIANTS = [dict(), dict(bias=False, mlp="relu2"), MODERN]
+
+
+def tiny(**kw) -> GPT:
+    torch.manual_seed(0)
+    args = dict(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=32)
+    return GPT(GPTConfig(**{**args, **kw}))
+
+
+@pytest.mark.parametrize("kw", VARIANTS)
+def test_shapes_and_loss(kw):
+    model = tiny(**kw)
+    x = torch.randint(0, 50, (3, 20))
+    logits, loss = model(x, x)
+    assert logits.shape == (3, 20, 50)
+    assert loss.ndim == 0 and math.isfinite(loss.item())
+    # an untrained model predicts roughly uniformly
+    assert abs(loss.item() - math.log(50)) < 0.5
+    logits, loss = model(x, last_only=True)
+    assert logits.shape == (3, 1, 50) and loss is None
+
+
+@pytest.mark.parametrize("kw", VARIANTS)
+def test_causality(kw):
+    """Changing a later token never changes the logits of earlier positions."""
+    model = tiny(**kw).eval()
+    x = torch.randint(0, 50, (2, 16))
+    y = x.clone()
+    y[:, 10:] = (y[:, 10:] + 7) % 50
+    lx, _ = model(x)
+    ly, _ = model(y)
+    torch.testing.assert_close(lx[:, :10], ly[:, :10])
+    assert not torch.allclose(lx[:, 10:], ly[:, 10:])
+
+
+def test_gpt2_init_and_tying():
+    model = tiny(n_layer=4)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    proj = model.transformer.h[0].attn.c_proj.weight
+    fc = model.transformer.h[0].mlp.c_fc.weight
+    assert abs(fc.std().item() - 0.02) < 0.003
+    assert abs(proj.std().item() - 0.02 / math.sqrt(2 * 4)) < 0.002
+    untied = tiny(tie_embeddings=False)
+    assert untied.lm_head.weight is not untied.transformer.wte.weight
+    assert untied.num_params() > tiny().num_params()
+
+
+def test_zero_init_proj():
+    model = tiny(zero_init_proj=True, tie_embeddings=False)
+    assert model.transformer.h[0].attn.c_proj.weight.abs().sum() == 0
+    assert model.lm_head.weight.abs().sum() == 0
+
+
+@pytest.mark.parametrize("kw", VARIANTS)
+def test_kv_cache_greedy_matches_no_cache(kw):
+    model = tiny(**kw).eval()
+    prompt = torch.randint(0, 50, (2, 5))
+    with_cache = model.generate(prompt, 20, temperature=0, use_cache=True)
+    without = model.generate(prompt, 20, temperature=0, use_cache=False)
+    assert with_cache.shape == (2, 25)
+    assert torch.equal(with_cache, without)
+
+
+def test_generate_crops_long_prompts_and_runs_past_block_size():
+    model = tiny().eval()
+    prompt = torch.randint(0, 50, (1, 40))  # longer than block_size 32
+    out = model.generate(prompt, 50, temperature=1.0, top_k=10)
+    assert out.shape == (1, 32 + 50)
+    assert out.max() < 50
+
+
+def test_kv_cache_costs_one_position_per_token():
+    """After the prefill, each generated token runs the model on exactly one new position."""
+    model = tiny().eval()
+    seen = []
+    handle = model.transformer.wte.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1]))
+    list(model.generate_stream(torch.randint(0, 50, (1, 8)), 10, temperature=0))
+    handle.remove()
+    assert seen == [8] + [1] * 9
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0, -1.0]])
+    g = torch.Generator().manual_seed(0)
+    draws = {sample_next(logits.clone(), 1.0, 2, None, g).item() for _ in range(200)}
+    assert draws <= {0, 1}
+    # top-p 0.5: token 0 alone has ~0.71 of the mass
+    draws = {sample_next(logits.clone(), 1.0, None, 0.5, g).item() for _ in range(200)}
+    assert draws == {0}
+    assert sample_next(logits.clone(), 0.0, None, None).item() == 0
+
+
+def test_sampling_is_deterministic_under_a_seed():
+    model = tiny().eval()
+    prompt = torch.randint(0, 50, (3, 4))
+    a = model.generate(prompt, 15, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    b = model.generate(prompt, 15, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+
+
+def test_optimizer_groups_no_decay_on_1d():
+    model = tiny()
+    (adamw,) = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    decay, no_decay = adamw.param_groups
+    assert decay["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
+    n = sum(p.numel() for g in adamw.param_groups for p in g["params"])
+    assert n == sum(p.numel() for p in model.parameters())
+
+
+def test_muon_takes_hidden_matrices_only():
+    model = tiny(**MODERN)
+    muon, adamw = model.configure_optimizers(0.0, 1e-3, (0.9, 0.95), "cpu", optimizer="muon")
+    hidden = {id(p) for p in muon.param_groups[0]["params"]}
+    assert id(model.transformer.wte.weight) not in hidden and id(model.lm_head.weight) not in hidden
+    assert all(p.dim() == 2 for p in muon.param_groups[0]["params"])
+    x = torch.randint(0, 50, (4, 16))
+    losses = []
+    for _ in range(15):
+        _, loss = model(x, x)
+        loss.backward()
+        for opt in (muon, adamw):
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_flops_and_mfu():
+    model = tiny()
+    n = model.num_params()
+    assert model.flops_per_token() > 6 * n
+    assert model.estimate_mfu(1000.0, model.flops_per_token() * 2000.0) == pytest.approx(0.5)
