@@ -602,8 +602,6 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     if args.nproc_per_node:
         return dist_utils.relaunch_with_torchrun(args.nproc_per_node, sys.argv[1:] if argv is None else argv)
-    if not args.config and not args.resume:
-        raise UserError("give a config: python train.py --config configs/base/base.toml (or --resume RUN_DIR)")
     train(args.config, overrides=rest, resume=args.resume, force=args.force, validate_only=args.validate)
     return 0
 

@@ -1,0 +1,226 @@
+"""train.py: the loop's promises (issue 3) on tiny real runs."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import RunDir, load_checkpoint
+from conftest import REPO_ROOT, tiny_overrides
+from train import lr_multiplier, train, train_step
+from config import build_config
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    history = json.loads((run_dir / "train_log.json").read_text())["history"]
+    return {p["iter"]: p["loss"] for p in history if p["kind"] == "train"}
+
+
+def test_end_to_end_python_api(tiny_data, tmp_path):
+    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"logging.plot": True}))
+    run = tmp_path / "t"
+    assert result.iterations == 20 and result.total_tokens == 20 * 4 * 32
+    assert result.checkpoint_path == str(run / "ckpt_best.pt")
+    assert math.isfinite(result.final_loss) and result.best_val_loss < math.log(65)
+    for name in ("ckpt_last.pt", "ckpt_best.pt", "config.toml", "train_log.json", "latest", "loss_curve.png"):
+        assert (run / name).is_file(), name
+    ckpt = load_checkpoint(run / "ckpt_last.pt")
+    assert ckpt["iter_num"] == 20 and ckpt["model_args"]["n_layer"] == 2
+    assert ckpt["tokenizer"]["kind"] == "char"
+    # the loss curve is a real PNG
+    png = (run / "loss_curve.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+    assert matplotlib.image.imread(run / "loss_curve.png").shape[0] > 100
+    # eval points carry perplexity and accuracy
+    evals = [p for p in json.loads((run / "train_log.json").read_text())["history"] if p["kind"] == "eval"]
+    assert [p["iter"] for p in evals] == [0, 10, 20]
+    assert all(0 <= p["val_acc"] <= 1 and p["val_ppl"] == pytest.approx(math.exp(p["val_loss"])) for p in evals)
+
+
+def test_same_seed_same_losses(tiny_data, tmp_path):
+    train(None, overrides=tiny_overrides(tiny_data, tmp_path / "a", **{"training.max_iters": 8}))
+    train(None, overrides=tiny_overrides(tiny_data, tmp_path / "b", **{"training.max_iters": 8}))
+    assert losses(tmp_path / "a" / "t") == losses(tmp_path / "b" / "t")
+
+
+def test_resume_reproduces_uninterrupted_losses(tiny_data, tmp_path):
+    """k iterations, stop, resume to 2k == 2k straight (dropout on, so RNG state must be restored)."""
+    common = {"optimizer.lr_decay_iters": 24, "training.save_interval": 6}
+    train(None, overrides=tiny_overrides(tiny_data, tmp_path / "straight", **common, **{"training.max_iters": 24}))
+    train(None, overrides=tiny_overrides(tiny_data, tmp_path / "split", **common, **{"training.max_iters": 12}))
+    train(None, overrides={"training.max_iters": 24}, resume=str(tmp_path / "split" / "t"))
+    a, b = losses(tmp_path / "straight" / "t"), losses(tmp_path / "split" / "t")
+    assert sorted(a) == sorted(b) == list(range(1, 25))
+    assert a == b  # exact, not approximate
+
+
+def test_existing_run_is_not_overwritten(tiny_data, tmp_path, capsys):
+    from common import UserError
+    train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 2}))
+    with pytest.raises(UserError, match="--resume.*--force"):
+        train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 2}))
+    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 3}), force=True)
+    assert result.iterations == 3
+
+
+def test_early_stopping_waits_for_patience(tiny_data, tmp_path):
+    # a min_delta no real improvement can meet: every eval after the first counts as "no improvement"
+    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{
+        "training.max_iters": 100, "training.eval_interval": 5, "training.early_stopping": True,
+        "training.early_stopping_patience": 3, "training.early_stopping_min_delta": 100.0}))
+    assert result.iterations == 15  # evals at 0 (best), 5, 10, 15 -> 3 without improvement
+    assert "early stopping" in result.stop_reason
+    ckpt = load_checkpoint(tmp_path / "t" / "ckpt_last.pt")
+    assert ckpt["iter_num"] == 15 and ckpt["bad_evals"] == 3
+
+
+def test_best_checkpoint_holds_best_val_loss_and_pruning(tiny_data, tmp_path):
+    train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{
+        "training.max_iters": 30, "training.eval_interval": 5, "training.save_interval": 4, "training.keep_last": 2}))
+    run = RunDir(tmp_path / "t")
+    history = json.loads((run.path / "train_log.json").read_text())["history"]
+    evals = {p["iter"]: p["val_loss"] for p in history if p["kind"] == "eval" and p["iter"] > 0}
+    best_iter = min(evals, key=evals.get)
+    best = load_checkpoint(run.best)
+    assert best["best_val_loss"] == pytest.approx(evals[best_iter])
+    assert best["iter_num"] == best_iter
+    assert [p.name for p in run.step_checkpoints()] == ["ckpt_step0000024.pt", "ckpt_step0000028.pt"]
+    assert run.latest() == run.last and load_checkpoint(run.latest())["iter_num"] == 30
+
+
+def test_fp16_gradscaler_on_cpu(tiny_data, tmp_path):
+    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.precision": "fp16",
+                                                                             "training.max_iters": 6}))
+    assert math.isfinite(result.final_loss)
+    ckpt = load_checkpoint(tmp_path / "t" / "ckpt_last.pt")
+    assert ckpt["scaler"] is not None and ckpt["scaler"]["scale"] > 0
+
+
+def test_bf16_autocast_on_cpu(tiny_data, tmp_path):
+    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.precision": "bf16",
+                                                                             "training.max_iters": 6}))
+    assert math.isfinite(result.final_loss)
+
+
+class FixedBatches:
+    """Serves rows of one fixed (8, T) batch: micro-batch i of size b gets rows [i*b, (i+1)*b)."""
+
+    def __init__(self, x, y, b):
+        self.x, self.y, self.b = x, y, b
+
+    def get(self, split, index, next_index=None):
+        s = slice(index * self.b, (index + 1) * self.b)
+        return self.x[s], self.y[s]
+
+
+def test_accumulation_matches_one_big_batch(tiny_data, tmp_path):
+    """4 micro-steps of B/4 update the weights exactly like one step of B."""
+    from train import Runtime, autocast_context
+    from distributed import DistInfo
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 65, (8, 16))
+    y = torch.randint(0, 65, (8, 16))
+    deltas = []
+    for batch, accum in ((8, 1), (2, 4)):
+        torch.manual_seed(1)
+        model = GPT(GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32))
+        before = [p.detach().clone() for p in model.parameters()]
+        cfg = build_config(None, {"training.batch_size": batch, "training.grad_accum_steps": accum,
+                                  "optimizer.grad_clip": 0.0})
+        rt = Runtime(cfg, torch.device("cpu"), "fp32", autocast_context(torch.device("cpu"), "fp32"), DistInfo(),
+                     RunDir(tmp_path), 1e12)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        train_step(model, [opt], scaler, FixedBatches(x, y, batch), rt, 0)
+        deltas.append([p.detach() - b for p, b in zip(model.parameters(), before)])
+    for a, b in zip(*deltas):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_lr_schedule():
+    cfg = build_config(None, {"optimizer.learning_rate": 1.0, "optimizer.min_lr": 0.1, "optimizer.warmup_iters": 10,
+                              "optimizer.lr_decay_iters": 110, "training.max_iters": 200})
+    assert lr_multiplier(0, cfg) == pytest.approx(1 / 11)
+    assert lr_multiplier(9, cfg) == pytest.approx(10 / 11)
+    assert lr_multiplier(10, cfg) == pytest.approx(1.0)
+    assert lr_multiplier(60, cfg) == pytest.approx(0.55)
+    assert lr_multiplier(110, cfg) == pytest.approx(0.1)
+    assert lr_multiplier(150, cfg) == pytest.approx(0.1)
+    flat = build_config(None, {"optimizer.decay_lr": False})
+    assert lr_multiplier(5000, flat) == 1.0
+
+
+def test_nonfinite_loss_stops_with_last_good_checkpoint(tiny_data, tmp_path):
+    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{
+        "optimizer.learning_rate": 1e30, "optimizer.warmup_iters": 0, "optimizer.grad_clip": 0.0,
+        "training.max_iters": 50, "training.max_nonfinite_steps": 3, "training.save_interval": 1}))
+    assert "non-finite" in result.stop_reason
+    assert result.iterations < 50
+    load_checkpoint(RunDir(tmp_path / "t").latest())  # still loadable
+
+
+def test_eval_only(tiny_data, tmp_path):
+    train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 4}))
+    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{
+        "training.eval_only": True, "run.init_from": str(tmp_path / "t"), "run.name": "eval"}))
+    assert result.iterations == 0 and math.isfinite(result.best_val_loss)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_resumes_exactly(tiny_data, tmp_path):
+    """SIGTERM mid-run: the step finishes, ckpt_last is saved, exit 0, and --resume matches a straight run."""
+    over = tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 400, "training.save_interval": 1000,
+                                                  "training.eval_interval": 0, "optimizer.lr_decay_iters": 400})
+    args = [x for k, v in over.items() for x in (f"--{k}", str(v))]
+    cmd = [sys.executable, "train.py", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = 0
+    for line in proc.stdout:
+        seen += line.startswith("iter ")
+        if seen == 30:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out
+    assert "resume with" in out
+    run = RunDir(tmp_path / "t")
+    stopped_at = load_checkpoint(run.latest())["iter_num"]
+    assert 30 <= stopped_at < 400
+    resumed = subprocess.run([sys.executable, "train.py", "--resume", str(run.path), "--training.max_iters", "60"],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    straight = tmp_path / "straight"
+    train(None, overrides={**over, "run.out_dir": str(straight), "training.max_iters": 60})
+    a, b = losses(straight / "t"), losses(run.path)
+    assert max(b) == 60 and a == b
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_writes_files(tiny_data, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 4,
+                                                                    "logging.wandb_project": "quillgpt-test"}))
+    run = tmp_path / "t"
+    offline = list((run / "wandb").glob("offline-run-*"))
+    assert offline and any(f.suffix == ".wandb" for f in offline[0].iterdir())
+    assert load_checkpoint(run / "ckpt_last.pt")["wandb_run_id"] in offline[0].name
+
+
+def test_cli_user_errors_exit_2_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", "--config", str(tmp_path / "missing.toml")],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "config file not found" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
