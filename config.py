@@ -256,7 +256,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
             continue
         key = SHORT_FLAGS.get(name, name[2:])
         if not eq:
-            if i + 1 >= len(args):
+            if i + 1 >= len(args) or (args[i + 1].startswith("--") and len(args[i + 1]) > 2):
                 errors.append(f"{name} needs a value")
                 break
             value = args[i + 1]
@@ -324,7 +324,8 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
         need(getattr(t, key) >= 0, f"training.{key} = {getattr(t, key)} must be >= 0")
     need(t.early_stopping_min_delta >= 0, f"training.early_stopping_min_delta = {t.early_stopping_min_delta} must be >= 0")
     need(o.learning_rate > 0, f"optimizer.learning_rate = {o.learning_rate} must be positive")
-    need(0 <= o.min_lr <= o.learning_rate, f"optimizer.min_lr = {o.min_lr} must be in [0, learning_rate]")
+    need(o.min_lr >= 0 and (o.min_lr <= o.learning_rate or not o.decay_lr),
+         f"optimizer.min_lr = {o.min_lr} must be in [0, learning_rate]")
     need(o.grad_clip >= 0, f"optimizer.grad_clip = {o.grad_clip} must be >= 0 (0 disables clipping)")
     need(o.weight_decay >= 0, f"optimizer.weight_decay = {o.weight_decay} must be >= 0")
     need(o.warmup_iters >= 0, f"optimizer.warmup_iters = {o.warmup_iters} must be >= 0")

@@ -514,6 +514,10 @@ def _train(config, overrides, resume, force, validate_only, dist) -> TrainResult
     # data
     dataset = prepare_data(cfg, dist)
 
+    if validate_only:
+        from validate import check_memory
+        check_memory(cfg, rt, dataset)
+
     # model
     model, source = build_model(cfg, dataset, resume_ckpt)
     model.to(device)

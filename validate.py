@@ -17,6 +17,15 @@ from common import UserError, format_duration
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
+def meta_model(cfg, dataset):
+    """The configured model on the meta device: shapes and counts without allocating memory."""
+    from model import GPT, GPTConfig
+
+    args = GPTConfig.from_dict({**cfg.model_args(), "vocab_size": cfg.model.vocab_size or dataset.vocab_size})
+    with torch.device("meta"):
+        return GPT(args)
+
+
 def memory_estimate(cfg, model, precision: str) -> dict[str, float]:
     """Bytes per rank for weights, gradients, optimizer state and activations (rough upper bounds)."""
     n = sum(p.numel() for p in model.parameters())
@@ -74,13 +83,16 @@ def time_steps(cfg, rt, model, dataset, steps: int = 3) -> float:
     return min(times[1:]) if len(times) > 1 else times[0]
 
 
-def report_feasibility(cfg, rt, model, dataset) -> dict:
+def check_memory(cfg, rt, dataset) -> None:
+    """Print parameters, tokens per step and the memory estimate; UserError when it can't fit."""
     t = cfg.training
+    model = meta_model(cfg, dataset)
     est = memory_estimate(cfg, model, rt.precision)
     free = free_memory(rt.device)
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, block {model.config.block_size}, vocab {model.config.vocab_size}")
-    print(f"tokens per optimizer step: {rt.tokens_per_step:,} "
+    tokens = t.batch_size * t.grad_accum_steps * rt.dist.world_size * model.config.block_size
+    print(f"tokens per optimizer step: {tokens:,} "
           f"({t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks x {model.config.block_size})")
     print("memory estimate per rank: " + ", ".join(f"{k} {gb(v)}" for k, v in est.items())
           + f" | free on {rt.device.type}: {gb(free)}")
@@ -88,6 +100,11 @@ def report_feasibility(cfg, rt, model, dataset) -> dict:
         raise UserError(f"would not fit: the estimated {gb(est['total'])} exceed the {gb(free)} free on {rt.device}; "
                         "lower training.batch_size (raise grad_accum_steps), enable training.gradient_checkpointing, "
                         "or use distributed.fsdp")
+
+
+def report_feasibility(cfg, rt, model, dataset) -> dict:
+    """Time a few real steps and project the whole run (after check_memory passed)."""
+    t = cfg.training
     step_s = time_steps(cfg, rt, model, dataset)
     evals = t.max_iters // t.eval_interval + 1 if t.eval_interval else 1
     eval_s = evals * 2 * t.eval_iters * step_s / (3 * t.grad_accum_steps)  # a forward is ~1/3 of a step
@@ -96,4 +113,4 @@ def report_feasibility(cfg, rt, model, dataset) -> dict:
     print(f"estimated run: {t.max_iters:,} iters, {t.max_iters * rt.tokens_per_step:,} tokens, "
           f"about {format_duration(total)} (evaluation {format_duration(eval_s)})")
     print("ok: this config would run")
-    return {"memory": est, "free": free, "step_s": step_s, "total_s": total}
+    return {"step_s": step_s, "total_s": total}
