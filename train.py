@@ -152,11 +152,10 @@ def prepare_data(cfg: Config, dist: dist_utils.DistInfo) -> Dataset:
     from prepare import prepare_dataset, prepare_txt_dir
 
     d = cfg.data
-    directory = None
     if cfg.training.data_format == "txt":
         processed = Path(d.processed_dir or "data/processed")
         if dist.is_main:
-            directory = prepare_txt_dir(processed, tokenizer=d.tokenizer, vocab_size=d.bpe_vocab_size)
+            prepare_txt_dir(processed, tokenizer=d.tokenizer, vocab_size=d.bpe_vocab_size if d.tokenizer == "bpe" else None)
         dist_utils.barrier(dist)
         directory = processed / "cache"
     elif d.processed_dir is not None:
@@ -210,6 +209,9 @@ def build_model(cfg: Config, dataset: Dataset, resume_ckpt: dict | None) -> tupl
         from export import load_gpt2
         model = load_gpt2(init, dropout=cfg.model.dropout)
         check_vocab_compatible(model.config.vocab_size, {"kind": "tiktoken", "name": "gpt2"}, dataset, init)
+        check_fits(dataset, model.config.block_size, model.config.vocab_size)
+        for k, v in model.config.to_dict().items():  # the config (and so --resume) records what was loaded
+            setattr(cfg.model, k, v)
         return model, None
     else:
         from checkpoint import resolve_checkpoint
@@ -219,8 +221,7 @@ def build_model(cfg: Config, dataset: Dataset, resume_ckpt: dict | None) -> tupl
         margs.dropout = cfg.model.dropout
         check_vocab_compatible(margs.vocab_size, source.get("tokenizer"), dataset, str(path))
     cfg.model.vocab_size = margs.vocab_size = margs.vocab_size or dataset.vocab_size
-    if cfg.run.init_from == "scratch" or resume_ckpt is not None:
-        check_fits(dataset, margs.block_size, margs.vocab_size)
+    check_fits(dataset, margs.block_size, margs.vocab_size)
     model = GPT(margs)
     if source is not None:
         load_model_weights(model, source["model"], init if resume_ckpt is None else "checkpoint")
@@ -253,11 +254,11 @@ def train_step(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], 
         index = it * slots + rt.dist.rank * accum + micro
         nxt = index + 1 if micro + 1 < accum else (it + 1) * slots + rt.dist.rank * accum
         x, y = batches.get("train", index, next_index=nxt)
-        sync = dist_utils.no_sync(model, last=micro == accum - 1)
-        with sync, rt.autocast:
-            _, loss = model(x, y)
-            loss = loss / accum
-        scaler.scale(loss).backward()
+        with dist_utils.no_sync(model, last=micro == accum - 1):
+            with rt.autocast:
+                _, loss = model(x, y)
+                loss = loss / accum
+            scaler.scale(loss).backward()
         total_loss += loss.detach()
     for opt in optimizers:
         scaler.unscale_(opt)
@@ -284,19 +285,24 @@ def train_step(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], 
 
 @torch.inference_mode()
 def evaluate(model: torch.nn.Module, batches: BatchSource, rt: Runtime) -> dict[str, float]:
-    """Mean loss, perplexity and next-token accuracy over eval_iters batches per split (the same batches every time)."""
+    """Mean loss, perplexity and next-token accuracy over eval_iters batches per split (the same batches every time).
+
+    The batches are dealt round-robin to the ranks, so the result does not depend on the world size.
+    Every rank runs the same number of forwards (FSDP gathers weights collectively); padding batches count zero."""
     from tqdm import tqdm
 
     model.eval()
     out = {}
-    n = rt.cfg.training.eval_iters
+    n, world = rt.cfg.training.eval_iters, rt.dist.world_size
     for split in ("train", "val"):
         sums = torch.zeros(3, device=rt.device)  # loss, correct, count
-        for k in tqdm(range(n), desc=f"eval {split}", leave=False, disable=None if rt.dist.is_main else True):
-            x, y = batches.get(split, k * rt.dist.world_size + rt.dist.rank)
+        for k in tqdm(range(rt.dist.rank, math.ceil(n / world) * world, world), desc=f"eval {split}", leave=False,
+                      disable=None if rt.dist.is_main else True):
+            x, y = batches.get(split, k)
             with rt.autocast:
                 logits, loss = model(x, y)
-            sums += torch.stack([loss.float(), (logits.argmax(-1) == y).sum().float() / y.numel(), torch.ones((), device=rt.device)])
+            sums += (k < n) * torch.stack([loss.float(), (logits.argmax(-1) == y).sum().float() / y.numel(),
+                                           torch.ones((), device=rt.device)])
         sums = dist_utils.all_reduce_sum(sums, rt.dist)
         loss = (sums[0] / sums[2]).item()
         out[f"{split}_loss"] = loss

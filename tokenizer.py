@@ -1,0 +1,343 @@
+"""Tokenizers: one small interface over three kinds.
+
+- char: one id per Unicode character of the corpus, ids in sorted character order (nanoGPT's
+  shakespeare_char). Unknown characters are an error, not silently dropped.
+- bpe: byte-level BPE trained on the corpus with rustbpe (GPT-4 split pattern), encoded and decoded
+  by tiktoken. Any Unicode text round-trips exactly.
+- tiktoken: a named tiktoken encoding such as gpt2 or cl100k_base. tiktoken downloads its files once
+  into its cache (TIKTOKEN_CACHE_DIR), so the first use needs the network.
+
+Every tokenizer serialises to a plain JSON dict (`to_dict`) that rebuilds it without other files
+(for the tiktoken kind the dict is just the name; the encoding itself comes from tiktoken's cache).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import tiktoken
+
+from common import UserError, atomic_write_json, read_json
+
+DEFAULT_BPE_VOCAB_SIZE = 4096
+MIN_BPE_VOCAB_SIZE = 256  # one token per byte value, so every byte sequence is encodable
+BPE_PIECE_CHARS = 1 << 20  # long texts are encoded in pieces of about this size, in parallel
+MAX_CODEPOINT = 0x10FFFF
+
+
+class Tokenizer:
+    """Text <-> token ids. Subclasses set `kind`, `name` and `vocab_size`."""
+
+    kind: str
+    name: str | None = None  # the tiktoken encoding name; None for tokenizers trained here
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        label = f"{self.kind}:{self.name}" if self.name else self.kind
+        return f"<{type(self).__name__} {label} vocab_size={self.vocab_size}>"
+
+
+def _check_ids(ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return arr.astype(np.int64).reshape(-1)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise UserError(f"token ids must be a flat sequence of integers, got an array of shape {arr.shape} ({arr.dtype})")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise UserError(f"token id {bad} is out of range for this tokenizer (vocab size {vocab_size})")
+    return arr
+
+
+class CharTokenizer(Tokenizer):
+    kind = "char"
+
+    def __init__(self, chars: Sequence[str]):
+        chars = list(chars)
+        for c in chars:
+            if not isinstance(c, str) or len(c) != 1:
+                raise UserError(f"char vocabulary entries must be single characters, got {c!r}")
+        if len(set(chars)) != len(chars):
+            raise UserError("char vocabulary has duplicate characters")
+        if not chars:
+            raise UserError("char vocabulary is empty")
+        self.chars = chars
+        self.vocab_size = len(chars)
+        self._codepoints = np.array([ord(c) for c in chars], dtype=np.uint32)
+        self._lookup: np.ndarray | None = None
+
+    def _lookup_table(self) -> np.ndarray:
+        # codepoint -> id for the whole Unicode range (2-4 MB); the dtype's max value marks "not in vocabulary"
+        if self._lookup is None:
+            dtype = np.uint16 if self.vocab_size < np.iinfo(np.uint16).max else np.uint32
+            table = np.full(MAX_CODEPOINT + 1, np.iinfo(dtype).max, dtype=dtype)
+            table[self._codepoints] = np.arange(self.vocab_size, dtype=dtype)
+            self._lookup = table
+        return self._lookup
+
+    def encode_array(self, text: str) -> np.ndarray:
+        codepoints = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+        table = self._lookup_table()
+        ids = table[codepoints]
+        unknown = ids == np.iinfo(table.dtype).max
+        if unknown.any():
+            c = chr(int(codepoints[np.argmax(unknown)]))
+            raise UserError(
+                f"character {c!r} (U+{ord(c):04X}) is not in this dataset's char vocabulary ({self.vocab_size} characters)"
+            )
+        return ids
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        arr = _check_ids(ids, self.vocab_size)
+        return self._codepoints[arr].astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
+
+    def to_dict(self) -> dict:
+        return {"kind": "char", "vocab_size": self.vocab_size, "chars": list(self.chars)}
+
+
+def _ascii_letter(s: str | bytes) -> bool:
+    return s.isascii() and s.isalpha()
+
+
+def safe_split_index(text: str | bytes, lo: int, hi: int) -> int:
+    """Where to cut text[lo:hi] so that encoding the two sides separately gives the same tokens.
+
+    Best: just before the line break that follows an ASCII letter. None of the split patterns (GPT-2,
+    GPT-4/cl100k, o200k, rustbpe's) puts a letter and a following line break in one token, and no
+    token before the letter looks past it. Else just after the last newline, else at `hi` (for bytes,
+    moved back to a UTF-8 character start so no character is cut in two).
+    """
+    newline, carriage_return = (b"\n", b"\r") if isinstance(text, bytes) else ("\n", "\r")
+    last_newline = i = text.rfind(newline, lo, hi)
+    while i > lo:
+        cut = i - 1 if text[i - 1 : i] == carriage_return else i
+        if cut > lo and _ascii_letter(text[cut - 1 : cut]):
+            return cut
+        i = text.rfind(newline, lo, i)
+    if last_newline >= lo:
+        return last_newline + 1
+    if isinstance(text, bytes):
+        for cut in range(hi, max(lo, hi - 4), -1):
+            if cut >= len(text) or not 0x80 <= text[cut] < 0xC0:
+                return cut
+    return hi
+
+
+def split_text(text: str, piece_chars: int) -> list[str]:
+    """Cut text into pieces of at most about piece_chars characters at `safe_split_index` points."""
+    pieces, start = [], 0
+    while len(text) - start > piece_chars:
+        cut = safe_split_index(text, start + piece_chars // 2, start + piece_chars)
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):  # Linux: respects taskset / container CPU limits
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+class TiktokenTokenizer(Tokenizer):
+    """Shared encode/decode over a tiktoken.Encoding; long texts are encoded in parallel threads."""
+
+    def __init__(self, encoding: tiktoken.Encoding):
+        self.encoding = encoding
+        self.vocab_size = encoding.n_vocab
+
+    def _encode_piece(self, piece: str) -> np.ndarray:
+        return np.array(self.encoding.encode_ordinary(piece), dtype=np.uint32)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        pieces = split_text(text, BPE_PIECE_CHARS)
+        if len(pieces) == 1:
+            return self._encode_piece(text)
+        # tiktoken releases the GIL while encoding, so threads use all cores
+        with ThreadPoolExecutor(max_workers=_usable_cpus()) as pool:
+            return np.concatenate(list(pool.map(self._encode_piece, pieces)))
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        arr = _check_ids(ids, self.vocab_size)
+        return self.encoding.decode(arr.tolist())  # invalid UTF-8 (a cut-off character) becomes U+FFFD
+
+
+class NamedTiktokenTokenizer(TiktokenTokenizer):
+    kind = "tiktoken"
+
+    def __init__(self, name: str, encoding: tiktoken.Encoding):
+        super().__init__(encoding)
+        self.name = name
+
+    def to_dict(self) -> dict:
+        return {"kind": "tiktoken", "name": self.name}
+
+
+class BPETokenizer(TiktokenTokenizer):
+    kind = "bpe"
+
+    def __init__(self, pattern: str, tokens: Sequence[bytes]):
+        """tokens[rank] = the bytes of the token with that id."""
+        self.pattern = pattern
+        self.tokens = [bytes(t) for t in tokens]
+        ranks = {t: rank for rank, t in enumerate(self.tokens)}
+        if len(ranks) != len(self.tokens):
+            raise UserError("BPE vocabulary has duplicate tokens")
+        if any(bytes([b]) not in ranks for b in range(256)):
+            raise UserError("BPE vocabulary must contain all 256 single bytes")
+        try:
+            encoding = tiktoken.Encoding(
+                name=f"quillgpt_bpe_{len(ranks)}", pat_str=pattern, mergeable_ranks=ranks, special_tokens={}
+            )
+        except Exception as e:  # tiktoken reports a bad pattern as a plain ValueError from Rust
+            raise UserError(f"BPE tokenizer could not be built: {e}") from None
+        super().__init__(encoding)
+
+    def to_dict(self) -> dict:
+        # the token bytes in rank order, base64-encoded as in tiktoken's .tiktoken files ("<base64> <rank>" lines)
+        return {
+            "kind": "bpe",
+            "vocab_size": self.vocab_size,
+            "pattern": self.pattern,
+            "tokens": [base64.b64encode(t).decode("ascii") for t in self.tokens],
+        }
+
+
+def tokenizer_kind(spec: str) -> str:
+    """The kind for a tokenizer spec ("char", "bpe" or a tiktoken encoding name); UserError when unknown."""
+    if spec in ("char", "bpe"):
+        return spec
+    known = tiktoken.list_encoding_names()
+    if spec not in known:
+        raise UserError(f"unknown tokenizer {spec!r}: use char, bpe or a tiktoken encoding ({', '.join(known)})")
+    return "tiktoken"
+
+
+def get_tiktoken(name: str) -> Tokenizer:
+    """A named tiktoken encoding (gpt2, cl100k_base, ...); UserError when it is unknown or cannot be loaded."""
+    if tokenizer_kind(name) != "tiktoken":
+        raise UserError(f"{name!r} is not a tiktoken encoding")
+    try:
+        encoding = tiktoken.get_encoding(name)
+    except OSError:  # requests' connection errors are OSErrors too
+        raise UserError(
+            f"tiktoken could not load the {name!r} encoding (it downloads it once and needs the network): "
+            "run once with network access, or use --tokenizer char|bpe offline"
+        ) from None
+    except Exception as e:
+        raise UserError(f"tiktoken could not load the {name!r} encoding: {e}") from None
+    return NamedTiktokenTokenizer(name, encoding)
+
+
+def resolve_vocab_size(kind: str, vocab_size: int | None) -> int | None:
+    """Validate a vocab_size request; for bpe apply the default. char/tiktoken: an upper bound or None."""
+    if vocab_size is None:
+        return DEFAULT_BPE_VOCAB_SIZE if kind == "bpe" else None
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise UserError(f"vocab_size must be an integer, got {vocab_size!r}")
+    if kind == "bpe" and vocab_size < MIN_BPE_VOCAB_SIZE:
+        raise UserError(f"BPE vocab_size must be at least {MIN_BPE_VOCAB_SIZE} (one token per byte), got {vocab_size}")
+    if vocab_size < 1:
+        raise UserError(f"vocab_size must be positive, got {vocab_size}")
+    return vocab_size
+
+
+def _train_char(texts: Iterable[str], vocab_size: int | None) -> CharTokenizer:
+    seen = np.zeros(MAX_CODEPOINT + 1, dtype=bool)
+    for text in texts:
+        seen[np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")] = True
+    chars = [chr(c) for c in np.flatnonzero(seen)]
+    if not chars:
+        raise UserError("cannot build a char vocabulary from empty text")
+    if vocab_size is not None and len(chars) > vocab_size:
+        raise UserError(f"the text has {len(chars)} distinct characters, more than the requested vocab_size {vocab_size}")
+    return CharTokenizer(chars)
+
+
+def _train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+    import rustbpe
+
+    trainer = rustbpe.Tokenizer()
+    trainer.train_from_iterator(iter(texts), vocab_size)
+    ranked = sorted(trainer.get_mergeable_ranks(), key=lambda pair: pair[1])
+    if [rank for _, rank in ranked] != list(range(len(ranked))):
+        raise RuntimeError("rustbpe returned non-contiguous token ranks")
+    return BPETokenizer(trainer.get_pattern(), [bytes(token) for token, _ in ranked])
+
+
+def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int | None) -> Tokenizer:
+    """Build a char vocabulary or train a byte-level BPE on `texts` (an iterable of text chunks).
+
+    char: vocab_size is only an upper bound (the vocabulary is the text's characters).
+    bpe: vocab_size defaults to 4096 and must be >= 256; a text too small for that many merges gives fewer.
+    """
+    if kind not in ("char", "bpe"):
+        raise UserError(f"only char and bpe tokenizers are trained, not {kind!r}")
+    vocab_size = resolve_vocab_size(kind, vocab_size)
+    return _train_char(texts, vocab_size) if kind == "char" else _train_bpe(texts, vocab_size)
+
+
+def _field(d: dict, key: str, kind: type) -> Any:
+    value = d.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise UserError(f"tokenizer field {key!r} is missing or not a {kind.__name__}")
+    return value
+
+
+def _bpe_from_dict(d: dict) -> BPETokenizer:
+    encoded = _field(d, "tokens", list)
+    try:
+        tokens = [base64.b64decode(t, validate=True) for t in encoded]
+    except (binascii.Error, TypeError, ValueError):
+        raise UserError("tokenizer field 'tokens' must be a list of base64 strings") from None
+    return BPETokenizer(_field(d, "pattern", str), tokens)
+
+
+def tokenizer_from_dict(d: dict) -> Tokenizer:
+    """Rebuild a tokenizer from `to_dict` output; UserError on a malformed dict."""
+    if not isinstance(d, dict):
+        raise UserError("tokenizer description must be a JSON object")
+    kind = d.get("kind")
+    if kind == "char":
+        tok: Tokenizer = CharTokenizer(_field(d, "chars", list))
+    elif kind == "bpe":
+        tok = _bpe_from_dict(d)
+    elif kind == "tiktoken":
+        return get_tiktoken(_field(d, "name", str))
+    else:
+        raise UserError(f"unknown tokenizer kind {kind!r} (expected char, bpe or tiktoken)")
+    if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
+        raise UserError(f"tokenizer says vocab_size {d['vocab_size']} but its vocabulary has {tok.vocab_size} entries")
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, path: str | os.PathLike) -> None:
+    atomic_write_json(path, tok.to_dict())
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    d = read_json(path, "tokenizer file")
+    try:
+        return tokenizer_from_dict(d)
+    except UserError as e:
+        raise UserError(f"tokenizer file {Path(path)}: {e}") from None
