@@ -142,3 +142,16 @@ def test_flops_and_mfu():
     n = model.num_params()
     assert model.flops_per_token() > 6 * n
     assert model.estimate_mfu(1000.0, model.flops_per_token() * 2000.0) == pytest.approx(0.5)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    x = torch.randint(0, 50, (2, 16))
+    grads = []
+    for ckpt in (False, True):
+        model = tiny()
+        model.gradient_checkpointing = ckpt
+        _, loss = model(x, x)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
