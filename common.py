@@ -17,12 +17,17 @@ from pathlib import Path
 from typing import IO, Callable, Iterator
 
 EXIT_USER_ERROR = 2
+TEMP_SUFFIX = ".tmp"  # atomic_write's temp files are ".<name>.<random>.tmp" beside their target
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
 class UserError(Exception):
     """A mistake the user can fix; reported as one line, exit code 2."""
+
+
+class WriteError(UserError):
+    """A file could not be written (disk full, read-only, no permission); the previous file is untouched."""
 
 
 def run_main(main: Callable[[], int | None]) -> None:
@@ -41,7 +46,7 @@ def run_main(main: Callable[[], int | None]) -> None:
     sys.exit(code or 0)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     with contextlib.suppress(OSError):  # some filesystems refuse to open directories
         fd = os.open(directory, os.O_RDONLY)
         try:
@@ -55,14 +60,14 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """Open a temp file beside `path`; on success fsync it and rename it over `path`.
 
     On any exception the temp file is removed and `path` is untouched. A disk-full or
-    read-only directory surfaces as UserError naming the file.
+    read-only directory surfaces as WriteError (a UserError) naming the file.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+        raise WriteError(f"cannot write {path}: {e.strerror or e}") from None
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give ours the usual permissions
         with os.fdopen(fd, mode) as f:
@@ -73,12 +78,12 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     except OSError as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise UserError(f"cannot write {path}: {e.strerror or e} (the previous file, if any, is untouched)") from None
+        raise WriteError(f"cannot write {path}: {e.strerror or e} (the previous file, if any, is untouched)") from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

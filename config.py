@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import math
 import sys
 import types
 import typing
@@ -180,7 +182,9 @@ def coerce(value: Any, tp: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif base is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        # an int beyond the float range (TOML and the command line allow any size) would raise OverflowError
+        if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)
+                                        and abs(value) <= sys.float_info.max):
             return float(value)
     elif base is str:
         if isinstance(value, str):
@@ -210,6 +214,14 @@ def _suggest(name: str, options: list[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _apply(cfg: Config, section: str, key: str, value: Any, source: str, errors: list[str]) -> None:
     if section not in SECTIONS:
         errors.append(f"{source}: unknown section [{section}]{_suggest(section, list(SECTIONS))}")
@@ -220,6 +232,9 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str, errors:
         flat = [f"{s}.{k}" for s, c in SECTIONS.items() for k in _field_types(c)]
         hint = _suggest(key, list(types_)) or _suggest(f"{section}.{key}", flat)
         errors.append(f"{source}: unknown key '{section}.{key}'{hint}")
+        return
+    if isinstance(value, str) and not _is_utf8(value):  # invalid UTF-8 on the command line (surrogate escapes)
+        errors.append(f"{source}: {section}.{key} is not valid UTF-8 text")
         return
     try:
         value = coerce(value, types_[key])
@@ -317,6 +332,8 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
             value = getattr(getattr(cfg, section), f.name)
             if choices and value is not None and value not in choices:
                 errors.append(f"{section}.{f.name} = {value!r} must be one of {' | '.join(choices)}")
+            elif isinstance(value, float) and not math.isfinite(value):  # TOML and the command line accept nan, inf
+                errors.append(f"{section}.{f.name} = {value} must be a finite number")
     t, o, m, d = cfg.training, cfg.optimizer, cfg.model, cfg.data
     for key in ("batch_size", "grad_accum_steps", "max_iters", "eval_iters", "max_nonfinite_steps"):
         need(getattr(t, key) > 0, f"training.{key} = {getattr(t, key)} must be positive")
@@ -369,7 +386,8 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        # JSON's string escapes are valid TOML ones; TOML also forbids a raw DEL
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return repr(v)

@@ -52,12 +52,15 @@ def load_dataset(directory: str | Path, expect_tokenizer: str | None = None, sca
         vocab_size = int(meta["vocab_size"])
         tok_meta = meta["tokenizer"]
         tok_file = directory / tok_meta.get("file", "tokenizer.json")
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{directory / 'meta.json'} is malformed (missing or bad field {e}); re-run prepare.py with --reset") from None
     if expect_tokenizer is not None and tokenizer_label(tok_meta) != expect_tokenizer:
         raise UserError(f"{directory} was prepared with the {tokenizer_label(tok_meta)} tokenizer but the config asks for "
                         f"{expect_tokenizer}: re-prepare it (prepare.py --tokenizer {expect_tokenizer} --reset) or change data.tokenizer")
     tokenizer = load_tokenizer(tok_file)
+    if tokenizer.vocab_size != vocab_size:
+        raise UserError(f"{directory / 'meta.json'} says vocab_size {vocab_size} but {tok_file} has {tokenizer.vocab_size} "
+                        "tokens: they come from different preparations; re-run prepare.py with --reset")
     lengths = {}
     for split in ("train", "val"):
         path = directory / f"{split}.bin"
@@ -94,8 +97,12 @@ def check_fits(dataset: Dataset, block_size: int, model_vocab_size: int) -> None
 
 
 def batch_rng(seed: int, split: str, index: int) -> np.random.Generator:
-    """The generator for one micro-batch: a pure function of (seed, split, index)."""
-    return np.random.Generator(np.random.Philox(key=[seed & 0xFFFFFFFFFFFFFFFF, SPLIT_IDS[split]], counter=index))
+    """The generator for one micro-batch: a pure function of (seed, split, index).
+
+    The index goes in a high word of Philox's 256-bit counter: drawing advances the low word, so
+    neighbouring indices never share random numbers (counter=index would overlap batch i+1 with i)."""
+    key = [seed & 0xFFFFFFFFFFFFFFFF, SPLIT_IDS[split]]
+    return np.random.Generator(np.random.Philox(key=key, counter=[0, 0, index, 0]))
 
 
 def gather_rows(path: Path, dtype: np.dtype, starts: np.ndarray, block_size: int) -> np.ndarray:

@@ -1,20 +1,40 @@
-"""torch.distributed plumbing for train.py: process groups, DDP wrapping, collectives, relaunch.
+"""torch.distributed plumbing for train.py: process groups, DDP/FSDP wrapping, collectives, sharded checkpoints, relaunch.
 
 One process per device, started by torchrun (RANK, LOCAL_RANK, WORLD_SIZE in the environment);
 without those variables everything here is a cheap no-op. nccl on CUDA, gloo on CPU.
+
+- Data parallel: DDP by default; with distributed.fsdp, FSDP2 (`fully_shard` on every block and
+  on the root), whose weights, gradients and optimizer state are sharded across the ranks.
+- Files: rank 0 alone writes checkpoints, logs, plots and wandb. Under FSDP every rank also writes
+  its shard of the model and optimizer state (torch.distributed.checkpoint) into a
+  sharded_stepNNNNNNN/ directory beside the checkpoint, which names it; the .pt file still holds
+  the full weights, so sample.py and init_from read it as any other checkpoint.
+- Failures: a rank that dies closes its sockets, so the others fail at their next collective within
+  about a second and torchrun stops the rest; a rank that hangs (or a lost node) makes the
+  others' collectives fail after distributed.timeout_s. Checkpoints are written atomically, so the
+  last one stays loadable whatever happens.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import os
-import subprocess
+import re
+import shutil
+import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from common import EXIT_USER_ERROR, TEMP_SUFFIX, UserError, fsync_dir
+
+# how gloo and nccl report a peer that died or a collective that timed out (gloo raises a plain RuntimeError)
+PEER_FAILURE_HINTS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "NCCL")
 
 
 @dataclass
@@ -40,6 +60,9 @@ def from_env() -> DistInfo:
 
 
 def init_process_group(info: DistInfo, device: torch.device, backend: str | None, timeout_s: int) -> None:
+    """timeout_s bounds every collective: a rank that hangs makes the others fail instead of waiting forever.
+
+    (With nccl the watchdog enforces it by aborting the process; TORCH_NCCL_ASYNC_ERROR_HANDLING is on by default.)"""
     if not info.enabled or dist.is_initialized():
         return
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -53,6 +76,32 @@ def shutdown(info: DistInfo) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
+
+class PeerFailure(Exception):
+    """A collective failed because another rank died, hung for longer than distributed.timeout_s or became unreachable."""
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return False
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(h in str(e) for h in PEER_FAILURE_HINTS))
+
+
+@contextlib.contextmanager
+def reporting_peer_failures(info: DistInfo):
+    """Turn a collective's failure into a one-line PeerFailure instead of a traceback on every surviving rank."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not is_peer_failure(e):
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        cause = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]  # gloo: "[file.cc:553] what. hint"
+        raise PeerFailure(f"rank {info.rank} stopped: another rank failed, hung for longer than distributed.timeout_s "
+                          f"or became unreachable ({cause[:120]}); checkpoints written so far are intact") from None
+
+
+# ---- collectives ------------------------------------------------------------------------------------
 
 def barrier(info: DistInfo) -> None:
     if dist.is_initialized():
@@ -79,6 +128,24 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
     return bool(t.item())
 
 
+def gather_objects(obj: object, info: DistInfo) -> list:
+    """[rank 0's obj, rank 1's obj, ...] on every rank (small picklable objects such as RNG states)."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: object, info: DistInfo) -> object:
+    """Rank 0's obj on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def save_on_main(fn, info: DistInfo) -> None:
     """Rank 0 writes; the others wait, so no rank runs ahead of a checkpoint being written."""
     if info.is_main:
@@ -86,36 +153,82 @@ def save_on_main(fn, info: DistInfo) -> None:
     barrier(info)
 
 
+# ---- wrapping ---------------------------------------------------------------------------------------
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under torch.compile and DDP (for FSDP, the sharded root: fully_shard works in place)."""
+    model = getattr(model, "_orig_mod", model)
+    model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return getattr(model, "_orig_mod", model)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(unwrap(model), FSDPModule)
+
+
 def no_sync(model: torch.nn.Module, last: bool):
-    """Under DDP, skip the gradient all-reduce on all but the last accumulation micro-step."""
-    if not last and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP) on all but the last accumulation micro-step.
+
+    Run both forward and backward inside it: DDP decides in forward, FSDP in backward."""
+    if last:
+        return contextlib.nullcontext()
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model.no_sync()
+    if is_sharded(model):
+        return _fsdp_no_sync(unwrap(model))
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP's gradient norm) as a plain tensor; anything else unchanged."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def model_state_dict(model: torch.nn.Module) -> dict:
-    return {k: v.detach() for k, v in model.state_dict().items()}
+def broadcast_weights(model: torch.nn.Module) -> None:
+    """Give every rank rank 0's weights (DDP does this itself; fully_shard would keep each rank's own init)."""
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            dist.broadcast(t, src=0)
 
 
-def optimizer_state_dict(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    return opt.state_dict()
+def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """FSDP2: one unit per transformer block, and the root for the embeddings, the (tied) head and ln_f."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-
-def load_optimizer_state_dict(model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
-    opt.load_state_dict(state)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def wrap_model(model: torch.nn.Module, cfg, info: DistInfo, device: torch.device) -> torch.nn.Module:
-    """torch.compile and DDP, in the order that works for both."""
+    """FSDP or DDP, and torch.compile, in the orders that work: shard then compile; compile then DDP.
+
+    Under FSDP the optimizer must be built after this call (fully_shard replaces the parameters with DTensors)."""
+    if cfg.distributed.fsdp and info.enabled:
+        if cfg.optimizer.name == "muon":
+            raise UserError("distributed.fsdp does not support optimizer.name = 'muon' (Muon orthogonalises whole "
+                            "matrices, FSDP shards them): use adamw, or DDP")
+        broadcast_weights(model)
+        model = shard(model, device)
+        return torch.compile(model) if cfg.model.compile else model
     if cfg.model.compile:
         if info.enabled and cfg.training.gradient_checkpointing:
             # Dynamo's DDP graph splitter can't handle checkpointing's higher-order ops (pytorch#104674)
-            import torch._dynamo
-            torch._dynamo.config.optimize_ddp = False
+            import torch._dynamo.config as dynamo_config
+            dynamo_config.optimize_ddp = False
             if info.is_main:
                 print("compile + DDP + gradient checkpointing: Dynamo's DDP graph splitting is off (one gradient bucket)")
         model = torch.compile(model)
@@ -125,20 +238,112 @@ def wrap_model(model: torch.nn.Module, cfg, info: DistInfo, device: torch.device
     return model
 
 
-def relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
-    """`python train.py --nproc-per-node N ...` -> `torchrun --standalone --nproc_per_node N train.py ...`."""
-    args, skip = [], False
-    for i, a in enumerate(argv):
+# ---- state dicts ------------------------------------------------------------------------------------
+
+def model_state_dict(model: torch.nn.Module) -> dict:
+    """Plain weights. Collective under FSDP: rank 0 receives the full, unsharded weights on the CPU, the others {}."""
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach() for k, v in unwrap(model).state_dict().items()}
+
+
+def optimizer_state_dict(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict | None:
+    """The optimizer's plain state; None under FSDP, whose optimizer state lives in the sharded directory."""
+    return None if is_sharded(model) else opt.state_dict()
+
+
+def save_sharded(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], directory: Path, info: DistInfo) -> Path:
+    """Every rank writes its shards of the model and optimizer state to `directory` (DCP), atomically.
+
+    The shards go to a temp directory that rank 0 renames once DCP has written the metadata (DCP
+    fsyncs the files); the checkpoint that names `directory` is written after that."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    tmp = directory.with_name(f".{directory.name}{TEMP_SUFFIX}")
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+        tmp.mkdir(parents=True)
+    barrier(info)
+    model_sd, optim_sd = get_state_dict(unwrap(model), optimizers)
+    dcp.save({"model": model_sd, "optimizers": optim_sd}, checkpoint_id=tmp)
+    if info.is_main:  # dcp.save returns on every rank only after the coordinator wrote .metadata
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(tmp, directory)
+        fsync_dir(directory.parent)
+    return directory
+
+
+def load_sharded(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], directory: Path) -> None:
+    """Load a sharded directory into any layout: FSDP on any world size, DDP or a single process (DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not (directory / ".metadata").is_file():
+        raise UserError(f"{directory} (this checkpoint's sharded model and optimizer state) is missing or incomplete")
+    model_sd, optim_sd = get_state_dict(unwrap(model), optimizers)
+    state = {"model": model_sd, "optimizers": optim_sd}
+    try:
+        dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+    except (RuntimeError, KeyError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{directory} does not match this model and optimizer: {first[:300]}") from None
+    set_state_dict(unwrap(model), optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizers"])
+
+
+# ---- launching --------------------------------------------------------------------------------------
+
+def without_flag(argv: list[str], flag: str) -> list[str]:
+    """argv minus `flag VALUE` and `flag=VALUE`, and their abbreviations, which argparse accepts (--nproc 2)."""
+    out, skip = [], False
+    for a in argv:
+        name, eq, _ = a.partition("=")
         if skip:
             skip = False
-            continue
-        if a == "--nproc-per-node":
-            skip = True
-            continue
-        if a.startswith("--nproc-per-node="):
-            continue
-        args.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.abspath(sys.argv[0]), *args]
-    print("launching: " + " ".join(cmd), flush=True)
-    return subprocess.call(cmd)
+        elif len(name) > 3 and flag.startswith(name):
+            skip = not eq
+        else:
+            out.append(a)
+    return out
+
+
+def relaunch_with_torchrun(nproc: int, argv: list[str], script: str) -> int:
+    """`python train.py --nproc-per-node N ...` -> `torchrun --standalone --nproc_per_node N train.py ...`.
+
+    The torchrun agent runs in this process, so a failed job ends with one line naming the rank that
+    failed first and its exit code (passed on as ours; a UserError in the workers keeps exit code 2)
+    instead of torchrun's traceback; Ctrl-C or SIGTERM reach the workers once (they save and stop)
+    and give exit code 128 + signal. Each worker gets cores / N OpenMP threads unless
+    OMP_NUM_THREADS is set (bare torchrun gives each worker 1)."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if nproc < 1:
+        raise UserError(f"--nproc-per-node = {nproc} must be at least 1")
+    if "RANK" in os.environ:
+        raise UserError("--nproc-per-node launches torchrun itself: don't combine it with torchrun")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    launch = ["--standalone", f"--nproc-per-node={nproc}", script, *without_flag(argv, "--nproc-per-node")]
+    print(f"launching: torchrun {' '.join(launch)} (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})", flush=True)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we report failures ourselves
+    try:
+        run(get_args_parser().parse_args(launch))
+    except SignalException as e:  # Ctrl-C or SIGTERM: torchrun passed it on, the workers saved and said so
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode == EXIT_USER_ERROR:  # the worker has printed its one-line error
+            return EXIT_USER_ERROR
+        if failure.exitcode < 0:
+            name = signal.Signals(-failure.exitcode).name
+            print(f"error: rank {rank} (pid {failure.pid}) was killed by {name}; the job stopped", file=sys.stderr)
+            return 128 - failure.exitcode
+        print(f"error: rank {rank} (pid {failure.pid}) failed with exit code {failure.exitcode}; the job stopped "
+              "(its error is above)", file=sys.stderr)
+        return failure.exitcode
+    return 0

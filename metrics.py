@@ -9,11 +9,12 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 
-from common import UserError, atomic_write, atomic_write_json, format_duration
+from common import UserError, WriteError, atomic_write, atomic_write_json, format_duration
 
 # Dense bf16/fp16 tensor-core peaks of common accelerators (FLOP/s); fp32 is taken as 1/2 of TF32-less peak.
 CUDA_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10": 125e12, "L4": 121e12, "4090": 165e12,
@@ -68,11 +69,15 @@ class MetricsLog:
             self.wandb.log({k: v for k, v in point.items() if k not in ("iter", "kind")}, step=point["iter"])
 
     def flush(self) -> None:
-        """Write train_log.json and the loss curve (atomically)."""
-        if self.json_log:
-            atomic_write_json(self.run_dir / "train_log.json", {"history": self.history})
-        if self.plot:
-            self.write_plot()
+        """Write train_log.json and the loss curve (atomically). A failed write (disk full) is only a warning:
+        the log is not training state, the old files stay intact and the next flush rewrites them whole."""
+        try:
+            if self.json_log:
+                atomic_write_json(self.run_dir / "train_log.json", {"history": self.history})
+            if self.plot:
+                self.write_plot()
+        except WriteError as e:
+            print(f"warning: training log not saved: {e}", file=sys.stderr, flush=True)
 
     def write_plot(self) -> None:
         import matplotlib

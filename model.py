@@ -41,6 +41,7 @@ class GPTConfig:
     norm: str = _f("layernorm", "normalisation: layernorm | rmsnorm", choices=("layernorm", "rmsnorm"))
     qk_norm: bool = _f(False, "normalise queries and keys before attention")
     mlp: str = _f("gelu", "MLP activation: gelu | relu2 | swiglu", choices=("gelu", "relu2", "swiglu"))
+    gelu_approx: str = _f("none", "GELU form: none (exact erf) | tanh (OpenAI GPT-2's gelu_new)", choices=("none", "tanh"))
     tie_embeddings: bool = _f(True, "share the token embedding and output head weights")
     logit_softcap: float = _f(0.0, "soft-cap logits at this value with tanh (0 = off)")
     zero_init_proj: bool = _f(False, "zero-initialise the attention/MLP output projections and the head")
@@ -59,8 +60,12 @@ class GPTConfig:
 
     @property
     def is_gpt2_compatible(self) -> bool:
-        return (self.pos_emb, self.norm, self.qk_norm, self.mlp, self.tie_embeddings, self.logit_softcap) == (
-            "learned", "layernorm", False, "gelu", True, 0.0)
+        return not self.gpt2_incompatibilities()
+
+    def gpt2_incompatibilities(self) -> list[str]:
+        """The switches that make this model differ from GPT-2's architecture, as 'name = value' strings."""
+        gpt2 = dict(pos_emb="learned", norm="layernorm", qk_norm=False, mlp="gelu", tie_embeddings=True, logit_softcap=0.0)
+        return [f"{k} = {getattr(self, k)!r}" for k, v in gpt2.items() if getattr(self, k) != v]
 
 
 class RMSNorm(nn.Module):
@@ -160,6 +165,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.kind = config.mlp
+        self.gelu_approx = config.gelu_approx
         hidden = 4 * config.n_embd
         if self.kind == "swiglu":  # same parameter count as a 4x GELU MLP
             hidden = 64 * math.ceil(2 * hidden / 3 / 64)
@@ -172,7 +178,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)
         if self.kind == "gelu":
-            h = F.gelu(h)
+            h = F.gelu(h, approximate=self.gelu_approx)
         elif self.kind == "relu2":
             h = F.relu(h).square()
         else:

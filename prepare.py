@@ -15,8 +15,10 @@ Rules:
   sorted by relative path, skipping site-packages and files that are not valid UTF-8, each after a
   "# file: <relpath>" line, cut at --max-bytes, default 4 MB).
   Every other dataset uses the char tokenizer unless --tokenizer says otherwise.
-- Text is read as UTF-8. Invalid byte sequences become U+FFFD (one warning line gives the count);
-  NUL bytes are kept as characters. --max-bytes keeps only the first N bytes of the input.
+- Text is read as UTF-8. Invalid byte sequences become U+FFFD, one per maximal invalid subsequence as
+  Python's "replace" decoding does (one warning line gives the count); NUL bytes are kept as characters.
+  --max-bytes keeps only the first N bytes of the input (fewer when byte N is inside a character: the
+  cut moves back to that character's start).
 - Split (nanoGPT's rule): the first int(n_bytes * (1 - val_fraction)) bytes are train, the rest val
   (the cut moves forward to the next character start in non-ASCII text). Each split is encoded separately.
 - char: the vocabulary is every character of train + val, sorted; --vocab-size is only an upper bound.
@@ -70,6 +72,7 @@ SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/da
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 DOWNLOAD_TIMEOUT_S = 10
 KNOWN_DATASETS = ("shakespeare_char", "shakespeare", "pystdlib")
+META_FIELDS = {"tokenizer": dict, "vocab_size": int, "train_tokens": int, "val_tokens": int, "source": dict}
 
 
 @dataclass
@@ -336,6 +339,9 @@ def _resolve_source(
         path = out_dir / "input.txt"
         root = _write_pystdlib(path, max_bytes if max_bytes is not None else PYSTDLIB_MAX_BYTES)
         source = {"path": str(root), "kind": "pystdlib"}
+    elif (out_dir / "train.bin").exists():
+        raise UserError(f"{out_dir} has no meta.json, so it is incomplete or was not made by prepare.py: "
+                        "pass --input FILE (data.input) to prepare it again")
     else:
         raise UserError(
             f"unknown dataset {dataset!r}: pass --input FILE to prepare your own text, "
@@ -365,11 +371,20 @@ def _fixed_tokenizer(name: str, vocab_size: int | None) -> Tokenizer:
     return tok
 
 
+def _check_meta_fields(meta: dict, path: Path) -> None:
+    """The fields that reuse decisions and messages read must have their types (meta.json may be hand-edited)."""
+    for key, kind in META_FIELDS.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise UserError(f"{path} is malformed: {key!r} is missing or not a {kind.__name__}; pass --reset to re-prepare it")
+
+
 def _reusable(out_dir: Path, request: dict, input_path: str | None) -> dict | None:
     """The existing meta if out_dir holds a complete dataset made for this request; UserError on a conflict."""
     meta = read_json(out_dir / "meta.json", "dataset metadata")
     if any(not (out_dir / name).is_file() for name in ("train.bin", "val.bin", "tokenizer.json")):
         return None
+    _check_meta_fields(meta, out_dir / "meta.json")
     old = meta.get("request")
     if not isinstance(old, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise UserError(f"{out_dir} was prepared by another version of prepare.py; pass --reset to re-prepare it")
@@ -399,7 +414,7 @@ def _reusable(out_dir: Path, request: dict, input_path: str | None) -> dict | No
 
 def _describe(meta: dict) -> str:
     tok = meta["tokenizer"]
-    label = tok["name"] or tok["kind"]
+    label = tok.get("name") or tok.get("kind")
     return f"{label} tokenizer, vocab {meta['vocab_size']}, {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens"
 
 
@@ -569,6 +584,7 @@ def prepare_txt_dir(
     if cache_meta_path.is_file():
         try:
             meta = read_json(cache_meta_path, "cache metadata")
+            _check_meta_fields(meta, cache_meta_path)
         except UserError:
             meta = {}
         complete = all((cache / name).is_file() for name in ("train.bin", "val.bin", "tokenizer.json"))

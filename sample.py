@@ -2,43 +2,60 @@
 
     python sample.py --ckpt checkpoints/base                     # a run dir: its ckpt_best.pt
     python sample.py --ckpt checkpoints/base/ckpt_last.pt --prompt "def main(" --max-new-tokens 300
-    python sample.py --ckpt checkpoints/shakespeare-char --prompt "ROMEO:" --num-samples 3 --top-p 0.9 --seed 7
+    python sample.py --ckpt checkpoints/shakespeare-char-cpu --prompt "ROMEO:" --num-samples 3 --top-p 0.9 --seed 7
     python sample.py --ckpt checkpoints/base --stop "\\n\\n" --temperature 0      # greedy, stop at a blank line
     python sample.py --ckpt checkpoints/base --interactive      # a prompt loop
     python sample.py --ckpt checkpoints/base --prompt-file prompt.txt --verbose   # tokens/s at the end
+    python sample.py --ckpt exports/base.safetensors --prompt "import "          # a file from export.py --safetensors
+    python sample.py --ckpt gpt2 --prompt "Hello, I'm a language model,"         # OpenAI's GPT-2 (transformers, network once)
 
-Several samples are generated as one batch. On a terminal a single sample streams as it is
-produced (force it with --stream, switch it off with --no-stream).
+--ckpt also takes a local Hugging Face GPT-2 directory. Several samples are generated as one
+batch. On a terminal a single sample streams as it is produced (force it with --stream, switch it
+off with --no-stream). --seed makes the output repeatable. A prompt longer than the model's context
+keeps its last block_size tokens, with a notice on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
+from typing import Iterator, TextIO
 
 import torch
 
-from checkpoint import load_checkpoint, model_from_checkpoint, resolve_checkpoint
 from common import UserError, run_main
+from export import GPT2_VOCAB_SIZE, is_gpt2_source, load_gpt2, load_model
 from model import GPT
-from tokenizer import Tokenizer, tokenizer_from_dict
+from tokenizer import Tokenizer, get_tiktoken, tokenizer_from_dict
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
-def load_for_sampling(ckpt_path: str | Path, device: str) -> tuple[GPT, Tokenizer, Path]:
-    path = resolve_checkpoint(ckpt_path, prefer="best")
-    ckpt = load_checkpoint(path, map_location="cpu")
-    if "tokenizer" not in ckpt:
-        raise UserError(f"{path} records no tokenizer, so its ids can't be decoded")
-    tokenizer = tokenizer_from_dict(ckpt["tokenizer"])
-    model = model_from_checkpoint(ckpt, path)
+def load_for_sampling(source: str | Path, device: str) -> tuple[GPT, Tokenizer, str]:
+    """A checkpoint, run directory, .safetensors file, GPT-2 name or HF GPT-2 directory -> (model, tokenizer, label)."""
+    if is_gpt2_source(source):
+        model = load_gpt2(str(source))
+        if model.config.vocab_size < GPT2_VOCAB_SIZE:
+            raise UserError(f"{source} has {model.config.vocab_size} token ids, fewer than the GPT-2 tokenizer's "
+                            f"{GPT2_VOCAB_SIZE}: sample from the checkpoint it was exported from instead")
+        tokenizer, label = get_tiktoken("gpt2"), str(source)
+    else:
+        model, tok_dict, path = load_model(source)
+        if tok_dict is None:
+            raise UserError(f"{path} records no tokenizer, so its ids can't be decoded")
+        tokenizer, label = tokenizer_from_dict(tok_dict), str(path)
     model.eval().to(device)
-    return model, tokenizer, path
+    return model, tokenizer, label
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int, quiet: bool = False) -> list[int]:
-    ids = tokenizer.encode(prompt) if prompt else []
+def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> list[int]:
+    try:
+        ids = tokenizer.encode(prompt) if prompt else []
+    except UserError as e:
+        raise UserError(f"prompt: {e}") from None
     if not ids:  # generation needs at least one token: start from a newline, or token 0
         try:
             ids = tokenizer.encode("\n")
@@ -46,29 +63,37 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int, quiet: boo
             ids = []
         ids = ids or [0]
     if len(ids) > block_size:
-        if not quiet:
-            print(f"[prompt is {len(ids)} tokens, longer than block_size {block_size}: keeping the last {block_size}]",
-                  file=sys.stderr)
+        print(f"[prompt is {len(ids)} tokens, longer than block_size {block_size}: keeping the last {block_size}]",
+              file=sys.stderr)
         ids = ids[-block_size:]
     return ids
 
 
+def showable_length(text: str, stop: list[str]) -> int:
+    """How much of a growing sample can be printed: not a cut-off UTF-8 character, nor what may begin a stop sequence."""
+    n = len(text.rstrip("\ufffd"))
+    held = max((k for s in stop for k in range(1, len(s)) if text[:n].endswith(s[:k])), default=0)
+    return n - held
+
+
 def generate_texts(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], num_samples: int, max_new_tokens: int,
                    temperature: float = 0.8, top_k: int | None = 200, top_p: float | None = None,
-                   stop: list[str] | None = None, seed: int | None = None, stream=None) -> tuple[list[str], int]:
+                   stop: list[str] | None = None, seed: int | torch.Generator | None = None,
+                   stream: TextIO | None = None) -> tuple[list[str], int]:
     """Sample num_samples continuations as one batch. Returns (texts, tokens generated).
 
-    A row ends at the first stop sequence (which is not included). stream, a text file, receives
-    the first row's text as it is produced."""
+    A row ends at the first stop sequence, which is left out; stop sequences may span tokens.
+    seed: an int seeds a new generator, a torch.Generator is drawn from as it is (an interactive session
+    shares one), None uses torch's global one. stream, a text file, receives the first row's text as
+    it is produced."""
+    stop = [s for s in stop or [] if s]
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed if seed is not None else torch.seed())
+    generator = torch.Generator(device=device).manual_seed(seed) if isinstance(seed, int) else seed
     idx = torch.tensor([prompt_ids] * num_samples, dtype=torch.long, device=device)
     rows: list[list[int]] = [[] for _ in range(num_samples)]
     texts = [""] * num_samples
     done = [False] * num_samples
-    shown = 0
-    steps = 0
+    shown = steps = 0
     for token in model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                        generator=generator, vocab_limit=tokenizer.vocab_size):
         steps += 1
@@ -77,14 +102,14 @@ def generate_texts(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], num_
                 continue
             rows[i].append(t)
             texts[i] = tokenizer.decode(rows[i])
-            for s in stop or []:
-                if s and s in texts[i]:
-                    texts[i] = texts[i][:texts[i].index(s)]
-                    done[i] = True
-        if stream is not None and not texts[0].endswith("\ufffd"):  # don't print half a UTF-8 character
-            stream.write(texts[0][shown:])
+            hits = [texts[i].index(s) for s in stop if s in texts[i]]
+            if hits:
+                texts[i], done[i] = texts[i][:min(hits)], True
+        if stream is not None:
+            end = len(texts[0]) if done[0] else showable_length(texts[0], stop)
+            stream.write(texts[0][shown:end])
             stream.flush()
-            shown = len(texts[0])
+            shown = max(shown, end)
         if all(done):
             break
     if stream is not None:
@@ -93,9 +118,15 @@ def generate_texts(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], num_
     return texts, steps * num_samples
 
 
+def unescape(text: str) -> str:
+    r"""Turn \n, \t, \r and \\ typed on a command line into the characters."""
+    return re.sub(r"\\(.)", lambda m: ESCAPES.get(m[1], m[0]), text)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="checkpoint file, or run directory (its ckpt_best.pt)")
+    p.add_argument("--ckpt", required=True,
+                   help="checkpoint file, run directory (its ckpt_best.pt), .safetensors file, gpt2* name or HF GPT-2 directory")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="", help="text to continue")
     src.add_argument("--prompt-file", help="read the prompt from this file")
@@ -107,7 +138,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="make sampling deterministic")
     p.add_argument("--stop", action="append", default=[], help="stop a sample at this text (repeatable; \\n escapes work)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
-    p.add_argument("--interactive", action="store_true", help="read prompts in a loop")
+    p.add_argument("--interactive", action="store_true", help="read prompts in a loop (one per line; \\n escapes work)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None, help="stream the first sample")
     p.add_argument("--verbose", action="store_true", help="print tokens/s at the end")
     args = p.parse_args(argv)
@@ -117,15 +148,55 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--top-p must be in (0, 1]")
     if args.temperature < 0:
         p.error("--temperature must be >= 0")
-    args.stop = [s.encode("utf-8").decode("unicode_escape") if "\\" in s else s for s in args.stop]
+    args.stop = [unescape(s) for s in args.stop]
     return args
+
+
+def sample_prompt(model: GPT, tokenizer: Tokenizer, prompt: str, args: argparse.Namespace, generator: torch.Generator,
+                  stream: bool, label: str) -> None:
+    """Generate and print the samples for one prompt."""
+    ids = encode_prompt(tokenizer, prompt, model.config.block_size)
+    t0 = time.perf_counter()
+    if stream:
+        sys.stdout.write(prompt)
+    texts, n_tokens = generate_texts(model, tokenizer, ids, args.num_samples, args.max_new_tokens, args.temperature,
+                                     args.top_k or None, args.top_p, args.stop, generator,
+                                     stream=sys.stdout if stream else None)
+    dt = time.perf_counter() - t0
+    for i, text in enumerate(texts):
+        if stream and i == 0:
+            print()  # the streamed sample is already on screen
+        else:
+            print(prompt + text)
+        if args.num_samples > 1:
+            print("---------------")
+    sys.stdout.flush()
+    if args.verbose:
+        print(f"[{n_tokens} tokens in {dt:.2f}s: {n_tokens / max(dt, 1e-9):,.0f} tokens/s, {label}]", file=sys.stderr)
+
+
+def iter_prompts(first: str) -> Iterator[str]:
+    """The --prompt (if any), then one prompt per line of stdin until EOF, 'exit' or 'quit'."""
+    if first:
+        yield first
+    tty = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("prompt> " if tty else "")
+        except EOFError:
+            if tty:
+                print()
+            return
+        if line.strip() in ("exit", "quit"):
+            return
+        yield unescape(line)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {args.device} but this machine has no CUDA device")
-    model, tokenizer, path = load_for_sampling(args.ckpt, args.device)
+    model, tokenizer, label = load_for_sampling(args.ckpt, args.device)
     prompt = args.prompt
     if args.prompt_file:
         try:
@@ -133,40 +204,17 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             raise UserError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}") from None
     stream = args.stream if args.stream is not None else (sys.stdout.isatty() and args.num_samples == 1)
-    prompts = iter_prompts(prompt) if args.interactive else [prompt]
-    for prompt in prompts:
-        ids = encode_prompt(tokenizer, prompt, model.config.block_size)
-        t0 = time.perf_counter()
-        if stream:
-            sys.stdout.write(prompt)
-        texts, n_tokens = generate_texts(model, tokenizer, ids, args.num_samples, args.max_new_tokens, args.temperature,
-                                         args.top_k or None, args.top_p, args.stop, args.seed,
-                                         stream=sys.stdout if stream else None)
-        dt = time.perf_counter() - t0
-        for i, text in enumerate(texts):
-            if not (stream and i == 0):
-                print(prompt + text)
-            else:
-                print()
-            if args.num_samples > 1:
-                print("---------------")
-        if args.verbose:
-            print(f"[{n_tokens} tokens in {dt:.2f}s: {n_tokens / dt:,.0f} tokens/s, {path}]", file=sys.stderr)
-    return 0
-
-
-def iter_prompts(first: str):
-    if first:
-        yield first
-    while True:
+    generator = torch.Generator(device=args.device)  # one for the whole session: --seed fixes every prompt's samples
+    generator.manual_seed(args.seed if args.seed is not None else torch.seed())
+    if not args.interactive:
+        sample_prompt(model, tokenizer, prompt, args, generator, stream, label)
+        return 0
+    for prompt in iter_prompts(prompt):
         try:
-            line = input("prompt> ")
-        except EOFError:
-            print()
-            return
-        if line.strip() in ("exit", "quit"):
-            return
-        yield line.replace("\\n", "\n")
+            sample_prompt(model, tokenizer, prompt, args, generator, stream, label)
+        except UserError as e:  # a bad prompt should not end the session
+            print(f"error: {e}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

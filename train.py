@@ -43,9 +43,9 @@ import torch
 import distributed as dist_utils
 from checkpoint import (RunDir, link_or_copy, load_checkpoint, load_model_weights, model_config_from_checkpoint, rng_state,
                         save_checkpoint, set_rng_state)
-from common import UserError, atomic_write_text, format_duration, run_main
+from common import UserError, WriteError, atomic_write_text, format_duration, run_main
 from config import Config, build_config, load_toml, parse_overrides, summary, to_toml
-from data import BatchSource, Dataset, check_fits, load_dataset
+from data import BatchSource, Dataset, check_fits, load_dataset, tokenizer_label
 from metrics import MetricsLog, default_peak_flops, format_step_line, rss_mb
 from model import GPT, GPTConfig
 
@@ -88,7 +88,8 @@ class Runtime:
     peak_flops: float
     tokens_per_step: int = 0
     log: MetricsLog | None = None
-    signals: list = field(default_factory=list)
+    signals: list = field(default_factory=list)  # (signal, previous handler) pairs, restored when training ends
+    last_saved: str | None = None  # "ckpt_last.pt (iter N)" of the newest successful save, for error messages
 
 
 # ---- setup ----------------------------------------------------------------------------------------
@@ -123,6 +124,25 @@ def autocast_context(device: torch.device, precision: str):
     if precision == "fp32":
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=PRECISIONS[precision])
+
+
+def make_runtime(cfg: Config, device: torch.device, precision: str, dist: dist_utils.DistInfo, run: RunDir) -> Runtime:
+    """Resolve the compile default, seed the RNG and pick the MFU peak (shared by train() and bench.py)."""
+    if cfg.model.compile is None:
+        cfg.model.compile = device.type == "cuda"
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(cfg.run.seed + dist.rank)
+    peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else default_peak_flops(device, precision)
+    return Runtime(cfg, device, precision, autocast_context(device, precision), dist, run, peak)
+
+
+def make_optimizers(raw_model: GPT, cfg: Config, device: torch.device) -> list[torch.optim.Optimizer]:
+    o = cfg.optimizer
+    return raw_model.configure_optimizers(o.weight_decay, o.learning_rate, (o.beta1, o.beta2), device.type,
+                                          optimizer=o.name, fused=o.fused, muon_lr=o.muon_lr,
+                                          muon_momentum=o.muon_momentum)
 
 
 def lr_multiplier(it: int, cfg: Config) -> float:
@@ -203,6 +223,7 @@ def build_model(cfg: Config, dataset: Dataset, resume_ckpt: dict | None) -> tupl
             diff = [k for k, v in margs.to_dict().items() if cfg.model_args()[k] != v]
             raise UserError(f"--resume: the config's model differs from the checkpoint's in {diff}; "
                             "resume with the run's own config, or fine-tune with run.init_from instead")
+        check_vocab_compatible(margs.vocab_size, resume_ckpt.get("tokenizer"), dataset, "the checkpoint")
     elif init == "scratch":
         margs = GPTConfig.from_dict(cfg.model_args())
     elif init.startswith("gpt2") or (Path(init).is_dir() and (Path(init) / "config.json").is_file()):
@@ -237,9 +258,12 @@ def check_vocab_compatible(model_vocab: int, tokenizer: dict | None, dataset: Da
     else:
         same = tokenizer is None or tokenizer == data_tok
     if not same or model_vocab < dataset.vocab_size:
-        raise UserError(f"vocabulary mismatch: {source} was trained with a {tokenizer.get('kind') if tokenizer else '?'} "
-                        f"tokenizer of {model_vocab} tokens, the dataset {dataset.directory} uses "
-                        f"{dataset.tokenizer.kind} with {dataset.vocab_size}: prepare the dataset with the checkpoint's tokenizer")
+        ours = tokenizer_label(tokenizer) if tokenizer else "?"
+        missing = sorted(set(data_tok.get("chars", [])) - set((tokenizer or {}).get("chars", [])))
+        hint = f" (the dataset has characters the checkpoint lacks: {''.join(missing[:10])!r})" if ours == "char" and missing else ""
+        raise UserError(f"vocabulary mismatch: {source} was trained with a {ours} tokenizer of {model_vocab} tokens, "
+                        f"the dataset {dataset.directory} uses {tokenizer_label(data_tok)} with {dataset.vocab_size}{hint}: "
+                        "prepare the dataset with the checkpoint's tokenizer")
 
 
 # ---- one optimizer step -----------------------------------------------------------------------------
@@ -283,7 +307,7 @@ def train_step(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], 
     return total_loss, norm, finite
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: FSDP's unsharded weights made here are reused by training
 def evaluate(model: torch.nn.Module, batches: BatchSource, rt: Runtime) -> dict[str, float]:
     """Mean loss, perplexity and next-token accuracy over eval_iters batches per split (the same batches every time).
 
@@ -315,6 +339,7 @@ def evaluate(model: torch.nn.Module, batches: BatchSource, rt: Runtime) -> dict[
 # ---- checkpoints ------------------------------------------------------------------------------------
 
 def checkpoint_state(raw_model: GPT, optimizers, scaler, state: TrainState, rt: Runtime, tokenizer: dict) -> dict:
+    """Collective: every rank calls it (RNG states are gathered, FSDP weights unsharded); rank 0 saves the result."""
     return {
         "model": dist_utils.model_state_dict(raw_model),
         "model_args": raw_model.config.to_dict(),
@@ -327,7 +352,7 @@ def checkpoint_state(raw_model: GPT, optimizers, scaler, state: TrainState, rt: 
         "tokens_seen": state.tokens_seen,
         "nonfinite_streak": state.nonfinite_streak,
         "wandb_run_id": state.wandb_run_id,
-        "rng": rng_state(),
+        "rng": dist_utils.gather_objects(rng_state(), rt.dist),  # one per rank
         "tokenizer": tokenizer,
         "world_size": rt.dist.world_size,
     }
@@ -339,25 +364,71 @@ def save(kind: str, ckpt: dict, rt: Runtime) -> Path:
     path = run.best if kind == "best" else run.last
     save_checkpoint(path, ckpt)
     if kind == "last":
+        rt.last_saved = f"{path} (iter {ckpt['iter_num']})"
         run.set_latest(path)
         if t.save_interval and ckpt["iter_num"] % t.save_interval == 0 and t.keep_last > 0:
             link_or_copy(path, run.step(ckpt["iter_num"]))
             run.prune(t.keep_last)
+        if ckpt.get("sharded"):
+            run.prune_sharded(ckpt["sharded"])
     return path
 
 
+def save_or_warn(kind: str, ckpt: dict, rt: Runtime, final: bool = False) -> None:
+    """save(), surviving a full disk or a read-only run directory. The files already there stay intact; a failed
+    periodic save costs only that checkpoint (one warning line, training goes on, the next save retries); a failed
+    final save is a UserError naming the last good checkpoint."""
+    try:
+        save(kind, ckpt, rt)
+    except WriteError as e:
+        good = rt.last_saved or rt.run.latest()
+        where = f"the last good checkpoint is {good}" if good else "no checkpoint has been saved yet"
+        if final:
+            raise UserError(f"the final checkpoint was not saved: {e}; {where}") from None
+        print(f"warning: {kind} checkpoint of iter {ckpt['iter_num']} not saved: {e}; {where}; "
+              "training continues and the next save retries", file=sys.stderr, flush=True)
+
+
+def save_everywhere(kind: str, raw_model: GPT, optimizers, scaler, state: TrainState, rt: Runtime, tokenizer: dict,
+                    final: bool = False) -> None:
+    """Every rank takes part (gathers, FSDP shards); rank 0 writes the checkpoint file, after the shards it names."""
+    ckpt = checkpoint_state(raw_model, optimizers, scaler, state, rt, tokenizer)
+    if kind == "last" and dist_utils.is_sharded(raw_model):
+        ckpt["sharded"] = dist_utils.save_sharded(raw_model, optimizers, rt.run.sharded(state.iter_num), rt.dist).name
+    dist_utils.save_on_main(lambda: save_or_warn(kind, ckpt, rt, final), rt.dist)
+
+
 def restore(ckpt: dict, optimizers, scaler, raw_model: GPT, rt: Runtime) -> TrainState:
-    if len(ckpt.get("optimizers", [])) != len(optimizers):
-        raise UserError("--resume: the checkpoint's optimizer differs from the config's (optimizer.name)")
-    for opt, sd in zip(optimizers, ckpt["optimizers"]):
-        dist_utils.load_optimizer_state_dict(raw_model, opt, sd)
+    """Optimizer, scaler, RNG and counters from a checkpoint whose weights the (wrapped) model already holds.
+
+    On the world size it was written with, a run continues exactly: the data stream is a pure
+    function of the step (data.py) and every rank gets back its own RNG state (dropout). On another
+    world size the data streams are re-derived from the step counter for the new layout: keep
+    batch_size x grad_accum_steps x world_size constant (2 ranks x 1 -> 1 rank x 2 accumulation
+    steps) and every optimizer step draws exactly the micro-batches it would have drawn; each rank's
+    RNG is then seeded afresh from (seed, rank, step). An FSDP checkpoint (sharded optimizer state)
+    resumes on any world size, with or without FSDP; other checkpoints can't be resumed under FSDP.
+    """
+    if ckpt.get("sharded"):
+        dist_utils.load_sharded(raw_model, optimizers, rt.run.path / ckpt["sharded"])
+    elif dist_utils.is_sharded(raw_model):
+        raise UserError("--resume with distributed.fsdp needs a checkpoint written under FSDP: resume this one without "
+                        "FSDP, or start a new run from its weights with run.init_from")
+    else:
+        if len(ckpt.get("optimizers", [])) != len(optimizers):
+            raise UserError("--resume: the checkpoint's optimizer differs from the config's (optimizer.name)")
+        for opt, sd in zip(optimizers, ckpt["optimizers"]):
+            opt.load_state_dict(sd)
     if ckpt.get("scaler") and scaler.is_enabled():
         scaler.load_state_dict(ckpt["scaler"])
-    if ckpt.get("world_size", 1) == rt.dist.world_size:
-        set_rng_state(ckpt["rng"])  # per-rank RNG differs only through the seed offset; see distributed.py
-    elif rt.dist.is_main:
-        print(f"resuming a {ckpt.get('world_size')}-rank checkpoint on {rt.dist.world_size} ranks: "
-              "data streams are re-derived from the step counter for the new world size")
+    rng = ckpt["rng"] if isinstance(ckpt["rng"], list) else [ckpt["rng"]]  # older checkpoints: rank 0's state only
+    if len(rng) == rt.dist.world_size:
+        set_rng_state(rng[rt.dist.rank])
+    else:
+        torch.manual_seed(hash((rt.cfg.run.seed, rt.dist.rank, ckpt["iter_num"])) & 0xFFFF_FFFF)
+        if rt.dist.is_main:
+            print(f"resuming a {ckpt.get('world_size')}-rank checkpoint on {rt.dist.world_size} ranks: "
+                  "data streams are re-derived from the step counter for the new world size, RNG streams re-seeded")
     return TrainState(iter_num=ckpt["iter_num"], best_val_loss=ckpt["best_val_loss"], bad_evals=ckpt["bad_evals"],
                       tokens_seen=ckpt["tokens_seen"], nonfinite_streak=ckpt.get("nonfinite_streak", 0),
                       wandb_run_id=ckpt.get("wandb_run_id"))
@@ -365,15 +436,15 @@ def restore(ckpt: dict, optimizers, scaler, raw_model: GPT, rt: Runtime) -> Trai
 
 # ---- the loop ---------------------------------------------------------------------------------------
 
-def install_signal_handlers(state: TrainState) -> None:
+def install_signal_handlers(state: TrainState) -> list:
+    """Returns the (signal, previous handler) pairs, so train() called from Python can put them back."""
     def handler(signum, frame):
         if state.stop_requested:  # a second Ctrl-C: give up at once
             raise KeyboardInterrupt
         state.stop_requested = True
         print(f"\n{signal.Signals(signum).name} received: finishing this step, saving, exiting", flush=True)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
+    return [(sig, signal.signal(sig, handler)) for sig in (signal.SIGINT, signal.SIGTERM)]
 
 
 def after_eval(metrics: dict, state: TrainState, rt: Runtime) -> bool:
@@ -395,7 +466,7 @@ def run_loop(model, raw_model: GPT, optimizers, scaler, batches: BatchSource, st
              tokenizer: dict) -> TrainState:
     t = rt.cfg.training
     log, main = rt.log, rt.dist.is_main
-    ckpt = lambda: checkpoint_state(raw_model, optimizers, scaler, state, rt, tokenizer)  # noqa: E731
+    checkpoint = lambda kind, final=False: save_everywhere(kind, raw_model, optimizers, scaler, state, rt, tokenizer, final)  # noqa: E731
 
     def do_eval() -> None:
         metrics = evaluate(model, batches, rt)
@@ -405,7 +476,7 @@ def run_loop(model, raw_model: GPT, optimizers, scaler, batches: BatchSource, st
                   f"(ppl {metrics['val_ppl']:.2f}, acc {metrics['val_acc']:.3f})" + (" *best" if improved else ""), flush=True)
             log.record({"kind": "eval", "iter": state.iter_num, **metrics, "tokens": state.tokens_seen})
         if improved and t.save_best and state.iter_num > 0:
-            dist_utils.save_on_main(lambda: save("best", ckpt(), rt), rt.dist)
+            checkpoint("best")
         if main:
             log.flush()
 
@@ -454,11 +525,11 @@ def run_loop(model, raw_model: GPT, optimizers, scaler, batches: BatchSource, st
                             "ms_per_iter": avg * 1000, "tokens_per_s": tps, "mfu": mfu, "tokens": state.tokens_seen})
         state.stop_requested = dist_utils.any_rank(state.stop_requested, rt.dist)
         done = state.iter_num >= t.max_iters
-        if (t.eval_interval and state.iter_num % t.eval_interval == 0) or (done and not state.stop_requested):
+        if not state.stop_requested and ((t.eval_interval and state.iter_num % t.eval_interval == 0) or done):
             do_eval()
         state.stop_reason = state.stop_reason or ("signal" if state.stop_requested else "")
         if done or state.stop_reason or (t.save_interval and state.iter_num % t.save_interval == 0):
-            dist_utils.save_on_main(lambda: save("last", ckpt(), rt), rt.dist)
+            checkpoint("last", final=done or bool(state.stop_reason))
             if main:
                 log.flush()
         t_last = time.perf_counter()  # exclude eval and checkpoint time from the next step's timing
@@ -474,9 +545,25 @@ def train(config: str | Path | None = None, overrides: dict | list | None = None
     """Train from a TOML file plus overrides ({"training.max_iters": 10} or CLI-style list). Python API."""
     dist = dist_utils.from_env()
     try:
-        return _train(config, overrides, resume, force, validate_only, dist)
+        with dist_utils.reporting_peer_failures(dist):
+            return _train(config, overrides, resume, force, validate_only, dist)
     finally:
         dist_utils.shutdown(dist)
+
+
+RESUME_FIELDS = {"config": dict, "optimizers": list, "iter_num": int, "best_val_loss": (int, float), "bad_evals": int,
+                 "tokens_seen": int, "rng": (dict, list)}
+
+
+def check_resumable(ckpt: dict, path: Path) -> None:
+    """A loadable checkpoint may still lack the training state --resume needs (e.g. one written by another tool)."""
+    wrong = [k for k, kind in RESUME_FIELDS.items() if not isinstance(ckpt.get(k), kind) or isinstance(ckpt.get(k), bool)]
+    config = ckpt.get("config")
+    if not wrong and not (isinstance(config.get("run"), dict) and all(isinstance(t, dict) for t in config.values())):
+        wrong = ["config"]
+    if wrong:
+        raise UserError(f"{path} cannot be resumed: its training state is missing or malformed ({', '.join(wrong)}); "
+                        "start a new run from its weights with run.init_from instead")
 
 
 def load_run_config(config, overrides, resume: bool | str, force: bool, world_size: int) -> tuple[Config, RunDir, dict | None]:
@@ -494,7 +581,9 @@ def load_run_config(config, overrides, resume: bool | str, force: bool, world_si
             raise UserError("--resume needs run.name in the config, or a run directory: --resume checkpoints/<run>")
         resume = str(Path(probe.run.out_dir) / probe.run.name)
     run = resolve_run_dir(Config(), resume, force)
-    ckpt = load_checkpoint(run.latest())
+    path = Path(resume) if Path(resume).is_file() else run.latest()  # --resume FILE resumes that very checkpoint
+    ckpt = load_checkpoint(path)
+    check_resumable(ckpt, path)
     saved = {s: {k: v for k, v in t.items() if v is not None} for s, t in ckpt["config"].items()}
     saved["run"].update(name=run.path.name, out_dir=str(run.path.parent))
     return build_config(saved, overrides, source=f"{run.path}/config", world_size=world_size), run, ckpt
@@ -508,14 +597,8 @@ def _train(config, overrides, resume, force, validate_only, dist) -> TrainResult
     device = resolve_device(cfg.run.device, dist)
     precision = resolve_precision(cfg.training.precision, device)
     dist_utils.init_process_group(dist, device, cfg.distributed.backend, cfg.distributed.timeout_s)
-    if cfg.model.compile is None:
-        cfg.model.compile = device.type == "cuda"
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(cfg.run.seed + dist.rank)
-    peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else default_peak_flops(device, precision)
-    rt = Runtime(cfg, device, precision, autocast_context(device, precision), dist, run, peak)
+    run = dist_utils.broadcast_object(run, dist)  # an unnamed run is named by each rank's clock: use rank 0's
+    rt = make_runtime(cfg, device, precision, dist, run)
 
     # data
     dataset = prepare_data(cfg, dist)
@@ -536,29 +619,30 @@ def _train(config, overrides, resume, force, validate_only, dist) -> TrainResult
         from validate import report_feasibility
         return report_feasibility(cfg, rt, model, dataset)
 
-    # optimizer
-    o = cfg.optimizer
-    optimizers = model.configure_optimizers(o.weight_decay, o.learning_rate, (o.beta1, o.beta2), device.type,
-                                            optimizer=o.name, fused=o.fused, muon_lr=o.muon_lr,
-                                            muon_momentum=o.muon_momentum)
+    # optimizer (after wrapping: FSDP replaces the parameters with sharded ones)
+    model = dist_utils.wrap_model(model, cfg, dist, device)
+    optimizers = make_optimizers(raw_model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     state = TrainState()
     if resume_ckpt is not None:
         state = restore(resume_ckpt, optimizers, scaler, raw_model, rt)
-    model = dist_utils.wrap_model(model, cfg, dist, device)
 
     if dist.is_main:
         print_startup(cfg, rt, raw_model, dataset, state)
-        run.path.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run.path / "config.toml", to_toml(cfg))
+        atomic_write_text(run.path / "config.toml", to_toml(cfg))  # creates the run directory; WriteError if it can't
+        run.remove_temp_files()  # left by a run killed mid-write
         kw = dict(json_log=cfg.logging.json_log, plot=cfg.logging.plot)
         rt.log = MetricsLog.resume(run.path, state.iter_num, **kw) if resume_ckpt else MetricsLog(run.path, **kw)
         if cfg.logging.wandb_project:
             state.wandb_run_id = rt.log.start_wandb(cfg.logging.wandb_project, cfg.logging.wandb_run_name or cfg.run.name,
                                                     state.wandb_run_id, cfg.to_dict())
     batches = BatchSource(dataset, model_block(raw_model), t.batch_size, cfg.run.seed, device)
-    install_signal_handlers(state)
-    state = run_loop(model, raw_model, optimizers, scaler, batches, state, rt, dataset.tokenizer.to_dict())
+    rt.signals = install_signal_handlers(state)
+    try:
+        state = run_loop(model, raw_model, optimizers, scaler, batches, state, rt, dataset.tokenizer.to_dict())
+    finally:
+        for sig, previous in rt.signals:
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
 
     ckpt_path = run.best if run.best.is_file() else run.last
     if dist.is_main:
@@ -610,9 +694,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.nproc_per_node:
-        return dist_utils.relaunch_with_torchrun(args.nproc_per_node, sys.argv[1:] if argv is None else argv)
-    train(args.config, overrides=rest, resume=args.resume, force=args.force, validate_only=args.validate)
+    if args.nproc_per_node is not None:
+        if args.config:  # config mistakes: one message here rather than one per worker
+            build_config(load_toml(args.config), parse_overrides(rest), source=args.config, world_size=args.nproc_per_node)
+        return dist_utils.relaunch_with_torchrun(args.nproc_per_node, sys.argv[1:] if argv is None else argv,
+                                                 script=os.path.abspath(__file__))
+    try:
+        train(args.config, overrides=rest, resume=args.resume, force=args.force, validate_only=args.validate)
+    except dist_utils.PeerFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -74,3 +74,11 @@ def test_tokenizer_mismatch_with_config_is_refused(tiny_data, tmp_path):
     from common import UserError
     with pytest.raises(UserError, match="prepared with the char tokenizer but the config asks for bpe"):
         load_dataset(tiny_data / "tiny", expect_tokenizer="bpe")
+
+
+def test_neighbouring_batches_share_no_random_draws():
+    """A regression test: keying Philox's counter by the index made batch i+1 reuse most of batch i."""
+    a = set(batch_rng(0, "train", 5).integers(0, 10**9, size=64))
+    b = set(batch_rng(0, "train", 6).integers(0, 10**9, size=64))
+    c = set(batch_rng(0, "val", 5).integers(0, 10**9, size=64))
+    assert not a & b and not a & c

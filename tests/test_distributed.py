@@ -1,0 +1,326 @@
+"""Distributed training for real: torchrun subprocesses on CPU with gloo, a tiny model and a generated dataset.
+
+Runs shared by several tests are module fixtures. Loss sequences come from train_log.json (log_interval 1);
+under DDP the logged loss is the mean over ranks, i.e. the mean over all micro-batches of the step.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import distributed
+from checkpoint import load_checkpoint
+from prepare import prepare_dataset
+from sample import load_for_sampling
+from train import train
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ITERS = 12
+STOP = 6  # where interrupted runs stop; also save_interval and eval_interval
+# OMP_NUM_THREADS=1: two single-process "nodes" on two cores would otherwise oversubscribe them
+ENV = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+       "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+CONFIG = """
+[run]
+name = "run"
+device = "cpu"
+seed = 7
+[data]
+dataset = "gen"
+tokenizer = "char"
+data_dir = "{data_dir}"
+[model]
+block_size = 32
+n_layer = 2
+n_head = 2
+n_embd = 32
+dropout = {dropout}
+[training]
+batch_size = 8
+max_iters = {iters}
+eval_interval = {stop}
+eval_iters = 3
+log_interval = 1
+save_interval = {stop}
+[optimizer]
+warmup_iters = 2
+lr_decay_iters = {iters}
+[logging]
+plot = false
+"""
+
+
+def generated_text(n_chars: int = 150_000) -> str:
+    rng = random.Random(0)
+    words = "the king and queen of a far land rode out to see what the sea had left upon the sand".split()
+    lines = []
+    while sum(map(len, lines)) < n_chars:
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))).capitalize() + ".")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dist")
+    (root / "input.txt").write_text(generated_text())
+    prepare_dataset("gen", input_path=str(root / "input.txt"), tokenizer="char", data_dir=root / "data", verbose=False)
+    for dropout in (0.0, 0.1):
+        (root / f"dropout{dropout}.toml").write_text(
+            CONFIG.format(data_dir=root / "data", dropout=dropout, iters=ITERS, stop=STOP))
+    return root
+
+
+def config(workdir: Path, dropout: float) -> str:
+    return str(workdir / f"dropout{dropout}.toml")
+
+
+def torchrun(*args, nproc: int = 2, timeout: float = 180) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py", *args]
+    return finished(subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=timeout))
+
+
+def self_launch(*args, nproc: int = 2, **popen) -> subprocess.Popen:
+    cmd = [sys.executable, "train.py", "--nproc-per-node", str(nproc), *args]
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **popen)
+
+
+def finished(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def log(run_dir: Path, kind: str = "train", key: str = "loss") -> dict[int, float]:
+    history = json.loads((run_dir / "train_log.json").read_text())["history"]
+    return {p["iter"]: p[key] for p in history if p["kind"] == kind}
+
+
+def assert_same(a: dict[int, float], b: dict[int, float], tol: float) -> None:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    worst = max(abs(a[k] - b[k]) for k in a)
+    assert worst <= tol, f"max difference {worst:.3g} > {tol}: {a} vs {b}"
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the job ended before {path} appeared:\n{proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout}s"
+        time.sleep(0.1)
+
+
+def worker(launcher: subprocess.Popen, rank: int) -> psutil.Process:
+    """The training process of one rank, among the launcher's descendants."""
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "train.py" in " ".join(child.cmdline()):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no worker with RANK={rank}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- shared runs -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ddp_dropout(workdir) -> Path:
+    """2 ranks with dropout, uninterrupted: the reference for exact resume."""
+    out = workdir / "ddp_dropout"
+    proc = torchrun("--config", config(workdir, 0.1), "--run.out_dir", str(out))
+    assert proc.stdout.count("finished:") == 1  # only rank 0 reports
+    return out / "run"
+
+
+@pytest.fixture(scope="module")
+def ddp_plain(workdir) -> Path:
+    """2 ranks x grad_accum 1, no dropout."""
+    out = workdir / "ddp_plain"
+    torchrun("--config", config(workdir, 0.0), "--run.out_dir", str(out))
+    return out / "run"
+
+
+@pytest.fixture(scope="module")
+def single_accum2(workdir) -> Path:
+    """1 process x grad_accum 2, no dropout (in-process, through the Python API)."""
+    out = workdir / "single"
+    train(config(workdir, 0.0), overrides={"run.out_dir": str(out), "training.grad_accum_steps": 2})
+    return out / "run"
+
+
+# ---- tests -----------------------------------------------------------------------------------------
+
+def test_without_flag_strips_every_spelling():
+    argv = ["--config", "c.toml", "--nproc-per-node", "2", "--max-iters", "5", "--nproc-per-node=4", "--nproc", "3",
+            "--training.batch_size", "4"]
+    assert distributed.without_flag(argv, "--nproc-per-node") == ["--config", "c.toml", "--max-iters", "5",
+                                                                   "--training.batch_size", "4"]
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank_with_accumulation(ddp_plain, single_accum2):
+    """Same micro-batches, same averaged gradient: 2 ranks x accum 1 == 1 rank x accum 2, losses and evals."""
+    assert_same(log(ddp_plain), log(single_accum2), tol=1e-5)
+    assert_same(log(ddp_plain, "eval", "val_loss"), log(single_accum2, "eval", "val_loss"), tol=1e-5)
+
+
+@pytest.mark.slow
+def test_resume_on_another_world_size_keeps_the_data_stream(workdir, ddp_plain, single_accum2):
+    """A 2-rank checkpoint resumed on 1 rank x accum 2 (same global batch) continues the 1-rank run exactly."""
+    run = workdir / "ddp_to_single" / "run"
+    run.mkdir(parents=True)
+    shutil.copyfile(ddp_plain / f"ckpt_step{STOP:07d}.pt", run / "ckpt_last.pt")
+    train(overrides={"training.grad_accum_steps": 2}, resume=str(run))
+    expected = {k: v for k, v in log(single_accum2).items() if k > STOP}
+    assert_same(log(run), expected, tol=1e-5)
+
+
+@pytest.mark.slow
+def test_self_launch_then_resume_matches_uninterrupted_run(workdir, ddp_dropout):
+    """Stop a 2-rank run with dropout at STOP (started with --nproc-per-node), resume it on 2 ranks:
+    every rank's data stream and dropout RNG continue exactly."""
+    out = workdir / "stopped"
+    launcher = self_launch("--config", config(workdir, 0.1), "--run.out_dir", str(out), "--max-iters", str(STOP))
+    output, _ = launcher.communicate(timeout=180)
+    assert launcher.returncode == 0, output[-3000:]
+    assert "launching: torchrun --standalone --nproc-per-node=2" in output
+    assert "8 x 1 accum x 2 ranks = 16 sequences" in output
+    ckpt = load_checkpoint(out / "run" / "ckpt_last.pt")
+    assert ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2
+    assert not torch.equal(ckpt["rng"][0]["torch"], ckpt["rng"][1]["torch"])  # each rank's own dropout stream
+
+    torchrun("--resume", str(out / "run"), "--max-iters", str(ITERS))
+    assert_same(log(out / "run"), log(ddp_dropout), tol=0.0)
+    assert_same(log(out / "run", "eval", "val_loss"), log(ddp_dropout, "eval", "val_loss"), tol=0.0)
+
+
+@pytest.mark.slow
+def test_fsdp_trains_like_ddp_and_resumes(workdir, ddp_dropout):
+    """FSDP2 on 2 gloo ranks: the same losses as DDP, sharded checkpoints that resume exactly (any world size),
+    and a plain ckpt that sample.py reads."""
+    out = workdir / "fsdp"
+    args = ("--config", config(workdir, 0.1), "--run.out_dir", str(out), "--distributed.fsdp", "true")
+    torchrun(*args, "--max-iters", str(STOP))
+    run = out / "run"
+    assert (run / f"sharded_step{STOP:07d}" / ".metadata").is_file()
+    torchrun("--resume", str(run), "--max-iters", str(ITERS))
+    # sharded reductions add in another order than DDP's all-reduce: equal up to float rounding
+    assert_same(log(run), log(ddp_dropout), tol=1e-4)
+    ckpt = load_checkpoint(run / "ckpt_last.pt")
+    assert ckpt["sharded"] == f"sharded_step{ITERS:07d}" and ckpt["optimizers"] == [None]
+    assert sorted(p.name for p in run.glob("sharded_step*")) == [f"sharded_step{STOP:07d}", f"sharded_step{ITERS:07d}"]
+
+    model, tokenizer, _ = load_for_sampling(run, "cpu")  # the full weights gathered from the shards
+    prompt = torch.tensor([tokenizer.encode("The ")])
+    assert model.generate(prompt, 20, temperature=0).shape == (1, prompt.size(1) + 20)
+
+    single = workdir / "fsdp_single" / "run"
+    shutil.copytree(run, single)
+    result = train(resume=str(single), overrides={"training.max_iters": ITERS + 2})  # 1 process, no FSDP
+    assert result.iterations == ITERS + 2 and result.final_loss < log(run)[1]
+
+
+@pytest.mark.slow
+def test_two_node_job_on_localhost_agrees_on_early_stopping(workdir):
+    """Two torchrun launches form one 2-node job; early stopping (decided from all-reduced eval losses)
+    stops both ranks at the same step, so the job ends instead of hanging."""
+    out = workdir / "two_nodes"
+    port = free_port()
+    common = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+              "--master_addr=127.0.0.1", f"--master_port={port}"]
+    args = ["train.py", "--config", config(workdir, 0.0), "--run.out_dir", str(out),
+            "--training.early_stopping", "true", "--training.early_stopping_patience", "1",
+            "--training.early_stopping_min_delta", "10.0", "--distributed.timeout_s", "60"]
+    nodes = [subprocess.Popen(common + [f"--node_rank={r}"] + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output[-3000:]
+    assert "1 ranks = 8 sequences" not in outputs[0] and "x 2 ranks = 16 sequences" in outputs[0]
+    assert "early stopping" in outputs[0]
+    assert max(log(out / "run")) == STOP
+    assert load_checkpoint(out / "run" / "ckpt_last.pt")["iter_num"] == STOP
+
+
+@pytest.mark.slow
+def test_killed_rank_ends_the_job_quickly_and_leaves_a_loadable_checkpoint(workdir):
+    out = workdir / "killed"
+    launcher = self_launch("--config", config(workdir, 0.0), "--run.out_dir", str(out), "--max-iters", "100000",
+                           "--training.save_interval", "5", "--training.eval_interval", "0",
+                           "--training.log_interval", "100", "--distributed.timeout_s", "30")
+    try:
+        wait_for(out / "run" / "ckpt_last.pt", launcher)
+        worker(launcher, rank=1).send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        output, _ = launcher.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGKILL, output[-3000:]
+    assert elapsed < 20, f"the job took {elapsed:.0f}s to end"
+    assert "error: rank 1" in output and "was killed by SIGKILL" in output
+    assert "rank 0 stopped: another rank failed" in output
+    assert "Traceback" not in output
+    assert load_checkpoint(out / "run" / "ckpt_last.pt")["iter_num"] % 5 == 0
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(workdir):
+    out = workdir / "sigterm"
+    launcher = self_launch("--config", config(workdir, 0.0), "--run.out_dir", str(out), "--max-iters", "100000",
+                           "--training.save_interval", "5", "--training.eval_interval", "0",
+                           "--training.log_interval", "100")
+    try:
+        wait_for(out / "run" / "ckpt_last.pt", launcher)
+        worker(launcher, rank=1).send_signal(signal.SIGTERM)
+        output, _ = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, output[-3000:]
+    assert output.count("SIGTERM received") == 1  # rank 1 got it; rank 0 learnt it through any_rank
+    ckpt = load_checkpoint(out / "run" / "ckpt_last.pt")
+    assert f"signal: {ckpt['iter_num']} iters" in output
+
+
+@pytest.mark.slow
+def test_self_launch_reports_a_worker_user_error_in_one_line(workdir):
+    launcher = self_launch("--config", config(workdir, 0.0), "--run.out_dir", str(workdir / "bad"),
+                           "--data.dataset", "no_such_dataset")
+    output, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 2
+    assert "error: unknown dataset 'no_such_dataset'" in output
+    assert "Traceback" not in output and "ChildFailedError" not in output
+
+
+@pytest.mark.slow
+def test_compile_with_ddp_and_gradient_checkpointing(workdir):
+    """Dynamo's DDP graph splitter is switched off for checkpointed blocks; the combination trains on 2 gloo ranks."""
+    out = workdir / "compiled"
+    env_threads = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no compile worker pool per rank on a small machine
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--config", config(workdir, 0.1), "--run.out_dir", str(out), "--max-iters", "4",
+           "--training.eval_interval", "0", "--training.eval_iters", "1",
+           "--model.compile", "true", "--training.gradient_checkpointing", "true"]
+    proc = finished(subprocess.run(cmd, cwd=REPO_ROOT, env={**ENV, **env_threads}, capture_output=True, text=True,
+                                   timeout=600))
+    assert "Dynamo's DDP graph splitting is off" in proc.stdout
+    losses = log(out / "run")
+    assert len(losses) == 4 and all(0 < v < 10 for v in losses.values())
+    assert losses[4] < losses[1]

@@ -1,0 +1,172 @@
+"""sample.py: determinism, stop sequences, batching, streaming, the prompt loop and prompt errors."""
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import sample
+from checkpoint import save_checkpoint
+from common import UserError
+from model import GPT, GPTConfig
+from sample import generate_texts, load_for_sampling, showable_length, unescape
+from tokenizer import CharTokenizer
+
+CHARS = list("\n abcdefghijklmnopqrstuvwxyz.,:")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_char_checkpoint(path: Path, seed: int = 0, **model_args) -> Path:
+    """A real quillgpt checkpoint of a tiny random char model (weights scaled up so greedy text varies)."""
+    torch.manual_seed(seed)
+    config = GPTConfig(**{**dict(block_size=32, vocab_size=len(CHARS), n_layer=2, n_head=2, n_embd=32), **model_args})
+    model = GPT(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10.0 if p.dim() > 1 else 1.0)
+    save_checkpoint(path, {"model": model.state_dict(), "model_args": config.to_dict(),
+                           "tokenizer": CharTokenizer(CHARS).to_dict()})
+    return path
+
+
+def run_sample(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "sample.py", *args], cwd=REPO, input=input, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return write_char_checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt_best.pt")
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    model, tokenizer, _ = load_for_sampling(ckpt, "cpu")
+    return model, tokenizer
+
+
+def greedy(loaded, prompt: str, n: int = 40, **kw) -> str:
+    model, tokenizer = loaded
+    texts, _ = generate_texts(model, tokenizer, tokenizer.encode(prompt), 1, n, temperature=0, **kw)
+    return texts[0]
+
+
+def test_seed_makes_a_session_deterministic(ckpt):
+    args = ["--ckpt", str(ckpt), "--interactive", "--num-samples", "2", "--max-new-tokens", "30",
+            "--temperature", "1.0", "--seed", "7"]
+    first, second = run_sample(*args, input="the\nthe\n"), run_sample(*args, input="the\nthe\n")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    samples = first.stdout.split("---------------\n")
+    assert len(samples) == 5 and samples[-1] == ""
+    assert len(set(samples[:4])) == 4  # the seed fixes the session, not each prompt
+
+
+def test_different_seeds_differ(loaded):
+    model, tokenizer = loaded
+    ids = tokenizer.encode("the")
+    a, _ = generate_texts(model, tokenizer, ids, 2, 60, temperature=1.0, top_k=None, seed=1)
+    b, _ = generate_texts(model, tokenizer, ids, 2, 60, temperature=1.0, top_k=None, seed=2)
+    assert a != b
+    assert a[0] != a[1]  # the rows of a batch are independent samples
+
+
+def test_stop_sequence_spanning_tokens(loaded):
+    full = greedy(loaded, "a")
+    stop = full[10:13]  # three characters: three tokens of the char tokenizer
+    stopped = greedy(loaded, "a", stop=[stop])
+    assert stop not in stopped
+    assert len(stopped) < len(full)
+    assert stopped == full[:full.index(stop)]
+
+
+def test_streaming_never_shows_the_stop_sequence(loaded):
+    model, tokenizer = loaded
+    full = greedy(loaded, "a")
+    stop = full[10:13]
+    out = io.StringIO()
+    texts, _ = generate_texts(model, tokenizer, tokenizer.encode("a"), 1, 40, temperature=0, stop=[stop], stream=out)
+    assert out.getvalue() == texts[0] == full[:full.index(stop)]
+    out = io.StringIO()
+    texts, _ = generate_texts(model, tokenizer, tokenizer.encode("a"), 1, 40, temperature=0, stream=out)
+    assert out.getvalue() == texts[0] == full
+
+
+@pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
+def test_stop_via_cli(ckpt, loaded, capsys, stream):
+    full = greedy(loaded, "a", 60)
+    stop = full[20:22]
+    sample.main(["--ckpt", str(ckpt), "--prompt", "a", "--max-new-tokens", "60", "--temperature", "0",
+                 "--stop", "never-produced", "--stop", stop, stream])
+    assert capsys.readouterr().out == "a" + full[:full.index(stop)] + "\n"
+
+
+def test_batch_equals_one_at_a_time_under_greedy(loaded):
+    model, tokenizer = loaded
+    ids = tokenizer.encode("to be")
+    batch, n_tokens = generate_texts(model, tokenizer, ids, 3, 30, temperature=0)
+    singles = [generate_texts(model, tokenizer, ids, 1, 30, temperature=0)[0][0] for _ in range(3)]
+    assert batch == singles
+    assert n_tokens == 3 * 30
+
+
+def test_interactive_reads_prompts_until_eof(ckpt, loaded):
+    result = run_sample("--ckpt", str(ckpt), "--interactive", "--temperature", "0", "--max-new-tokens", "20",
+                        input="abc\nzzz\xe9\nxyz\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"abc{greedy(loaded, 'abc', 20)}\nxyz{greedy(loaded, 'xyz', 20)}\n"
+    # the prompt with an unknown character is reported on one line and the loop goes on
+    [error] = result.stderr.splitlines()
+    assert error.startswith("error: prompt: character 'é'") and "not in" in error
+
+
+def test_unknown_prompt_character_is_a_one_line_user_error(ckpt):
+    with pytest.raises(UserError) as e:
+        sample.main(["--ckpt", str(ckpt), "--prompt", "Ωmega"])
+    assert len(str(e.value).splitlines()) == 1
+    assert "'Ω'" in str(e.value) and "vocabulary" in str(e.value)
+
+
+def test_long_prompt_is_cropped_with_a_notice(ckpt, capsys):
+    sample.main(["--ckpt", str(ckpt), "--prompt", "abcdefghij" * 5, "--max-new-tokens", "5", "--temperature", "0",
+                 "--verbose"])
+    captured = capsys.readouterr()
+    assert "prompt is 50 tokens, longer than block_size 32: keeping the last 32" in captured.err
+    assert "tokens/s" in captured.err
+    assert captured.out.startswith("abcdefghij" * 5)
+
+
+def test_generation_continues_past_block_size(loaded):
+    assert len(greedy(loaded, "a", 70)) == 70  # past block_size 32: the KV cache is refilled
+
+
+def test_run_directory_samples_its_best_checkpoint(tmp_path, capsys):
+    write_char_checkpoint(tmp_path / "ckpt_best.pt", seed=1)
+    write_char_checkpoint(tmp_path / "ckpt_last.pt", seed=2)
+    (tmp_path / "latest").write_text("ckpt_last.pt\n")
+    outputs = []
+    for source in (tmp_path, tmp_path / "ckpt_best.pt", tmp_path / "ckpt_last.pt"):
+        sample.main(["--ckpt", str(source), "--prompt", "a", "--max-new-tokens", "40", "--temperature", "0"])
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] != outputs[2]
+
+
+def test_missing_checkpoint_is_a_one_line_user_error(tmp_path):
+    with pytest.raises(UserError, match="^checkpoint not found: .*nope.pt$"):
+        sample.main(["--ckpt", str(tmp_path / "nope.pt")])
+
+
+def test_showable_length_holds_back_partial_stops_and_characters():
+    assert showable_length("hello wor", ["world"]) == len("hello ")
+    assert showable_length("hello", ["\n\n"]) == 5
+    assert showable_length("hello\n", ["\n\n"]) == 5
+    assert showable_length("ab\ufffd", []) == 2
+
+
+def test_unescape():
+    assert unescape(r"a\nb\tc\\n") == "a\nb\tc\\n"
+    assert unescape("é\\n") == "é\n"
+    assert unescape(r"\q") == r"\q"
