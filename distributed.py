@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -285,7 +286,9 @@ def load_sharded(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     model_sd, optim_sd = get_state_dict(unwrap(model), optimizers)
     state = {"model": model_sd, "optimizers": optim_sd}
     try:
-        dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():  # DCP warns that a load without a process group is single-process: intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
     except (RuntimeError, KeyError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"{directory} does not match this model and optimizer: {first[:300]}") from None
@@ -306,6 +309,13 @@ def without_flag(argv: list[str], flag: str) -> list[str]:
         else:
             out.append(a)
     return out
+
+
+def root_cause(failures: dict) -> tuple:
+    """(rank, failure) that started it all: the others exited 1 when they lost their peer (PeerFailure) or were
+    stopped by torchrun (SIGTERM). Timestamps alone can't tell: they have a resolution of one second."""
+    consequences = (1, -signal.SIGTERM)
+    return min(failures.items(), key=lambda item: (item[1].exitcode in consequences, item[1].timestamp))
 
 
 def relaunch_with_torchrun(nproc: int, argv: list[str], script: str) -> int:
@@ -336,7 +346,7 @@ def relaunch_with_torchrun(nproc: int, argv: list[str], script: str) -> int:
     except SignalException as e:  # Ctrl-C or SIGTERM: torchrun passed it on, the workers saved and said so
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = root_cause(e.failures)
         if failure.exitcode == EXIT_USER_ERROR:  # the worker has printed its one-line error
             return EXIT_USER_ERROR
         if failure.exitcode < 0:

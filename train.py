@@ -523,11 +523,13 @@ def run_loop(model, raw_model: GPT, optimizers, scaler, batches: BatchSource, st
                                        (t.max_iters - state.iter_num) * avg), flush=True)
                 log.record({"kind": "train", "iter": state.iter_num, "loss": lossf, "lr": lr, "grad_norm": float(norm),
                             "ms_per_iter": avg * 1000, "tokens_per_s": tps, "mfu": mfu, "tokens": state.tokens_seen})
-        state.stop_requested = dist_utils.any_rank(state.stop_requested, rt.dist)
+        # not assigned back to state.stop_requested: a signal handled while any_rank waits would be overwritten
+        # (and lost); it is agreed on at the next step instead
+        stop_signal = dist_utils.any_rank(state.stop_requested, rt.dist)
         done = state.iter_num >= t.max_iters
-        if not state.stop_requested and ((t.eval_interval and state.iter_num % t.eval_interval == 0) or done):
+        if not stop_signal and ((t.eval_interval and state.iter_num % t.eval_interval == 0) or done):
             do_eval()
-        state.stop_reason = state.stop_reason or ("signal" if state.stop_requested else "")
+        state.stop_reason = state.stop_reason or ("signal" if stop_signal else "")
         if done or state.stop_reason or (t.save_interval and state.iter_num % t.save_interval == 0):
             checkpoint("last", final=done or bool(state.stop_reason))
             if main:
@@ -582,7 +584,11 @@ def load_run_config(config, overrides, resume: bool | str, force: bool, world_si
         resume = str(Path(probe.run.out_dir) / probe.run.name)
     run = resolve_run_dir(Config(), resume, force)
     path = Path(resume) if Path(resume).is_file() else run.latest()  # --resume FILE resumes that very checkpoint
-    ckpt = load_checkpoint(path)
+    try:
+        ckpt = load_checkpoint(path)
+    except UserError as e:
+        older = [p for p in run.step_checkpoints() if not os.path.samefile(p, path)]  # step files may be hard links
+        raise UserError(f"{e}; an older checkpoint can be resumed with --resume {older[-1]}" if older else str(e)) from None
     check_resumable(ckpt, path)
     saved = {s: {k: v for k, v in t.items() if v is not None} for s, t in ckpt["config"].items()}
     saved["run"].update(name=run.path.name, out_dir=str(run.path.parent))

@@ -37,6 +37,9 @@ from pathlib import Path
 import psutil
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+from common import atomic_write_text  # noqa: E402  (the repo's scripts run from its root, not as a package)
+
 SHAKESPEARE = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 MAX_RSS_GROWTH = 0.05
 STEP_LINE = re.compile(r"^(?:iter\s+|eval )(\d+)")
@@ -81,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-s", type=float, default=0.2, help="seconds between samples")
     p.add_argument("--input", type=Path, default=SHAKESPEARE if SHAKESPEARE.is_file() else None)
     p.add_argument("--keep", action="store_true", help="keep the temp directory")
+    p.add_argument("--csv", type=Path, help="also write every sample (iteration, rss_mb, disk_mb, files) here")
     args = p.parse_args(argv)
     if args.warmup + 100 >= args.iters - 100:
         p.error("--iters must exceed --warmup + 200 so the warm-up and end windows don't overlap")
@@ -200,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py exited with {code}; files kept in {tmp}", file=sys.stderr)
         return 1
     ok = report(args, samples, run_dir, seconds)
+    if args.csv:
+        atomic_write_text(args.csv, "iteration,rss_mb,disk_mb,files\n" + "".join(
+            f"{s.iteration},{s.rss_mb:.1f},{s.disk_mb:.2f},{s.files}\n" for s in samples))
     if args.keep:
         print(f"kept {tmp}")
     else:

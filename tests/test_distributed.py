@@ -4,6 +4,7 @@ Runs shared by several tests are module fixtures. Loss sequences come from train
 under DDP the logged loss is the mean over ranks, i.e. the mean over all micro-batches of the step.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -113,6 +114,20 @@ def assert_same(a: dict[int, float], b: dict[int, float], tol: float) -> None:
     assert worst <= tol, f"max difference {worst:.3g} > {tol}: {a} vs {b}"
 
 
+def ended(proc: subprocess.Popen, timeout: float) -> tuple[str, float]:
+    """Wait for a launched job; returns (output, seconds waited). On timeout, kill it and fail with its output."""
+    t0 = time.monotonic()
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for p in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        output, _ = proc.communicate()
+        raise AssertionError(f"the job did not end within {timeout}s:\n{output[-4000:]}") from None
+    return output, time.monotonic() - t0
+
+
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -174,6 +189,19 @@ def test_without_flag_strips_every_spelling():
                                                                    "--training.batch_size", "4"]
 
 
+def test_root_cause_skips_the_ranks_that_only_lost_their_peer():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    def failure(exitcode: int) -> ProcessFailure:
+        f = ProcessFailure(local_rank=0, pid=100 + exitcode, exitcode=exitcode, error_file="<none>")
+        f.timestamp = 1_700_000_000  # the same second: timestamps can't decide
+        return f
+
+    assert distributed.root_cause({0: failure(-signal.SIGTERM), 1: failure(-signal.SIGKILL)})[0] == 1
+    assert distributed.root_cause({0: failure(1), 1: failure(2)})[0] == 1
+    assert distributed.root_cause({0: failure(1), 1: failure(1)})[0] == 0
+
+
 @pytest.mark.slow
 def test_two_ranks_equal_one_rank_with_accumulation(ddp_plain, single_accum2):
     """Same micro-batches, same averaged gradient: 2 ranks x accum 1 == 1 rank x accum 2, losses and evals."""
@@ -198,7 +226,7 @@ def test_self_launch_then_resume_matches_uninterrupted_run(workdir, ddp_dropout)
     every rank's data stream and dropout RNG continue exactly."""
     out = workdir / "stopped"
     launcher = self_launch("--config", config(workdir, 0.1), "--run.out_dir", str(out), "--max-iters", str(STOP))
-    output, _ = launcher.communicate(timeout=180)
+    output, _ = ended(launcher, timeout=180)
     assert launcher.returncode == 0, output[-3000:]
     assert "launching: torchrun --standalone --nproc-per-node=2" in output
     assert "8 x 1 accum x 2 ranks = 16 sequences" in output
@@ -221,8 +249,9 @@ def test_fsdp_trains_like_ddp_and_resumes(workdir, ddp_dropout):
     run = out / "run"
     assert (run / f"sharded_step{STOP:07d}" / ".metadata").is_file()
     torchrun("--resume", str(run), "--max-iters", str(ITERS))
-    # sharded reductions add in another order than DDP's all-reduce: equal up to float rounding
-    assert_same(log(run), log(ddp_dropout), tol=1e-4)
+    # same initial weights (rank 0's), same per-rank dropout streams; reduce-scatter may round differently
+    # from DDP's all-reduce (on 2 CPU ranks it does not: the difference measured is 0)
+    assert_same(log(run), log(ddp_dropout), tol=1e-6)
     ckpt = load_checkpoint(run / "ckpt_last.pt")
     assert ckpt["sharded"] == f"sharded_step{ITERS:07d}" and ckpt["optimizers"] == [None]
     assert sorted(p.name for p in run.glob("sharded_step*")) == [f"sharded_step{STOP:07d}", f"sharded_step{ITERS:07d}"]
@@ -250,10 +279,10 @@ def test_two_node_job_on_localhost_agrees_on_early_stopping(workdir):
             "--training.early_stopping_min_delta", "10.0", "--distributed.timeout_s", "60"]
     nodes = [subprocess.Popen(common + [f"--node_rank={r}"] + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    outputs = [ended(node, timeout=180)[0] for node in nodes]
     for node, output in zip(nodes, outputs):
         assert node.returncode == 0, output[-3000:]
-    assert "1 ranks = 8 sequences" not in outputs[0] and "x 2 ranks = 16 sequences" in outputs[0]
+    assert "x 2 ranks = 16 sequences" in outputs[0]
     assert "early stopping" in outputs[0]
     assert max(log(out / "run")) == STOP
     assert load_checkpoint(out / "run" / "ckpt_last.pt")["iter_num"] == STOP
@@ -265,14 +294,9 @@ def test_killed_rank_ends_the_job_quickly_and_leaves_a_loadable_checkpoint(workd
     launcher = self_launch("--config", config(workdir, 0.0), "--run.out_dir", str(out), "--max-iters", "100000",
                            "--training.save_interval", "5", "--training.eval_interval", "0",
                            "--training.log_interval", "100", "--distributed.timeout_s", "30")
-    try:
-        wait_for(out / "run" / "ckpt_last.pt", launcher)
-        worker(launcher, rank=1).send_signal(signal.SIGKILL)
-        t0 = time.monotonic()
-        output, _ = launcher.communicate(timeout=60)
-        elapsed = time.monotonic() - t0
-    finally:
-        launcher.kill()
+    wait_for(out / "run" / "ckpt_last.pt", launcher)
+    worker(launcher, rank=1).send_signal(signal.SIGKILL)
+    output, elapsed = ended(launcher, timeout=60)
     assert launcher.returncode == 128 + signal.SIGKILL, output[-3000:]
     assert elapsed < 20, f"the job took {elapsed:.0f}s to end"
     assert "error: rank 1" in output and "was killed by SIGKILL" in output
@@ -287,12 +311,9 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(workdir):
     launcher = self_launch("--config", config(workdir, 0.0), "--run.out_dir", str(out), "--max-iters", "100000",
                            "--training.save_interval", "5", "--training.eval_interval", "0",
                            "--training.log_interval", "100")
-    try:
-        wait_for(out / "run" / "ckpt_last.pt", launcher)
-        worker(launcher, rank=1).send_signal(signal.SIGTERM)
-        output, _ = launcher.communicate(timeout=60)
-    finally:
-        launcher.kill()
+    wait_for(out / "run" / "ckpt_last.pt", launcher)
+    worker(launcher, rank=1).send_signal(signal.SIGTERM)
+    output, _ = ended(launcher, timeout=60)
     assert launcher.returncode == 0, output[-3000:]
     assert output.count("SIGTERM received") == 1  # rank 1 got it; rank 0 learnt it through any_rank
     ckpt = load_checkpoint(out / "run" / "ckpt_last.pt")
@@ -303,7 +324,7 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(workdir):
 def test_self_launch_reports_a_worker_user_error_in_one_line(workdir):
     launcher = self_launch("--config", config(workdir, 0.0), "--run.out_dir", str(workdir / "bad"),
                            "--data.dataset", "no_such_dataset")
-    output, _ = launcher.communicate(timeout=120)
+    output, _ = ended(launcher, timeout=120)
     assert launcher.returncode == 2
     assert "error: unknown dataset 'no_such_dataset'" in output
     assert "Traceback" not in output and "ChildFailedError" not in output

@@ -312,6 +312,18 @@ def test_bit_flipped_checkpoint_is_refused_or_identical(trained_run, tmp_path, f
     assert ckpt["config"] == reference["config"] and ckpt["iter_num"] == reference["iter_num"]
 
 
+def test_a_corrupt_latest_checkpoint_names_an_older_one_that_resumes(trained_run, tmp_path):
+    run = RunDir(tmp_path / "t")
+    shutil.copytree(trained_run.path, run.path)  # copies: the step files are no longer hard links to ckpt_last
+    damaged = bytearray(run.last.read_bytes())
+    middle = len(damaged) // 2
+    damaged[middle:middle + 16] = bytes(b ^ 0xFF for b in damaged[middle:middle + 16])
+    run.last.write_bytes(damaged)
+    with pytest.raises(UserError, match=rf"{re.escape(str(run.last))} is corrupt.*--resume {re.escape(str(run.step(4)))}"):
+        load_run_config(None, [], str(run.path), False, 1)
+    assert train(None, overrides={"training.max_iters": 5}, resume=str(run.step(4))).iterations == 5
+
+
 def test_architecture_and_vocabulary_mismatches_are_named(trained_run, tiny_data, tmp_path):
     ckpt = load_checkpoint(trained_run.last)
     ckpt["model_args"]["n_embd"] = 64  # the weights are 32 wide

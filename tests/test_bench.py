@@ -1,0 +1,150 @@
+"""bench.py and speedrun.py on tiny inputs: every mode runs and prints its numbers (timings are never asserted)."""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import bench
+import speedrun
+from common import UserError
+from data import BatchSource, load_dataset
+from prepare import prepare_dataset
+
+TEXT = "".join(f"Line {i}: the quick brown fox jumps over {i * 7} lazy dogs, said the king.\n" for i in range(600))
+TINY_MODEL = ["--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "16", "--model.block_size", "16",
+              "--training.batch_size", "2"]
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """Command-line overrides for a one-layer model on a small prepared text."""
+    text = tmp_path / "input.txt"
+    text.write_text(TEXT)
+    return ["--data.dataset", "tiny", "--data.input", str(text), "--data.data_dir", str(tmp_path / "data"), *TINY_MODEL]
+
+
+def number_after(label: str, out: str) -> float:
+    match = re.search(re.escape(label) + r"\s*([\d.,]+)", out)
+    assert match, f"{label!r} not in:\n{out}"
+    return float(match[1].replace(",", ""))
+
+
+def table_rows(out: str) -> list[list[str]]:
+    """The body rows of the markdown tables in `out`, as lists of cells."""
+    rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in row] for row in rows if not row[0].strip().startswith("---")]
+
+
+def test_training_table_and_baseline_ratio(tiny, capsys):
+    bench.main([*tiny, "--warmup", "2", "--iters", "3", "--repeats", "2", "--baseline"])
+    out = capsys.readouterr().out
+    rows = {row[0]: row for row in table_rows(out)}
+    assert set(rows) >= {"run", "optimised", "baseline (all off)"}
+    assert rows["run"][1:5] == ["ms/iter (median)", "ms/iter (best)", "tokens/s", "MFU"]
+    for name in ("optimised", "baseline (all off)"):
+        ms_median, ms_best, tokens_per_s = (float(c.replace(",", "")) for c in rows[name][1:4])
+        assert 0 < ms_best <= ms_median and tokens_per_s > 0
+        assert float(rows[name][5].replace(",", "")) > 0  # peak RSS
+    assert number_after("speed-up over the baseline:", out) > 0
+    assert "load average" in out
+
+
+def test_json_output_and_profile_trace(tiny, tmp_path, capsys):
+    trace_dir = tmp_path / "prof"
+    bench.main([*tiny, "--warmup", "1", "--iters", "2", "--repeats", "1", "--json", "--profile", str(trace_dir),
+                "--profile-steps", "1"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(result) == 1 and result[0]["name"] == "optimised"
+    assert result[0]["tokens_per_s"] > 0 and result[0]["peak_mb"] > 0 and result[0]["first_step_s"] > 0
+    trace = json.loads((trace_dir / "trace.json").read_text())
+    assert any("aten::" in str(event.get("name")) for event in trace["traceEvents"])
+
+
+def test_baseline_batches_equal_vectorised_batches(tiny):
+    data_dir = prepare_dataset("tiny", input_path=tiny[3], data_dir=tiny[5], verbose=False)
+    dataset = load_dataset(data_dir)
+    fast = BatchSource(dataset, 16, 4, seed=3, device=torch.device("cpu"), prefetch=True)
+    loop = bench.LoopBatchSource(dataset, 16, 4, seed=3, device=torch.device("cpu"), prefetch=False)
+    for index in range(3):
+        for a, b in zip(fast.get("train", index, next_index=index + 1), loop.get("train", index)):
+            assert torch.equal(a, b)
+
+
+def test_sample_mode(capsys):
+    bench.main(["--sample", *TINY_MODEL, "--model.block_size", "32", "--new-tokens", "40", "--repeats", "1"])
+    out = capsys.readouterr().out
+    rows = {row[0]: row for row in table_rows(out)}
+    assert float(rows["on"][1].replace(",", "")) > 0 and float(rows["off"][1].replace(",", "")) > 0
+    assert number_after("KV cache speed-up:", out) > 0
+
+
+def test_prepare_mode(tmp_path, capsys):
+    text = tmp_path / "small.txt"
+    text.write_text(TEXT)
+    bench.main(["--prepare", "--input", str(text), "--vocab-size", "300", "--encode-mb", "0.2", "--size-mb", "1",
+                "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert number_after("tokens on small.txt |", out) >= 0
+    assert number_after("best of 1) |", out) > 0
+    assert number_after("file: peak RSS |", out) > 0
+    assert re.search(r"on a 1 MB file: time \| [\d.]+ s", out)
+
+
+def test_memory_mode(tiny, capsys):
+    bench.main(["--memory", *tiny, "--size-mb", "2", "--iters", "3"])
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert rows[0][0] == "train.bin" and len(rows) == 3
+    assert rows[2][0] == "2.0 MB"
+    assert re.search(r"a 2 MB train.bin adds [+-]\d+ MB of peak training RSS", out)
+
+
+def test_precision_curves(tiny, capsys):
+    bench.main(["--precision-curves", *tiny, "--iters", "4", "--eval-interval", "2", "--training.eval_iters", "2"])
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert rows[0] == ["iter", "fp32", "bf16", "bf16 - fp32"]
+    assert [r[0] for r in rows[1:]] == ["0", "2", "4"]
+    fp32, bf16 = float(rows[-1][1]), float(rows[-1][2])
+    assert abs(fp32 - bf16) < 0.2  # bf16 autocast tracks fp32
+    assert "training speed" in out
+
+
+def test_missing_input_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="--input .*missing.txt not found"):
+        bench.main(["--prepare", "--input", str(tmp_path / "missing.txt")])
+
+
+def test_write_repeated(tmp_path):
+    path = tmp_path / "f"
+    bench.write_repeated(path, b"abc", 8)
+    assert path.read_bytes() == b"abcabcab"
+
+
+def test_speedrun_times_both_configs(tiny, tmp_path):
+    configs = []
+    for name in ("slow", "fast"):
+        path = tmp_path / f"{name}.toml"
+        path.write_text("[run]\ndevice = \"cpu\"\n[training]\nmax_iters = 4\neval_iters = 2\n")
+        configs.append(str(path))
+    result = subprocess.run([sys.executable, "speedrun.py", "--configs", *configs, "--target", "100",
+                             "--eval-interval", "2", *tiny], cwd=bench.REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {row[0]: row for row in table_rows(result.stdout)}
+    for config in configs:
+        assert rows[config][1].endswith("s") and rows[config][2] == "0"  # the iter-0 eval is already below 100
+    assert re.search(r"fast.toml / .*slow.toml: [\d.]+s / [\d.]+s = [\d.]+ of the wall time", result.stdout)
+
+
+def test_speedrun_ratio_when_the_baseline_never_reaches_the_target():
+    base = speedrun.Crossing("a.toml", None, 2000, 1.9, 60.0)
+    fast = speedrun.Crossing("b.toml", 20.0, 600, 1.87, 20.0)
+    line = speedrun.ratio_line({"a.toml": [base], "b.toml": [fast]})
+    assert "< 0.33" in line and "never reached" in line
+    assert "did not reach" in speedrun.ratio_line({"a.toml": [fast], "b.toml": [base]})
+    assert np.isclose(float(re.search(r"= ([\d.]+) of", speedrun.ratio_line({"a": [fast], "b": [fast]}))[1]), 1.0)
