@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import uuid
 import sys
 from pathlib import Path
 
@@ -58,7 +59,7 @@ class MetricsLog:
             import wandb
         except ImportError:
             raise UserError("logging.wandb_project is set but wandb is not installed: pip install '.[wandb]'") from None
-        run_id = run_id or wandb.util.generate_id()
+        run_id = run_id or uuid.uuid4().hex[:8]  # stored in the checkpoint so a resumed run continues it
         self.wandb = wandb.init(project=project, name=run_name, id=run_id, resume="allow", config=config,
                                 dir=str(self.run_dir))
         return run_id

@@ -167,6 +167,19 @@ def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> float:
     return optimizers[-1].param_groups[0]["lr"]
 
 
+def on_main_then_share(fn, dist: dist_utils.DistInfo) -> None:
+    """Run fn on rank 0 while the others wait; a UserError there is raised on every rank, so all exit 2."""
+    error = None
+    if dist.is_main:
+        try:
+            fn()
+        except UserError as e:
+            error = str(e)
+    error = dist_utils.broadcast_object(error, dist)
+    if error is not None:
+        raise UserError(error)
+
+
 def prepare_data(cfg: Config, dist: dist_utils.DistInfo) -> Dataset:
     """Find (or, on rank 0, prepare) the dataset the config names, then open and check it."""
     from prepare import prepare_dataset, prepare_txt_dir
@@ -174,9 +187,8 @@ def prepare_data(cfg: Config, dist: dist_utils.DistInfo) -> Dataset:
     d = cfg.data
     if cfg.training.data_format == "txt":
         processed = Path(d.processed_dir or "data/processed")
-        if dist.is_main:
-            prepare_txt_dir(processed, tokenizer=d.tokenizer, vocab_size=d.bpe_vocab_size if d.tokenizer == "bpe" else None)
-        dist_utils.barrier(dist)
+        on_main_then_share(lambda: prepare_txt_dir(processed, tokenizer=d.tokenizer,
+                                                   vocab_size=d.bpe_vocab_size if d.tokenizer == "bpe" else None), dist)
         directory = processed / "cache"
     elif d.processed_dir is not None:
         # the seed's rule: data/processed falls back to its parent data/ for train.bin/val.bin
@@ -186,11 +198,10 @@ def prepare_data(cfg: Config, dist: dist_utils.DistInfo) -> Dataset:
         if not (directory / "train.bin").exists():
             raise UserError(f"no train.bin in data.processed_dir = {d.processed_dir} (or its parent)")
     else:
-        if dist.is_main:
-            prepare_dataset(d.dataset, input_path=d.input, tokenizer=d.tokenizer,
-                            vocab_size=d.bpe_vocab_size if d.tokenizer == "bpe" else None,
-                            val_fraction=d.val_fraction, data_dir=d.data_dir, max_bytes=d.max_bytes)
-        dist_utils.barrier(dist)
+        on_main_then_share(lambda: prepare_dataset(d.dataset, input_path=d.input, tokenizer=d.tokenizer,
+                                                   vocab_size=d.bpe_vocab_size if d.tokenizer == "bpe" else None,
+                                                   val_fraction=d.val_fraction, data_dir=d.data_dir,
+                                                   max_bytes=d.max_bytes), dist)
         directory = Path(d.data_dir) / d.dataset
     expect = d.tokenizer if d.processed_dir is None and cfg.training.data_format == "bin" else None
     return load_dataset(directory, expect_tokenizer=expect)

@@ -66,13 +66,11 @@ def time_steps(cfg, rt, model, dataset, steps: int = 3) -> float:
     """Seconds per optimizer step, measured on real batches (the first step is warm-up)."""
     import distributed as dist_utils
     from data import BatchSource
-    from train import train_step
+    from train import make_optimizers, train_step
 
-    o = cfg.optimizer
-    optimizers = model.configure_optimizers(o.weight_decay, o.learning_rate, (o.beta1, o.beta2), rt.device.type,
-                                            optimizer=o.name, fused=o.fused, muon_lr=o.muon_lr, muon_momentum=o.muon_momentum)
+    wrapped = dist_utils.wrap_model(model, cfg, rt.dist, rt.device)  # FSDP needs its wrapper before the optimizer
+    optimizers = make_optimizers(model, cfg, rt.device)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
-    wrapped = dist_utils.wrap_model(model, cfg, rt.dist, rt.device)
     batches = BatchSource(dataset, model.config.block_size, cfg.training.batch_size, cfg.run.seed, rt.device)
     times = []
     for it in range(steps):
