@@ -136,8 +136,9 @@ def safe_split_index(text: str | bytes, lo: int, hi: int) -> int:
     if last_newline >= lo:
         return last_newline + 1
     if isinstance(text, bytes):
-        for cut in range(hi, max(lo, hi - 4), -1):
-            if cut >= len(text) or not 0x80 <= text[cut] < 0xC0:
+        # the end of the buffer is not a character boundary: more bytes may follow it
+        for cut in range(hi, max(lo, hi - 5), -1):
+            if cut < len(text) and not 0x80 <= text[cut] < 0xC0:
                 return cut
     return hi
 
