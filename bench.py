@@ -37,7 +37,7 @@ import torch
 
 import distributed as dist_utils
 from checkpoint import RunDir
-from common import UserError, run_main
+from common import UserError, atomic_write, run_main
 from config import build_config, load_toml, parse_overrides
 from data import BatchSource
 from metrics import rss_mb
@@ -275,7 +275,7 @@ def bench_sample(args: argparse.Namespace, overrides: list) -> None:
 
 def write_repeated(path: Path, data: bytes, size: int) -> None:
     """A file of `size` bytes: `data` over and over (cut at the end)."""
-    with open(path, "wb") as f:
+    with atomic_write(path) as f:
         for start in range(0, size, len(data)):
             f.write(data[:size - start])
 
@@ -283,7 +283,7 @@ def write_repeated(path: Path, data: bytes, size: int) -> None:
 def run_child(cmd: list[str], log: Path) -> tuple[float, float]:
     """(seconds, peak RSS MB) of a child process; wait4 reports that child's own high-water mark."""
     t0 = time.perf_counter()
-    with open(log, "wb") as out:
+    with atomic_write(log) as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - t0
