@@ -97,6 +97,18 @@ class _Reading:
     replaced: int = 0
 
 
+def _meta_fields(tok: Tokenizer, n_train: int, n_val: int, max_id: int) -> dict:
+    """The meta.json fields that describe the encoded token files."""
+    return {
+        "tokenizer": {"kind": tok.kind, "name": tok.name, "file": "tokenizer.json"},
+        "vocab_size": tok.vocab_size,
+        "dtype": token_dtype(tok.vocab_size),
+        "train_tokens": n_train,
+        "val_tokens": n_val,
+        "max_token_id": max_id,
+    }
+
+
 def token_dtype(vocab_size: int) -> str:
     return "uint32" if vocab_size > 65535 else "uint16"
 
@@ -240,15 +252,7 @@ def _build(
         )
     if reading.replaced:
         print(f"warning: {what} has {reading.replaced} invalid UTF-8 byte sequences; each became U+FFFD", file=sys.stderr)
-    fields = {
-        "tokenizer": {"kind": tok.kind, "name": tok.name, "file": "tokenizer.json"},
-        "vocab_size": tok.vocab_size,
-        "dtype": token_dtype(tok.vocab_size),
-        "train_tokens": n_train,
-        "val_tokens": n_val,
-        "max_token_id": max_id,
-    }
-    return fields, reading
+    return _meta_fields(tok, n_train, n_val, max_id), reading
 
 
 def _sha256_file(path: Path) -> str:
@@ -608,14 +612,7 @@ def prepare_txt_dir(
         n_train, n_val, max_id = _write_bins(
             cache, tok.vocab_size, (_array_chunks(train_ids, reading), _array_chunks(val_ids, reading)), f"{src}"
         )
-        fields = {
-            "tokenizer": {"kind": tok.kind, "name": tok.name, "file": "tokenizer.json"},
-            "vocab_size": tok.vocab_size,
-            "dtype": token_dtype(tok.vocab_size),
-            "train_tokens": n_train,
-            "val_tokens": n_val,
-            "max_token_id": max_id,
-        }
+        fields = _meta_fields(tok, n_train, n_val, max_id)
     else:
         train = _Span(src / "train.txt", 0, (src / "train.txt").stat().st_size)
         val = _Span(src / "val.txt", 0, (src / "val.txt").stat().st_size)
