@@ -13,9 +13,10 @@ Other modes:
 
 The baseline is the same model with every optimisation off: eager, for-loop AdamW (no fused or
 foreach kernel), fp32, batches built row by row in Python without prefetching, and a host sync
-(loss.item()) every step. A shared machine makes timings noisy: every time is the median (and
-best) of --repeats runs, and each table ends with the load average; above the core count means
-someone else was computing at the same time.
+(loss.item()) every step. Both live in one process and take turns, --repeats rounds of --iters
+steps each, so a machine whose speed drifts slows both alike (peak RSS is then the process's).
+Every time is the median (and best) of the rounds, and each table ends with the load average;
+above the core count means someone else was computing at the same time.
 """
 
 from __future__ import annotations
@@ -166,26 +167,45 @@ def run_steps(tr: Trainer, start: int, n: int) -> int:
     return start + n
 
 
-def time_training(tr: Trainer, name: str, warmup: int, iters: int, repeats: int) -> StepTiming:
-    """Warm-up steps (the first one compiles, timed alone), then `repeats` timed runs of `iters` steps."""
-    device = tr.rt.device
+def warm_up(tr: Trainer, warmup: int) -> tuple[int, float]:
+    """`warmup` untimed steps; returns the next step and the seconds the first one took (it compiles)."""
     t0 = time.perf_counter()
     it = run_steps(tr, 0, 1)
-    synchronize(device)
+    synchronize(tr.rt.device)
     first = time.perf_counter() - t0
-    it = run_steps(tr, it, max(0, warmup - 1))
-    reset_peak_memory(device)
-    times = []
+    return run_steps(tr, it, max(0, warmup - 1)), first
+
+
+def timed_round(tr: Trainer, it: int, iters: int) -> tuple[int, float, float]:
+    """`iters` timed steps from step `it`: (next step, seconds per step, peak memory in MB)."""
+    reset_peak_memory(tr.rt.device)
+    synchronize(tr.rt.device)
+    t0 = time.perf_counter()
+    it = run_steps(tr, it, iters)
+    synchronize(tr.rt.device)
+    return it, (time.perf_counter() - t0) / iters, peak_memory_mb(tr.rt.device)
+
+
+def time_training(trainers: dict[str, Trainer], warmup: int, iters: int, repeats: int) -> list[StepTiming]:
+    """Warm each trainer up, then `repeats` rounds in which each runs `iters` timed steps in turn.
+
+    Taking turns puts every trainer through the same moments of a shared machine's load, so their
+    ratio holds even when the machine's speed drifts during the benchmark."""
+    steps, firsts, times, peaks = {}, {}, {n: [] for n in trainers}, {n: 0.0 for n in trainers}
+    for name, tr in trainers.items():
+        steps[name], firsts[name] = warm_up(tr, warmup)
     for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        it = run_steps(tr, it, iters)
-        synchronize(device)
-        times.append((time.perf_counter() - t0) / iters)
-    median = statistics.median(times)
-    tps = tr.rt.tokens_per_step / median
-    return StepTiming(name, median * 1e3, min(times) * 1e3, tps, tr.raw_model.estimate_mfu(tps, tr.rt.peak_flops),
-                      peak_memory_mb(device), first, rss_mb())
+        for name, tr in trainers.items():
+            steps[name], seconds, peak = timed_round(tr, steps[name], iters)
+            times[name].append(seconds)
+            peaks[name] = max(peaks[name], peak)
+    rows = []
+    for name, tr in trainers.items():
+        median = statistics.median(times[name])
+        tps = tr.rt.tokens_per_step / median
+        rows.append(StepTiming(name, median * 1e3, min(times[name]) * 1e3, tps,
+                               tr.raw_model.estimate_mfu(tps, tr.rt.peak_flops), peaks[name], firsts[name], rss_mb()))
+    return rows
 
 
 def profile_training(tr: Trainer, out_dir: Path, steps: int, start: int) -> Path:
@@ -196,9 +216,11 @@ def profile_training(tr: Trainer, out_dir: Path, steps: int, start: int) -> Path
     with profile(activities=activities) as prof:
         run_steps(tr, start, steps)
         synchronize(tr.rt.device)
-    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "trace.json"
-    prof.export_chrome_trace(str(path))
+    with tempfile.TemporaryDirectory() as tmp:  # the profiler writes a file itself: move it in atomically
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        with atomic_write(path) as f:
+            f.write(Path(tmp, "trace.json").read_bytes())
     sort = "self_cuda_time_total" if tr.rt.device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=15))
     return path
@@ -221,16 +243,17 @@ def print_training_table(rows: list[StepTiming], device: torch.device) -> None:
 
 
 def bench_training(args: argparse.Namespace, overrides: list) -> None:
-    rows, device = [], None
+    trainers = {}
     for baseline in (False, True) if args.baseline else (False,):
-        tr = make_trainer(args.config, overrides, baseline)
-        device, name = tr.rt.device, "baseline (all off)" if baseline else "optimised"
-        print(f"{name}: {describe(tr)}", flush=True)
-        rows.append(time_training(tr, name, args.warmup, args.iters, args.repeats))
-        if args.profile and not baseline:
-            path = profile_training(tr, Path(args.profile), args.profile_steps, args.warmup + args.iters * args.repeats)
-            print(f"profiler trace: {path}")
-        del tr
+        name = "baseline (all off)" if baseline else "optimised"
+        trainers[name] = make_trainer(args.config, overrides, baseline)
+        print(f"{name}: {describe(trainers[name])}", flush=True)
+    rows = time_training(trainers, args.warmup, args.iters, args.repeats)
+    device = trainers["optimised"].rt.device
+    if args.profile:
+        tr = trainers["optimised"]
+        path = profile_training(tr, Path(args.profile), args.profile_steps, args.warmup + args.iters * args.repeats)
+        print(f"profiler trace: {path}")
     if args.json:
         print(json.dumps([asdict(r) for r in rows]))
         return

@@ -1,7 +1,8 @@
 """Training telemetry: the console line, train_log.json, wandb, the loss-curve PNG, and MFU's peak.
 
-Only rank 0 creates a MetricsLog. train_log.json and loss_curve.png are rewritten atomically at
-each evaluation, each checkpoint and the end, so they always match a loadable checkpoint.
+Only rank 0 creates a MetricsLog. train_log.json is rewritten atomically at each evaluation, each
+checkpoint and the end, so it always matches a loadable checkpoint; loss_curve.png is redrawn then
+too, atomically, by a background child process.
 """
 
 from __future__ import annotations
@@ -9,13 +10,12 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
 import uuid
 import sys
 from pathlib import Path
 
-import torch
-
-from common import UserError, WriteError, atomic_write, atomic_write_json, format_duration
+from common import UserError, WriteError, atomic_write, atomic_write_json, format_duration, run_main
 
 # Dense bf16/fp16 tensor-core peaks of common accelerators (FLOP/s); fp32 is taken as 1/2 of TF32-less peak.
 CUDA_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10": 125e12, "L4": 121e12, "4090": 165e12,
@@ -24,6 +24,8 @@ CUDA_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10": 125e12, "L4
 
 def default_peak_flops(device: torch.device, precision: str) -> float:
     """A sensible peak FLOP/s for MFU when logging.peak_tflops is not set."""
+    import torch  # here, so that `python metrics.py --plot` starts without torch
+
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = next((v for k, v in CUDA_PEAKS.items() if k in name), 100e12)
@@ -41,6 +43,7 @@ class MetricsLog:
         self.json_log, self.plot = json_log, plot
         self.history: list[dict] = history or []
         self.wandb = None
+        self._plotter: subprocess.Popen | None = None
 
     @classmethod
     def resume(cls, run_dir: Path, upto_iter: int, **kw) -> "MetricsLog":
@@ -77,37 +80,61 @@ class MetricsLog:
                 atomic_write_json(self.run_dir / "train_log.json", {"history": self.history})
             if self.plot:
                 self.write_plot()
-        except WriteError as e:
+        except (WriteError, OSError) as e:  # OSError: the plotting child could not be started
             print(f"warning: training log not saved: {e}", file=sys.stderr, flush=True)
 
     def write_plot(self) -> None:
-        import matplotlib
-        matplotlib.use("Agg")  # no display, no browser
-        import matplotlib.pyplot as plt
+        """Redraw loss_curve.png in a child process (`python metrics.py --plot`), in the background.
 
-        train = [(p["iter"], p["loss"]) for p in self.history if p["kind"] == "train"]
-        evals = [p for p in self.history if p["kind"] == "eval"]
-        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-        if train:
-            ax.plot(*zip(*train), label="train (step)", alpha=0.4, linewidth=1)
-        if evals:
-            ax.plot([p["iter"] for p in evals], [p["train_loss"] for p in evals], "o-", label="train (eval)")
-            ax.plot([p["iter"] for p in evals], [p["val_loss"] for p in evals], "o-", label="val")
-        ax.set_xlabel("iteration")
-        ax.set_ylabel("loss")
-        ax.set_title(self.run_dir.name)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", bbox_inches="tight")
-        plt.close(fig)
-        with atomic_write(self.run_dir / "loss_curve.png", "wb") as f:
-            f.write(buf.getvalue())
+        matplotlib's renderer grows a long-lived process's resident memory with each redraw of a lengthening
+        curve (+10% RSS over scripts/soak.py's 2000 iterations); a child's memory goes with it, and training
+        doesn't wait for the drawing. While a redraw is under way, later ones are skipped (each draws the whole
+        history; finish() draws the last). Its own session: Ctrl-C in the terminal is for train.py alone."""
+        if self._plotter is not None and self._plotter.poll() is None:
+            return
+        points = [p for p in self.history if p["kind"] in ("train", "eval")]
+        cmd = [sys.executable, os.path.abspath(__file__), "--plot", str(self.run_dir / "loss_curve.png"), self.run_dir.name]
+        self._plotter = subprocess.Popen(cmd, stdin=subprocess.PIPE, text=True, start_new_session=True)
+        with self._plotter.stdin as pipe:  # the child reads it all before importing matplotlib
+            pipe.write(json.dumps(points))
+
+    def wait_for_plot(self) -> None:
+        if self._plotter is not None:
+            self._plotter.wait()
+            self._plotter = None
 
     def finish(self) -> None:
+        self.wait_for_plot()
         self.flush()
+        self.wait_for_plot()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def render_loss_curve(history: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")  # no display, no browser
+    import matplotlib.pyplot as plt
+
+    train = [(p["iter"], p["loss"]) for p in history if p["kind"] == "train"]
+    evals = [p for p in history if p["kind"] == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if train:
+        ax.plot(*zip(*train), label="train (step)", alpha=0.4, linewidth=1)
+    if evals:
+        ax.plot([p["iter"] for p in evals], [p["train_loss"] for p in evals], "o-", label="train (eval)")
+        ax.plot([p["iter"] for p in evals], [p["val_loss"] for p in evals], "o-", label="val")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if train or evals:
+        ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    plt.close(fig)
+    with atomic_write(path, "wb") as f:
+        f.write(buf.getvalue())
 
 
 def format_step_line(it: int, max_iters: int, loss: float, lr: float, grad_norm: float, dt: float,
@@ -124,3 +151,18 @@ def rss_mb() -> float:
     except OSError:
         import psutil
         return psutil.Process().memory_info().rss / 1e6
+
+
+def main() -> None:
+    """`python metrics.py --plot PNG TITLE < history.json`: what MetricsLog.write_plot runs."""
+    if sys.argv[1:2] != ["--plot"] or len(sys.argv) != 4:
+        raise UserError("usage: python metrics.py --plot PNG TITLE < history.json")
+    history = json.load(sys.stdin)
+    try:
+        render_loss_curve(history, Path(sys.argv[2]), sys.argv[3])
+    except WriteError as e:
+        print(f"warning: loss curve not saved: {e}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    run_main(main)

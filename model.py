@@ -74,7 +74,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(ndim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, 1e-5)
+        # in fp32, as autocast runs LayerNorm: a bf16 input with an fp32 weight misses the fused kernel
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), 1e-5).to(x.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -125,6 +126,33 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+class CPUCausalAttention(torch.autograd.Function):
+    """Causal attention for bf16 training on the CPU: PyTorch's flash kernel forward, a matmul backward.
+
+    The CPU flash kernel's backward is slow in bf16 (3x its fp32 time at T = 64); recomputing the
+    probabilities with bf16 batched matmuls is several times faster, and like flash it saves no
+    (T, T) tensor for the backward pass. Gradients match flash to bf16 precision.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ctx.save_for_backward(q, k, v, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, y = ctx.saved_tensors
+        T, scale = q.size(-2), q.size(-1) ** -0.5
+        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        p = (q @ k.transpose(-2, -1) * scale).masked_fill(future, float("-inf")).softmax(-1, dtype=torch.float32)
+        dv = p.to(dy.dtype).transpose(-2, -1) @ dy
+        # softmax backward: dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dY * Y)
+        dp = (dy @ v.transpose(-2, -1)).float()
+        ds = (p * (dp - (dy.float() * y.float()).sum(-1, keepdim=True)) * scale).to(q.dtype)
+        return ds @ k, ds.transpose(-2, -1) @ q, dv
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
@@ -155,8 +183,12 @@ class CausalSelfAttention(nn.Module):
         is_causal = cache is None or cache.pos == 0
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=is_causal and T > 1)
+        dropout = self.dropout if self.training else 0.0
+        cpu_bf16_training = q.requires_grad and q.device.type == "cpu" and q.dtype == torch.bfloat16
+        if cpu_bf16_training and cache is None and T > 1 and not dropout:
+            y = CPUCausalAttention.apply(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal and T > 1)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

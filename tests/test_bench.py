@@ -148,3 +148,25 @@ def test_speedrun_ratio_when_the_baseline_never_reaches_the_target():
     assert "< 0.33" in line and "never reached" in line
     assert "did not reach" in speedrun.ratio_line({"a.toml": [fast], "b.toml": [base]})
     assert np.isclose(float(re.search(r"= ([\d.]+) of", speedrun.ratio_line({"a": [fast], "b": [fast]}))[1]), 1.0)
+
+
+def test_cpu_bf16_attention_matches_flash_gradients():
+    """The CPU bf16 training path (flash forward, matmul backward) that bench.py measures computes true gradients."""
+    from model import CPUCausalAttention, GPT, GPTConfig
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 40, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dy = torch.randn(2, 3, 40, 16, dtype=torch.bfloat16)
+    exact = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    want = torch.autograd.grad(exact, (q, k, v), dy.float())
+    got = torch.autograd.grad(CPUCausalAttention.apply(q, k, v), (q, k, v), dy)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16
+        assert (g.float() - w).abs().max() <= 0.01 * w.abs().max()  # bf16 rounding of the result
+    # the model takes this path when training under bf16 autocast on the CPU, and learns
+    model = GPT(GPTConfig(block_size=16, vocab_size=20, n_layer=1, n_head=2, n_embd=16))
+    x = torch.randint(0, 20, (4, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(x, x)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

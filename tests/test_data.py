@@ -14,7 +14,7 @@ from train import train
 
 def test_batches_are_a_pure_function_of_seed_split_index(tiny_data):
     ds = load_dataset(tiny_data / "tiny")
-    a = BatchSource(ds, 16, 4, seed=1, device=torch.device("cpu"))
+    a = BatchSource(ds, 16, 4, seed=1, device=torch.device("cpu"), prefetch=True)
     b = BatchSource(ds, 16, 4, seed=1, device=torch.device("cpu"), prefetch=False)
     x1, y1 = a.get("train", 7, next_index=8)
     x2, y2 = b.get("train", 7)
