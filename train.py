@@ -500,7 +500,7 @@ def run_loop(model, raw_model: GPT, optimizers, scaler, batches: BatchSource, st
             print(f"eval {state.iter_num}: train {metrics['train_loss']:.4f} | val {metrics['val_loss']:.4f} "
                   f"(ppl {metrics['val_ppl']:.2f}, acc {metrics['val_acc']:.3f})" + (" *best" if improved else ""), flush=True)
             log.record({"kind": "eval", "iter": state.iter_num, **metrics, "tokens": state.tokens_seen})
-        if improved and t.save_best and state.iter_num > 0:
+        if improved and t.save_best and state.iter_num > 0 and not t.eval_only:
             checkpoint("best")
         if main:
             log.flush()
@@ -660,9 +660,11 @@ def _train(config, overrides, resume, force, validate_only, dist) -> TrainResult
 
     if dist.is_main:
         print_startup(cfg, rt, raw_model, dataset, state)
-        atomic_write_text(run.path / "config.toml", to_toml(cfg))  # creates the run directory; WriteError if it can't
-        run.remove_temp_files()  # left by a run killed mid-write
-        kw = dict(json_log=cfg.logging.json_log, plot=cfg.logging.plot)
+        evaluating_only = cfg.training.eval_only  # reads a run, never rewrites its config, log or plot
+        if not evaluating_only:
+            atomic_write_text(run.path / "config.toml", to_toml(cfg))  # creates the run directory; WriteError if it can't
+            run.remove_temp_files()  # left by a run killed mid-write
+        kw = dict(json_log=cfg.logging.json_log and not evaluating_only, plot=cfg.logging.plot and not evaluating_only)
         rt.log = MetricsLog.resume(run.path, state.iter_num, **kw) if resume_ckpt else MetricsLog(run.path, **kw)
         if cfg.logging.wandb_project:
             state.wandb_run_id = rt.log.start_wandb(cfg.logging.wandb_project, cfg.logging.wandb_run_name or cfg.run.name,

@@ -174,6 +174,17 @@ def test_eval_only(tiny_data, tmp_path):
     result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{
         "training.eval_only": True, "run.init_from": str(tmp_path / "t"), "run.name": "eval"}))
     assert result.iterations == 0 and math.isfinite(result.best_val_loss)
+    assert not (tmp_path / "eval").exists()  # evaluating writes nothing
+
+
+def test_eval_only_of_a_run_leaves_it_untouched(tiny_data, tmp_path):
+    train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 4}))
+    run = tmp_path / "t"
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{
+        "training.eval_only": True, "training.eval_iters": 7}), resume=True)
+    assert result.iterations == 4 and math.isfinite(result.best_val_loss)
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
 
 @pytest.mark.slow
