@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -132,8 +133,6 @@ def autocast_context(device: torch.device, precision: str):
 
 
 def has_cxx_compiler() -> bool:
-    import shutil
-
     return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c)
 
 
