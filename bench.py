@@ -242,6 +242,35 @@ def print_training_table(rows: list[StepTiming], device: torch.device) -> None:
               f"{r.peak_mb:,.0f} | {r.first_step_s:.1f} |")
 
 
+def matmul_ceiling(tr: Trainer, repeats: int = 10) -> float:
+    """FLOP/s of this machine's matmul at the model's MLP shape, (B*T, C) @ (C, 4C), in the training dtype.
+
+    Every training FLOP the model counts is a matmul, so flops_per_token over this rate bounds
+    tokens/s: no step can be faster, whatever else is optimised."""
+    cfg, rt = tr.rt.cfg, tr.rt
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(rt.precision, torch.float32)
+    m, c = rt.cfg.training.batch_size * cfg.model.block_size, cfg.model.n_embd
+    a = torch.randn(m, c, dtype=dtype, device=rt.device)
+    b = torch.randn(c, 4 * c, dtype=dtype, device=rt.device)
+    best = float("inf")
+    for _ in range(repeats + 2):  # two warm-ups, then the best of `repeats`
+        synchronize(rt.device)
+        t0 = time.perf_counter()
+        a @ b
+        synchronize(rt.device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * m * c * 4 * c / best
+
+
+def print_ceiling(tr: Trainer, row: StepTiming) -> None:
+    flops = matmul_ceiling(tr)
+    per_token = tr.raw_model.flops_per_token()
+    ceiling = flops / per_token
+    print(f"matmul ceiling here: {flops / 1e9:,.0f} GFLOP/s ({tr.rt.precision}, MLP shape) -> at most "
+          f"{ceiling:,.0f} tokens/s at {per_token / 1e6:.1f} MFLOP/token; optimised runs at "
+          f"{row.tokens_per_s / ceiling:.0%} of it")
+
+
 def bench_training(args: argparse.Namespace, overrides: list) -> None:
     trainers = {}
     for baseline in (False, True) if args.baseline else (False,):
@@ -258,6 +287,7 @@ def bench_training(args: argparse.Namespace, overrides: list) -> None:
         print(json.dumps([asdict(r) for r in rows]))
         return
     print_training_table(rows, device)
+    print_ceiling(trainers["optimised"], rows[0])
     if args.baseline:
         print(f"speed-up over the baseline: {rows[1].ms_median / rows[0].ms_median:.2f}x (median ms/iter)")
     print(load_average())

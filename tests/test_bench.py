@@ -170,3 +170,61 @@ def test_cpu_bf16_attention_matches_flash_gradients():
         _, loss = model(x, x)
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_cpu_dropout_mask_has_the_asked_rate_and_keeps_expectations():
+    """cpu_keep_mask, the fast dropout mask of CPU training: drops p of the elements, scale undoes it on average."""
+    from model import cpu_keep_mask
+
+    torch.manual_seed(0)
+    for p in (0.1, 0.2, 0.5):
+        keep, scale = cpu_keep_mask(torch.Size((4, 1000, 1001)), p, torch.device("cpu"))  # an odd count of elements
+        assert keep.shape == (4, 1000, 1001) and keep.dtype == torch.bool
+        assert abs(1 - keep.float().mean().item() - p) < 0.002
+        assert abs(scale - 1 / (1 - p)) < 1e-4
+    a, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.device("cpu"))
+    b, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.device("cpu"))
+    assert not torch.equal(a, b)  # consecutive draws differ
+    torch.manual_seed(1)
+    c, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.device("cpu"))
+    torch.manual_seed(1)
+    assert torch.equal(c, cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.device("cpu"))[0])  # seeded: reproducible
+
+
+def test_cpu_dropout_layer_and_attention_match_their_definitions():
+    """Eager CPU training uses our dropout mask in the residual/embedding Dropout and in attention:
+    the outputs and gradients are dropout's (the same mask, replayed from the same seed)."""
+    import torch.nn.functional as F
+    from model import Dropout, GPT, GPTConfig, cpu_keep_mask
+
+    x = torch.randn(3, 7, 10, requires_grad=True)
+    drop = Dropout(0.3)
+    torch.manual_seed(5)
+    y = drop(x)
+    torch.manual_seed(5)
+    keep, scale = cpu_keep_mask(x.shape, 0.3, x.device)
+    assert torch.equal(y, torch.where(keep, x * scale, 0.0))
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    assert torch.allclose(gx, keep * scale)
+    assert torch.equal(drop.eval()(x), x)
+
+    model = GPT(GPTConfig(block_size=12, vocab_size=11, n_layer=1, n_head=2, n_embd=8, dropout=0.25, bias=False))
+    attn = model.transformer.h[0].attn
+    h = torch.randn(2, 12, 8, requires_grad=True)
+    torch.manual_seed(9)
+    got = attn(h, None, None)
+    # the same computation by hand: SDPA's math path with the mask drawn at the same RNG position
+    torch.manual_seed(9)
+    q, k, v = attn.c_attn(h).split(8, dim=2)
+    q, k, v = (t.view(2, 12, 2, 4).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+    probs = ((q @ k.transpose(-2, -1)) / 2.0).masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    keep, scale = cpu_keep_mask(probs.shape, 0.25, probs.device)
+    out = ((probs * keep * scale) @ v).transpose(1, 2).reshape(2, 12, 8)
+    keep2, scale2 = cpu_keep_mask(out.shape, 0.25, out.device)
+    want = attn.c_proj(out) * keep2 * scale2
+    assert torch.allclose(got, want, atol=1e-6)
+    g_got, g_want = (torch.autograd.grad(t.square().sum(), h)[0] for t in (got, want))
+    assert torch.allclose(g_got, g_want, atol=1e-5)
+    # about p of the attention probabilities are dropped: rows of the output differ from no-dropout's
+    assert not torch.allclose(got, attn.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                                               .transpose(1, 2).reshape(2, 12, 8)))
