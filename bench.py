@@ -431,7 +431,9 @@ def precision_curves(args: argparse.Namespace, cli: list[str]) -> None:
                          "--training.eval_iters", "20", "--training.log_interval", str(args.eval_interval),
                          "--training.save_interval", "0", "--training.save_best", "false", "--logging.plot", "false",
                          *cli, "--training.precision", precision, "--run.out_dir", tmp, "--run.name", precision]
-            train(config, overrides=overrides, force=True)
+            result = train(config, overrides=overrides, force=True)
+            if result.stop_reason == "signal":  # train() saved and returned; the benchmark stops with it
+                raise SystemExit(f"stopped by a signal during the {precision} run")
             history = json.loads((Path(tmp) / precision / "train_log.json").read_text())["history"]
             curves[precision] = {p["iter"]: p["val_loss"] for p in history if p["kind"] == "eval"}
             speed[precision] = statistics.median(p["tokens_per_s"] for p in history if p["kind"] == "train")

@@ -115,6 +115,30 @@ def test_precision_curves(tiny, capsys):
     assert "training speed" in out
 
 
+@pytest.mark.slow
+def test_precision_curves_stop_at_a_signal(tiny):
+    """SIGTERM during the first (fp32) run: that run saves and returns, and the benchmark stops too,
+    with a non-zero exit, instead of going on to the bf16 run."""
+    import signal
+
+    cmd = [sys.executable, "bench.py", "--precision-curves", *tiny, "--iters", "100000", "--eval-interval", "10",
+           "--training.eval_iters", "2"]
+    proc = subprocess.Popen(cmd, cwd=bench.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("iter "):
+                proc.send_signal(signal.SIGTERM)
+                break
+        out = "".join(lines) + proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "stopped by a signal during the fp32 run" in out
+    assert out.count("data: ") == 1 and "device: cpu, fp32" in out  # the bf16 run never started
+
+
 def test_missing_input_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="--input .*missing.txt not found"):
         bench.main(["--prepare", "--input", str(tmp_path / "missing.txt")])
