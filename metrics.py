@@ -30,11 +30,27 @@ def default_peak_flops(device: torch.device, precision: str) -> float:
         name = torch.cuda.get_device_name(device)
         peak = next((v for k, v in CUDA_PEAKS.items() if k in name), 100e12)
         return peak if precision in ("bf16", "fp16") else peak / 2
-    # CPU: cores x ~3 GHz x FLOPs per cycle of the vector FMA units (AVX-512: 64 fp32, AVX2: 32)
-    flops_per_cycle = 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
+    # CPU: cores x ~3 GHz x fp32 FLOPs per cycle of the vector FMA units (two 512-bit FMAs: 64; AVX2,
+    # or AMD Zen 4's AVX-512 executed on 256-bit units: 32); bf16 dot products double it
+    full_width_avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" and not is_amd_zen4(read_cpuinfo())
+    flops_per_cycle = 64 if full_width_avx512 else 32
     if precision == "bf16":
         flops_per_cycle *= 2
     return torch.get_num_threads() * 3.0e9 * flops_per_cycle
+
+
+def read_cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def is_amd_zen4(cpuinfo: str) -> bool:
+    """AMD family 25 (Zen 3/4; only Zen 4 has AVX-512) from /proc/cpuinfo's text."""
+    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines()[:30] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
 
 
 class MetricsLog:

@@ -155,3 +155,18 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def test_default_cpu_peak_knows_zen4_runs_avx512_at_half_width():
+    """MFU's default CPU peak: Zen 4 (AMD family 25) executes AVX-512 on 256-bit units, so half of Intel's."""
+    from metrics import default_peak_flops, is_amd_zen4, read_cpuinfo
+
+    zen4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: avx512f avx512_bf16\n"
+    zen5 = zen4.replace(": 25", ": 26")
+    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n"
+    assert is_amd_zen4(zen4) and not is_amd_zen4(zen5) and not is_amd_zen4(intel) and not is_amd_zen4("")
+    cpu = torch.device("cpu")
+    per_cycle = default_peak_flops(cpu, "fp32") / torch.get_num_threads() / 3.0e9
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    assert per_cycle == (64 if avx512 and not is_amd_zen4(read_cpuinfo()) else 32)
+    assert default_peak_flops(cpu, "bf16") == 2 * default_peak_flops(cpu, "fp32")
