@@ -202,17 +202,18 @@ def test_cpu_dropout_mask_has_the_asked_rate_and_keeps_expectations():
 
     torch.manual_seed(0)
     for p in (0.1, 0.2, 0.5):
-        keep, scale = cpu_keep_mask(torch.Size((4, 1000, 1001)), p, torch.device("cpu"))  # an odd count of elements
-        assert keep.shape == (4, 1000, 1001) and keep.dtype == torch.bool
+        keep, scale = cpu_keep_mask(torch.Size((4, 1000, 1001)), p, torch.bfloat16, torch.device("cpu"))  # odd count
+        assert keep.shape == (4, 1000, 1001) and keep.dtype == torch.bfloat16
+        assert set(keep.unique().tolist()) == {0.0, 1.0}
         assert abs(1 - keep.float().mean().item() - p) < 0.002
         assert abs(scale - 1 / (1 - p)) < 1e-4
-    a, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.device("cpu"))
-    b, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.device("cpu"))
+    a, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.float32, torch.device("cpu"))
+    b, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.float32, torch.device("cpu"))
     assert not torch.equal(a, b)  # consecutive draws differ
     torch.manual_seed(1)
-    c, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.device("cpu"))
+    c, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.float32, torch.device("cpu"))
     torch.manual_seed(1)
-    assert torch.equal(c, cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.device("cpu"))[0])  # seeded: reproducible
+    assert torch.equal(c, cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.float32, torch.device("cpu"))[0])  # seeded: reproducible
 
 
 def test_cpu_dropout_layer_and_attention_match_their_definitions():
@@ -226,8 +227,8 @@ def test_cpu_dropout_layer_and_attention_match_their_definitions():
     torch.manual_seed(5)
     y = drop(x)
     torch.manual_seed(5)
-    keep, scale = cpu_keep_mask(x.shape, 0.3, x.device)
-    assert torch.equal(y, torch.where(keep, x * scale, 0.0))
+    keep, scale = cpu_keep_mask(x.shape, 0.3, x.dtype, x.device)
+    assert torch.equal(y, x * keep * scale) and 0.2 < (y == 0).float().mean() < 0.4
     (gx,) = torch.autograd.grad(y.sum(), x)
     assert torch.allclose(gx, keep * scale)
     assert torch.equal(drop.eval()(x), x)
@@ -242,9 +243,9 @@ def test_cpu_dropout_layer_and_attention_match_their_definitions():
     q, k, v = attn.c_attn(h).split(8, dim=2)
     q, k, v = (t.view(2, 12, 2, 4).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
     probs = ((q @ k.transpose(-2, -1)) / 2.0).masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
-    keep, scale = cpu_keep_mask(probs.shape, 0.25, probs.device)
+    keep, scale = cpu_keep_mask(probs.shape, 0.25, probs.dtype, probs.device)
     out = ((probs * keep * scale) @ v).transpose(1, 2).reshape(2, 12, 8)
-    keep2, scale2 = cpu_keep_mask(out.shape, 0.25, out.device)
+    keep2, scale2 = cpu_keep_mask(out.shape, 0.25, out.dtype, out.device)
     want = attn.c_proj(out) * keep2 * scale2
     assert torch.allclose(got, want, atol=1e-6)
     g_got, g_want = (torch.autograd.grad(t.square().sum(), h)[0] for t in (got, want))
