@@ -23,7 +23,14 @@ os.umask(_UMASK)
 
 
 class UserError(Exception):
-    """A mistake the user can fix; reported as one line, exit code 2."""
+    """A mistake the user can fix; reported as one line, exit code 2.
+
+    reported_elsewhere: another process (rank 0 of a distributed job) prints this same error, so
+    this one exits 2 without printing it again."""
+
+    def __init__(self, message: str = "", reported_elsewhere: bool = False):
+        super().__init__(message)
+        self.reported_elsewhere = reported_elsewhere
 
 
 class WriteError(UserError):
@@ -35,8 +42,9 @@ def run_main(main: Callable[[], int | None]) -> None:
     try:
         code = main()
     except UserError as e:
-        for line in str(e).splitlines() or ["unknown error"]:
-            print(f"error: {line}", file=sys.stderr)
+        if not e.reported_elsewhere:
+            for line in str(e).splitlines() or ["unknown error"]:
+                print(f"error: {line}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -181,7 +181,8 @@ def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> float:
 
 
 def on_main_then_share(fn, dist: dist_utils.DistInfo) -> None:
-    """Run fn on rank 0 while the others wait; a UserError there is raised on every rank, so all exit 2."""
+    """Run fn on rank 0 while the others wait; a UserError there is raised on every rank, so all exit 2
+    (and rank 0 alone prints it)."""
     error = None
     if dist.is_main:
         try:
@@ -190,7 +191,7 @@ def on_main_then_share(fn, dist: dist_utils.DistInfo) -> None:
             error = str(e)
     error = dist_utils.broadcast_object(error, dist)
     if error is not None:
-        raise UserError(error)
+        raise UserError(error, reported_elsewhere=not dist.is_main)
 
 
 def prepare_data(cfg: Config, dist: dist_utils.DistInfo) -> Dataset:
