@@ -146,6 +146,11 @@ def make_runtime(cfg: Config, device: torch.device, precision: str, dist: dist_u
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cpu":
+        # Same seed, same losses, compiled too: inductor's CPU embedding backward otherwise adds rows with
+        # atomics in thread order. No slower on the CPU preset (measured); warn_only: never an error.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False  # we never read torch.empty's contents
     torch.manual_seed(cfg.run.seed + dist.rank)
     peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else default_peak_flops(device, precision)
     return Runtime(cfg, device, precision, autocast_context(device, precision), dist, run, peak)
