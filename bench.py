@@ -43,7 +43,7 @@ from config import build_config, load_toml, parse_overrides
 from data import BatchSource
 from metrics import rss_mb
 from model import GPT, GPTConfig
-from train import (Runtime, build_model, make_optimizers, make_runtime, prepare_data, resolve_device,
+from train import (PRECISIONS, Runtime, build_model, make_optimizers, make_runtime, prepare_data, resolve_device,
                    resolve_precision, train, train_step)
 
 REPO = Path(__file__).resolve().parent
@@ -248,8 +248,8 @@ def matmul_ceiling(tr: Trainer, repeats: int = 10) -> float:
     Every training FLOP the model counts is a matmul, so flops_per_token over this rate bounds
     tokens/s: no step can be faster, whatever else is optimised."""
     cfg, rt = tr.rt.cfg, tr.rt
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(rt.precision, torch.float32)
-    m, c = rt.cfg.training.batch_size * cfg.model.block_size, cfg.model.n_embd
+    dtype = PRECISIONS[rt.precision]
+    m, c = cfg.training.batch_size * cfg.model.block_size, cfg.model.n_embd
     a = torch.randn(m, c, dtype=dtype, device=rt.device)
     b = torch.randn(c, 4 * c, dtype=dtype, device=rt.device)
     best = float("inf")
