@@ -21,10 +21,12 @@ import contextlib
 import datetime
 import itertools
 import os
+import pickle
 import re
 import shutil
 import signal
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,9 +111,29 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
+def settled(*tensors: torch.Tensor) -> None:
+    """Wait (a second at most) until gloo's worker thread has let go of these tensors.
+
+    gloo marks a collective done before its worker thread frees the work. If our Python tensors are
+    gone by then, that thread must take the GIL to free them, and in a process that exits right after
+    a collective (every rank raising the UserError on_main_then_share broadcast) it can ask during
+    interpreter shutdown, which aborts the process ("terminate called without an active exception",
+    exit 134). Holding the tensors until the worker has dropped them means it never needs the GIL."""
+    if dist.get_backend() != "gloo":  # nccl's watchdog keeps works longer; its threads never free Python objects
+        return
+    deadline = time.monotonic() + 1.0
+    while any(t._use_count() > 1 for t in tensors) and time.monotonic() < deadline:
+        time.sleep(1e-4)
+
+
+def collective_device() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        settled(t)
     return t
 
 
@@ -124,8 +146,9 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
     """True on every rank when it is True on any rank: all ranks agree to stop at the same step."""
     if not dist.is_initialized():
         return flag
-    t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    t = torch.tensor([int(flag)], device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    settled(t)
     return bool(t.item())
 
 
@@ -139,12 +162,19 @@ def gather_objects(obj: object, info: DistInfo) -> list:
 
 
 def broadcast_object(obj: object, info: DistInfo) -> object:
-    """Rank 0's obj on every rank."""
+    """Rank 0's obj on every rank (pickled, as broadcast_object_list does, but through tensors we hold; see settled)."""
     if not dist.is_initialized():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    payload = pickle.dumps(obj) if info.is_main else b""
+    size = torch.tensor([len(payload)], dtype=torch.long, device=collective_device())
+    dist.broadcast(size, src=0)
+    if info.is_main:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(collective_device())
+    else:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=collective_device())
+    dist.broadcast(data, src=0)
+    settled(size, data)
+    return obj if info.is_main else pickle.loads(data.cpu().numpy().tobytes())
 
 
 def save_on_main(fn, info: DistInfo) -> None:
