@@ -25,8 +25,8 @@ os.umask(_UMASK)
 class UserError(Exception):
     """A mistake the user can fix; reported as one line, exit code 2.
 
-    reported_elsewhere: another process (rank 0 of a distributed job) prints this same error, so
-    this one exits 2 without printing it again."""
+    reported_elsewhere: the error has been printed already (by rank 0 of a distributed job), so
+    this process exits 2 without printing it again."""
 
     def __init__(self, message: str = "", reported_elsewhere: bool = False):
         super().__init__(message)
@@ -37,14 +37,18 @@ class WriteError(UserError):
     """A file could not be written (disk full, read-only, no permission); the previous file is untouched."""
 
 
+def report(e: UserError) -> None:
+    for line in str(e).splitlines() or ["unknown error"]:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+
+
 def run_main(main: Callable[[], int | None]) -> None:
     """Run an entry point; turn UserError and Ctrl-C into a one-line message and an exit code."""
     try:
         code = main()
     except UserError as e:
         if not e.reported_elsewhere:
-            for line in str(e).splitlines() or ["unknown error"]:
-                print(f"error: {line}", file=sys.stderr)
+            report(e)
         sys.exit(EXIT_USER_ERROR)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -44,7 +44,7 @@ import torch
 import distributed as dist_utils
 from checkpoint import (RunDir, link_or_copy, load_checkpoint, load_model_weights, model_config_from_checkpoint, rng_state,
                         save_checkpoint, set_rng_state)
-from common import UserError, WriteError, atomic_write_text, format_duration, run_main
+from common import UserError, WriteError, atomic_write_text, format_duration, report, run_main
 from config import Config, build_config, load_toml, parse_overrides, summary, to_toml
 from data import BatchSource, Dataset, check_fits, load_dataset, tokenizer_label
 from metrics import MetricsLog, default_peak_flops, format_step_line, rss_mb
@@ -186,17 +186,21 @@ def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> float:
 
 
 def on_main_then_share(fn, dist: dist_utils.DistInfo) -> None:
-    """Run fn on rank 0 while the others wait; a UserError there is raised on every rank, so all exit 2
-    (and rank 0 alone prints it)."""
+    """Run fn on rank 0 while the others wait; a UserError there is raised on every rank, so all exit 2.
+
+    Rank 0 prints it before the others hear of it: torchrun stops the remaining ranks as soon as one
+    exits, so printing after the broadcast could lose the message."""
     error = None
     if dist.is_main:
         try:
             fn()
         except UserError as e:
             error = str(e)
+            if dist.enabled:
+                report(e)
     error = dist_utils.broadcast_object(error, dist)
     if error is not None:
-        raise UserError(error, reported_elsewhere=not dist.is_main)
+        raise UserError(error, reported_elsewhere=dist.enabled)
 
 
 def prepare_data(cfg: Config, dist: dist_utils.DistInfo) -> Dataset:
