@@ -35,7 +35,8 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -581,10 +582,22 @@ def train(config: str | Path | None = None, overrides: dict | list | None = None
     """Train from a TOML file plus overrides ({"training.max_iters": 10} or CLI-style list). Python API."""
     dist = dist_utils.from_env()
     try:
-        with dist_utils.reporting_peer_failures(dist):
+        with dist_utils.reporting_peer_failures(dist), callers_determinism_restored():
             return _train(config, overrides, resume, force, validate_only, dist)
     finally:
         dist_utils.shutdown(dist)
+
+
+@contextmanager
+def callers_determinism_restored() -> Iterator[None]:
+    """make_runtime switches on deterministic algorithms for the CPU; a Python caller gets its own setting back."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.utils.deterministic.fill_uninitialized_memory)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
 
 
 RESUME_FIELDS = {"config": dict, "optimizers": list, "iter_num": int, "best_val_loss": (int, float), "bad_evals": int,

@@ -58,6 +58,20 @@ def test_same_seed_same_losses(tiny_data, tmp_path, compiled):
     assert losses(tmp_path / "a" / "t") == losses(tmp_path / "b" / "t")
 
 
+def test_train_gives_the_caller_its_determinism_settings_back(tiny_data, tmp_path):
+    """train() runs with deterministic algorithms on the CPU, but a Python caller's own setting survives it."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(False)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 2}))
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert torch.utils.deterministic.fill_uninitialized_memory
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.utils.deterministic.fill_uninitialized_memory = before[1]
+
+
 def test_resume_reproduces_uninterrupted_losses(tiny_data, tmp_path):
     """k iterations, stop, resume to 2k == 2k straight (dropout on, so RNG state must be restored)."""
     common = {"optimizer.lr_decay_iters": 24, "training.save_interval": 6}
