@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -328,6 +329,35 @@ def test_self_launch_reports_a_worker_user_error_in_one_line(workdir):
     assert launcher.returncode == 2
     assert output.count("error: unknown dataset 'no_such_dataset'") == 1  # rank 0 says it; rank 1 exits quietly
     assert "Traceback" not in output and "ChildFailedError" not in output
+
+
+COLLECTIVES_SCRIPT = """
+import sys
+import torch, torch.distributed as dist
+sys.path.insert(0, {repo!r})
+import distributed as du
+info = du.from_env()
+du.init_process_group(info, torch.device("cpu"), None, 60)
+held = 0
+for i in range(300):
+    t = du.all_reduce_sum(torch.ones(1), info)
+    held += t._use_count() > 1  # gloo's worker thread still holds it: it would need the GIL to free it
+    assert du.broadcast_object({{"step": i, "text": "x" * i}}, info) == {{"step": i, "text": "x" * i}}
+    assert du.any_rank(i == 7 and info.rank == 1, info) == (i == 7)
+du.shutdown(info)
+print(f"rank {{info.rank}} held {{held}}")
+"""
+
+
+@pytest.mark.slow
+def test_collectives_return_only_after_gloo_lets_go_of_our_tensors(tmp_path):
+    """Without settled(), gloo's worker still held the tensor when all_reduce returned in 20-50% of calls, and a
+    rank that exited right then could abort in interpreter shutdown (exit 134), as CI once saw."""
+    script = tmp_path / "collectives.py"
+    script.write_text(COLLECTIVES_SCRIPT.format(repo=str(REPO_ROOT)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    proc = finished(subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=120))
+    assert sorted(re.findall(r"rank \d held \d+", proc.stdout)) == ["rank 0 held 0", "rank 1 held 0"], proc.stdout
 
 
 @pytest.mark.slow
