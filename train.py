@@ -35,10 +35,11 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -51,6 +52,7 @@ from data import BatchSource, Dataset, check_fits, load_dataset, tokenizer_label
 from metrics import MetricsLog, default_peak_flops, format_step_line, rss_mb
 from model import GPT, GPTConfig
 
+T = TypeVar("T")
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -204,6 +206,25 @@ def on_main_then_share(fn, dist: dist_utils.DistInfo) -> None:
         raise UserError(error, reported_elsewhere=dist.enabled)
 
 
+
+def on_every_rank(fn: Callable[[], T], dist: dist_utils.DistInfo) -> T:
+    """Run fn on every rank (checks whose outcome is the same on each); a UserError on any rank is printed
+    once, by rank 0, before any rank exits, and raised on every rank, so all exit 2."""
+    try:
+        return_value, error = fn(), None
+    except UserError as e:
+        if not dist.enabled:
+            raise
+        return_value, error = None, str(e)
+    if dist.enabled:
+        errors = [e for e in dist_utils.gather_objects(error, dist) if e is not None]
+        if errors:
+            if dist.is_main:
+                report(UserError(errors[0]))
+            dist_utils.barrier(dist)  # nobody exits (and so has torchrun stop the rest) before rank 0 has printed
+            raise UserError(errors[0], reported_elsewhere=True)
+    return return_value
+
 def prepare_data(cfg: Config, dist: dist_utils.DistInfo) -> Dataset:
     """Find (or, on rank 0, prepare) the dataset the config names, then open and check it."""
     from prepare import prepare_dataset, prepare_txt_dir
@@ -228,7 +249,7 @@ def prepare_data(cfg: Config, dist: dist_utils.DistInfo) -> Dataset:
                                                    max_bytes=d.max_bytes), dist)
         directory = Path(d.data_dir) / d.dataset
     expect = d.tokenizer if d.processed_dir is None and cfg.training.data_format == "bin" else None
-    return load_dataset(directory, expect_tokenizer=expect)
+    return on_every_rank(lambda: load_dataset(directory, expect_tokenizer=expect), dist)
 
 
 def resolve_run_dir(cfg: Config, resume: bool | str, force: bool) -> RunDir:
@@ -661,7 +682,7 @@ def _train(config, overrides, resume, force, validate_only, dist) -> TrainResult
         check_memory(cfg, rt, dataset)
 
     # model
-    model, source = build_model(cfg, dataset, resume_ckpt)
+    model, source = on_every_rank(lambda: build_model(cfg, dataset, resume_ckpt), dist)
     model.to(device)
     model.gradient_checkpointing = cfg.training.gradient_checkpointing
     raw_model = model

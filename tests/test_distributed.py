@@ -322,13 +322,16 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(workdir):
 
 
 @pytest.mark.slow
-def test_self_launch_reports_a_worker_user_error_in_one_line(workdir):
-    launcher = self_launch("--config", config(workdir, 0.0), "--run.out_dir", str(workdir / "bad"),
-                           "--data.dataset", "no_such_dataset")
+@pytest.mark.parametrize("override, message", [
+    (("--data.dataset", "no_such_dataset"), "error: unknown dataset 'no_such_dataset'"),  # found by rank 0 alone
+    (("--model.block_size", "50000"), "fewer than block_size + 1 = 50001"),  # found by every rank
+])
+def test_self_launch_reports_a_worker_user_error_in_one_line(workdir, override, message):
+    launcher = self_launch("--config", config(workdir, 0.0), "--run.out_dir", str(workdir / "bad"), *override)
     output, _ = ended(launcher, timeout=120)
-    assert launcher.returncode == 2
-    assert output.count("error: unknown dataset 'no_such_dataset'") == 1  # rank 0 says it; rank 1 exits quietly
-    assert "Traceback" not in output and "ChildFailedError" not in output
+    assert launcher.returncode == 2, output[-3000:]
+    assert output.count(message) == 1, output[-3000:]  # rank 0 says it; rank 1 exits quietly
+    assert output.count("error:") == 1 and "Traceback" not in output and "ChildFailedError" not in output
 
 
 COLLECTIVES_SCRIPT = """
