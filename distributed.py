@@ -153,12 +153,22 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
 
 
 def gather_objects(obj: object, info: DistInfo) -> list:
-    """[rank 0's obj, rank 1's obj, ...] on every rank (small picklable objects such as RNG states)."""
+    """[rank 0's obj, rank 1's obj, ...] on every rank (small picklable objects such as RNG states).
+
+    Pickled as all_gather_object does, but through tensors we hold; see settled."""
     if not dist.is_initialized():
         return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    device, world = collective_device(), dist.get_world_size()
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    size = torch.tensor([payload.numel()], dtype=torch.long, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    padded = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8, device=device)
+    padded[:payload.numel()] = payload
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    settled(size, *sizes, padded, *gathered)
+    return [pickle.loads(g[:int(s.item())].cpu().numpy().tobytes()) for g, s in zip(gathered, sizes)]
 
 
 def broadcast_object(obj: object, info: DistInfo) -> object:

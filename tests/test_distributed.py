@@ -347,6 +347,7 @@ for i in range(300):
     held += t._use_count() > 1  # gloo's worker thread still holds it: it would need the GIL to free it
     assert du.broadcast_object({{"step": i, "text": "x" * i}}, info) == {{"step": i, "text": "x" * i}}
     assert du.any_rank(i == 7 and info.rank == 1, info) == (i == 7)
+    assert du.gather_objects("r" * (info.rank + i), info) == ["r" * i, "r" * (1 + i)]
 du.shutdown(info)
 print(f"rank {{info.rank}} held {{held}}")
 """
