@@ -116,7 +116,7 @@ def settled(*tensors: torch.Tensor) -> None:
 
     gloo marks a collective done before its worker thread frees the work. If our Python tensors are
     gone by then, that thread must take the GIL to free them, and in a process that exits right after
-    a collective (every rank raising the UserError on_main_then_share broadcast) it can ask during
+    a collective (every rank exiting on a UserError that train.on_every_rank gathered) it can ask during
     interpreter shutdown, which aborts the process ("terminate called without an active exception",
     exit 134). Holding the tensors until the worker has dropped them means it never needs the GIL."""
     if dist.get_backend() != "gloo":  # nccl's watchdog keeps works longer; its threads never free Python objects
@@ -152,39 +152,44 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
     return bool(t.item())
 
 
+def pickled(obj: object) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(collective_device())
+
+
+def unpickled(t: torch.Tensor) -> object:
+    return pickle.loads(t.cpu().numpy().tobytes())
+
+
 def gather_objects(obj: object, info: DistInfo) -> list:
     """[rank 0's obj, rank 1's obj, ...] on every rank (small picklable objects such as RNG states).
 
     Pickled as all_gather_object does, but through tensors we hold; see settled."""
     if not dist.is_initialized():
         return [obj]
-    device, world = collective_device(), dist.get_world_size()
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-    size = torch.tensor([payload.numel()], dtype=torch.long, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
+    payload = pickled(obj)
+    size = torch.tensor([payload.numel()], dtype=torch.long, device=payload.device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, size)
-    padded = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8, device=device)
+    padded = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8, device=payload.device)
     padded[:payload.numel()] = payload
-    gathered = [torch.empty_like(padded) for _ in range(world)]
+    gathered = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(gathered, padded)
     settled(size, *sizes, padded, *gathered)
-    return [pickle.loads(g[:int(s.item())].cpu().numpy().tobytes()) for g, s in zip(gathered, sizes)]
+    return [unpickled(g[:int(s.item())]) for g, s in zip(gathered, sizes)]
 
 
 def broadcast_object(obj: object, info: DistInfo) -> object:
     """Rank 0's obj on every rank (pickled, as broadcast_object_list does, but through tensors we hold; see settled)."""
     if not dist.is_initialized():
         return obj
-    payload = pickle.dumps(obj) if info.is_main else b""
-    size = torch.tensor([len(payload)], dtype=torch.long, device=collective_device())
+    data = pickled(obj) if info.is_main else None
+    size = torch.tensor([data.numel() if info.is_main else 0], dtype=torch.long, device=collective_device())
     dist.broadcast(size, src=0)
-    if info.is_main:
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(collective_device())
-    else:
+    if not info.is_main:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=collective_device())
     dist.broadcast(data, src=0)
     settled(size, data)
-    return obj if info.is_main else pickle.loads(data.cpu().numpy().tobytes())
+    return obj if info.is_main else unpickled(data)
 
 
 def save_on_main(fn, info: DistInfo) -> None:

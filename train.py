@@ -188,25 +188,6 @@ def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> float:
     return optimizers[-1].param_groups[0]["lr"]
 
 
-def on_main_then_share(fn, dist: dist_utils.DistInfo) -> None:
-    """Run fn on rank 0 while the others wait; a UserError there is raised on every rank, so all exit 2.
-
-    Rank 0 prints it before the others hear of it: torchrun stops the remaining ranks as soon as one
-    exits, so printing after the broadcast could lose the message."""
-    error = None
-    if dist.is_main:
-        try:
-            fn()
-        except UserError as e:
-            error = str(e)
-            if dist.enabled:
-                report(e)
-    error = dist_utils.broadcast_object(error, dist)
-    if error is not None:
-        raise UserError(error, reported_elsewhere=dist.enabled)
-
-
-
 def on_every_rank(fn: Callable[[], T], dist: dist_utils.DistInfo) -> T:
     """Run fn on every rank (checks whose outcome is the same on each); a UserError on any rank is printed
     once, by rank 0, before any rank exits, and raised on every rank, so all exit 2."""
@@ -224,6 +205,12 @@ def on_every_rank(fn: Callable[[], T], dist: dist_utils.DistInfo) -> T:
             dist_utils.barrier(dist)  # nobody exits (and so has torchrun stop the rest) before rank 0 has printed
             raise UserError(errors[0], reported_elsewhere=True)
     return return_value
+
+
+def on_main_then_share(fn: Callable[[], object], dist: dist_utils.DistInfo) -> None:
+    """Run fn on rank 0 while the others wait; a UserError there is handled as on_every_rank's."""
+    on_every_rank(lambda: fn() if dist.is_main else None, dist)
+
 
 def prepare_data(cfg: Config, dist: dist_utils.DistInfo) -> Dataset:
     """Find (or, on rank 0, prepare) the dataset the config names, then open and check it."""
