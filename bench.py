@@ -1,6 +1,6 @@
 """Benchmarks: how fast this machine trains, samples and prepares data, and how much memory it takes.
 
-Training runs the real train.train_step on the model, optimizer, batches and precision train.py builds:
+Training runs the real trainer.train_step on the Trainer that train.py builds (trainer.build):
     python bench.py --config configs/shakespeare_char/cpu.toml                # ms/iter, tokens/s, MFU, peak memory
     python bench.py --config configs/shakespeare_char/cpu.toml --baseline     # ... and the speed-up over all-off
     python bench.py --config configs/shakespeare_char/gpu.toml --training.batch_size 8 --training.precision bf16
@@ -24,30 +24,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-import distributed as dist_utils
-from checkpoint import RunDir
-from common import UserError, atomic_write, run_main
+from common import SHAKESPEARE, UserError, atomic_write, load_average, run_main, with_shakespeare_input
 from config import build_config, load_toml, parse_overrides
-from data import BatchSource
+from data import BatchSource, find_dataset
+from distributed import DistInfo
 from metrics import rss_mb
 from model import GPT, GPTConfig
-from train import (PRECISIONS, Runtime, build_model, make_optimizers, make_runtime, prepare_data, resolve_device,
-                   resolve_precision, train, train_step)
+from prepare import BPE_TRAIN_PIECE_CHARS
+from tokenizer import split_text, train_tokenizer
+from trainer import PRECISIONS, Trainer, build, setup, train_step
 
 REPO = Path(__file__).resolve().parent
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 CPU_PRESET = REPO / "configs" / "shakespeare_char" / "cpu.toml"
 GPU_PRESET = REPO / "configs" / "shakespeare_char" / "gpu.toml"
 CHAR_VOCAB = 65  # tiny Shakespeare's characters: the vocabulary of a model benchmarked without data
@@ -91,10 +91,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def load_average() -> str:
-    return f"load average (1 min) {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
-
-
 # ---- training -------------------------------------------------------------------------------------
 
 class LoopBatchSource(BatchSource):
@@ -111,39 +107,28 @@ class LoopBatchSource(BatchSource):
         return x, y
 
 
+# the all-off baseline: the same model eager, fp32, with a for-loop AdamW
+BASELINE = [("model.compile", False), ("optimizer.fused", False), ("training.precision", "fp32")]
+
+
 @dataclass
-class Trainer:
-    """What train.py's loop holds: the (compiled) model, its raw GPT, optimizers, scaler and batches."""
-    rt: Runtime
-    model: torch.nn.Module
-    raw_model: GPT
-    optimizers: list[torch.optim.Optimizer]
-    scaler: torch.amp.GradScaler
-    batches: BatchSource
+class Bench:
+    """A Trainer under measurement; the baseline also builds its batches row by row and syncs every step."""
+    tr: Trainer
     baseline: bool
 
 
-def make_trainer(config: str | None, overrides: list[tuple[str, object]], baseline: bool) -> Trainer:
-    """Build everything as train.py does; baseline switches every optimisation off."""
-    cfg = build_config(load_toml(config) if config else {}, overrides, source=str(config or "config"))
+def make_bench(config: str | None, overrides: list[tuple[str, object]], baseline: bool) -> Bench:
+    """The Trainer train.py would build for this config (nothing is written); baseline switches every optimisation off."""
+    cfg = build_config(load_toml(config) if config else {}, overrides + (BASELINE if baseline else []),
+                       source=str(config or "config"))
+    dist = DistInfo()
+    rt = setup(cfg, dist)
+    tr = build(cfg, rt, find_dataset(cfg, dist))
     if baseline:
-        cfg.model.compile, cfg.optimizer.fused, cfg.training.precision = False, False, "fp32"
-    dist = dist_utils.DistInfo()
-    device = resolve_device(cfg.run.device, dist)
-    rt = make_runtime(cfg, device, resolve_precision(cfg.training.precision, device), dist,
-                      RunDir(REPO / "bench_out"))  # never written: no checkpoints here
-    dataset = prepare_data(cfg, dist)
-    raw_model, _ = build_model(cfg, dataset, None)
-    raw_model.to(device)
-    raw_model.gradient_checkpointing = cfg.training.gradient_checkpointing
-    model = dist_utils.wrap_model(raw_model, cfg, dist, device)
-    optimizers = make_optimizers(raw_model, cfg, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=rt.precision == "fp16")
-    t = cfg.training
-    rt.tokens_per_step = t.batch_size * t.grad_accum_steps * raw_model.config.block_size
-    batch_source = LoopBatchSource if baseline else BatchSource
-    batches = batch_source(dataset, raw_model.config.block_size, t.batch_size, cfg.run.seed, device, prefetch=not baseline)
-    return Trainer(rt, model, raw_model, optimizers, scaler, batches, baseline)
+        tr = replace(tr, batches=LoopBatchSource(tr.dataset, tr.raw_model.config.block_size, cfg.training.batch_size,
+                                                 cfg.run.seed, rt.device, prefetch=False))
+    return Bench(tr, baseline)
 
 
 @dataclass
@@ -158,79 +143,81 @@ class StepTiming:
     rss_end_mb: float
 
 
-def run_steps(tr: Trainer, start: int, n: int) -> int:
+def run_steps(b: Bench, start: int, n: int) -> int:
     """n optimizer steps from step `start`; the baseline syncs with the host after every one."""
     for it in range(start, start + n):
-        loss, _, _ = train_step(tr.model, tr.optimizers, tr.scaler, tr.batches, tr.rt, it)
-        if tr.baseline:
+        loss, _, _ = train_step(b.tr, it)
+        if b.baseline:
             loss.item()
     return start + n
 
 
-def warm_up(tr: Trainer, warmup: int) -> tuple[int, float]:
+def warm_up(b: Bench, warmup: int) -> tuple[int, float]:
     """`warmup` untimed steps; returns the next step and the seconds the first one took (it compiles)."""
     t0 = time.perf_counter()
-    it = run_steps(tr, 0, 1)
-    synchronize(tr.rt.device)
+    it = run_steps(b, 0, 1)
+    synchronize(b.tr.rt.device)
     first = time.perf_counter() - t0
-    return run_steps(tr, it, max(0, warmup - 1)), first
+    return run_steps(b, it, max(0, warmup - 1)), first
 
 
-def timed_round(tr: Trainer, it: int, iters: int) -> tuple[int, float, float]:
+def timed_round(b: Bench, it: int, iters: int) -> tuple[int, float, float]:
     """`iters` timed steps from step `it`: (next step, seconds per step, peak memory in MB)."""
-    reset_peak_memory(tr.rt.device)
-    synchronize(tr.rt.device)
+    device = b.tr.rt.device
+    reset_peak_memory(device)
+    synchronize(device)
     t0 = time.perf_counter()
-    it = run_steps(tr, it, iters)
-    synchronize(tr.rt.device)
-    return it, (time.perf_counter() - t0) / iters, peak_memory_mb(tr.rt.device)
+    it = run_steps(b, it, iters)
+    synchronize(device)
+    return it, (time.perf_counter() - t0) / iters, peak_memory_mb(device)
 
 
-def time_training(trainers: dict[str, Trainer], warmup: int, iters: int, repeats: int) -> list[StepTiming]:
+def time_training(benches: dict[str, Bench], warmup: int, iters: int, repeats: int) -> list[StepTiming]:
     """Warm each trainer up, then `repeats` rounds in which each runs `iters` timed steps in turn.
 
     Taking turns puts every trainer through the same moments of a shared machine's load, so their
     ratio holds even when the machine's speed drifts during the benchmark."""
-    steps, firsts, times, peaks = {}, {}, {n: [] for n in trainers}, {n: 0.0 for n in trainers}
-    for name, tr in trainers.items():
-        steps[name], firsts[name] = warm_up(tr, warmup)
+    steps, firsts, times, peaks = {}, {}, {n: [] for n in benches}, {n: 0.0 for n in benches}
+    for name, b in benches.items():
+        steps[name], firsts[name] = warm_up(b, warmup)
     for _ in range(repeats):
-        for name, tr in trainers.items():
-            steps[name], seconds, peak = timed_round(tr, steps[name], iters)
+        for name, b in benches.items():
+            steps[name], seconds, peak = timed_round(b, steps[name], iters)
             times[name].append(seconds)
             peaks[name] = max(peaks[name], peak)
     rows = []
-    for name, tr in trainers.items():
+    for name, b in benches.items():
         median = statistics.median(times[name])
-        tps = tr.rt.tokens_per_step / median
+        tps = b.tr.tokens_per_step / median
         rows.append(StepTiming(name, median * 1e3, min(times[name]) * 1e3, tps,
-                               tr.raw_model.estimate_mfu(tps, tr.rt.peak_flops), peaks[name], firsts[name], rss_mb()))
+                               b.tr.raw_model.estimate_mfu(tps, b.tr.rt.peak_flops), peaks[name], firsts[name], rss_mb()))
     return rows
 
 
-def profile_training(tr: Trainer, out_dir: Path, steps: int, start: int) -> Path:
+def profile_training(b: Bench, out_dir: Path, steps: int, start: int) -> Path:
     """A torch profiler trace of `steps` optimizer steps (open it in chrome://tracing or ui.perfetto.dev)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tr.rt.device.type == "cuda" else [])
+    device = b.tr.rt.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        run_steps(tr, start, steps)
-        synchronize(tr.rt.device)
+        run_steps(b, start, steps)
+        synchronize(device)
     path = out_dir / "trace.json"
     with tempfile.TemporaryDirectory() as tmp:  # the profiler writes a file itself: move it in atomically
         prof.export_chrome_trace(f"{tmp}/trace.json")
         with atomic_write(path) as f:
             f.write(Path(tmp, "trace.json").read_bytes())
-    sort = "self_cuda_time_total" if tr.rt.device.type == "cuda" else "self_cpu_time_total"
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=15))
     return path
 
 
 def describe(tr: Trainer) -> str:
-    cfg, rt = tr.rt.cfg, tr.rt
+    rt = tr.rt
     threads = f", {torch.get_num_threads()} threads" if rt.device.type == "cpu" else ""
-    return (f"{tr.raw_model.num_params() / 1e6:.2f}M parameters | {rt.tokens_per_step:,} tokens/step | "
-            f"{rt.device} {rt.precision}{threads} | compile {'on' if cfg.model.compile else 'off'}")
+    return (f"{tr.raw_model.num_params() / 1e6:.2f}M parameters | {tr.tokens_per_step:,} tokens/step | "
+            f"{rt.device} {rt.precision}{threads} | compile {'on' if rt.compile else 'off'}")
 
 
 def print_training_table(rows: list[StepTiming], device: torch.device) -> None:
@@ -247,19 +234,18 @@ def matmul_ceiling(tr: Trainer, repeats: int = 10) -> float:
 
     Every training FLOP the model counts is a matmul, so flops_per_token over this rate bounds
     tokens/s: no step can be faster, whatever else is optimised."""
-    cfg, rt = tr.rt.cfg, tr.rt
-    dtype = PRECISIONS[rt.precision]
-    m, c = cfg.training.batch_size * cfg.model.block_size, cfg.model.n_embd
-    a = torch.randn(m, c, dtype=dtype, device=rt.device)
-    b = torch.randn(c, 4 * c, dtype=dtype, device=rt.device)
+    device, dtype, c = tr.rt.device, PRECISIONS[tr.rt.precision], tr.raw_model.config
+    m = tr.cfg.training.batch_size * c.block_size
+    a = torch.randn(m, c.n_embd, dtype=dtype, device=device)
+    b = torch.randn(c.n_embd, 4 * c.n_embd, dtype=dtype, device=device)
     best = float("inf")
     for _ in range(repeats + 2):  # two warm-ups, then the best of `repeats`
-        synchronize(rt.device)
+        synchronize(device)
         t0 = time.perf_counter()
         a @ b
-        synchronize(rt.device)
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
-    return 2 * m * c * 4 * c / best
+    return 2 * m * c.n_embd * 4 * c.n_embd / best
 
 
 def print_ceiling(tr: Trainer, row: StepTiming) -> None:
@@ -272,22 +258,21 @@ def print_ceiling(tr: Trainer, row: StepTiming) -> None:
 
 
 def bench_training(args: argparse.Namespace, overrides: list) -> None:
-    trainers = {}
+    benches = {}
     for baseline in (False, True) if args.baseline else (False,):
         name = "baseline (all off)" if baseline else "optimised"
-        trainers[name] = make_trainer(args.config, overrides, baseline)
-        print(f"{name}: {describe(trainers[name])}", flush=True)
-    rows = time_training(trainers, args.warmup, args.iters, args.repeats)
-    device = trainers["optimised"].rt.device
+        benches[name] = make_bench(args.config, overrides, baseline)
+        print(f"{name}: {describe(benches[name].tr)}", flush=True)
+    rows = time_training(benches, args.warmup, args.iters, args.repeats)
+    optimised = benches["optimised"]
     if args.profile:
-        tr = trainers["optimised"]
-        path = profile_training(tr, Path(args.profile), args.profile_steps, args.warmup + args.iters * args.repeats)
+        path = profile_training(optimised, Path(args.profile), args.profile_steps, args.warmup + args.iters * args.repeats)
         print(f"profiler trace: {path}")
     if args.json:
         print(json.dumps([asdict(r) for r in rows]))
         return
-    print_training_table(rows, device)
-    print_ceiling(trainers["optimised"], rows[0])
+    print_training_table(rows, optimised.tr.rt.device)
+    print_ceiling(optimised.tr, rows[0])
     if args.baseline:
         print(f"speed-up over the baseline: {rows[1].ms_median / rows[0].ms_median:.2f}x (median ms/iter)")
     print(load_average())
@@ -349,9 +334,6 @@ def run_child(cmd: list[str], log: Path) -> tuple[float, float]:
 
 
 def bench_prepare(args: argparse.Namespace) -> None:
-    from prepare import BPE_TRAIN_PIECE_CHARS
-    from tokenizer import split_text, train_tokenizer
-
     source = Path(args.input)
     if not source.is_file():
         raise UserError(f"--input {source} not found (tiny Shakespeare is expected at {SHAKESPEARE})")
@@ -393,7 +375,7 @@ def bench_memory(args: argparse.Namespace, cli: list[str]) -> None:
     Each run is its own process, so neither inherits the other's allocations."""
     config = args.config or str(CPU_PRESET)
     cfg = build_config(load_toml(config), parse_overrides(cli), source=config)
-    dataset = prepare_data(cfg, dist_utils.DistInfo())
+    dataset = find_dataset(cfg, DistInfo())
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:
         big = Path(tmp) / "big"
@@ -422,7 +404,7 @@ def bench_memory(args: argparse.Namespace, cli: list[str]) -> None:
 # ---- precision --------------------------------------------------------------------------------------
 
 def precision_curves(args: argparse.Namespace, cli: list[str]) -> None:
-    """Train the same run in fp32 and bf16 (real train() runs) and print the two val-loss sequences."""
+    """Train the same run in fp32 and bf16 (real train.py runs) and print the two val-loss sequences."""
     config = args.config or str(GPU_PRESET)
     curves, speed = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench_precision_") as tmp:
@@ -431,8 +413,7 @@ def precision_curves(args: argparse.Namespace, cli: list[str]) -> None:
                          "--training.eval_iters", "20", "--training.log_interval", str(args.eval_interval),
                          "--training.save_interval", "0", "--training.save_best", "false", "--logging.plot", "false",
                          *cli, "--training.precision", precision, "--run.out_dir", tmp, "--run.name", precision]
-            result = train(config, overrides=overrides, force=True)
-            if result.stop_reason == "signal":  # train() saved and returned; the benchmark stops with it
+            if train_in_child(["--config", config, "--force", *overrides]):  # it saved and stopped; so do we
                 raise SystemExit(f"stopped by a signal during the {precision} run")
             history = json.loads((Path(tmp) / precision / "train_log.json").read_text())["history"]
             curves[precision] = {p["iter"]: p["val_loss"] for p in history if p["kind"] == "eval"}
@@ -446,6 +427,28 @@ def precision_curves(args: argparse.Namespace, cli: list[str]) -> None:
     print(f"training speed (median of the logged steps): fp32 {speed['fp32']:,.0f} tokens/s, "
           f"bf16 {speed['bf16']:,.0f} tokens/s")
     print(load_average())
+
+
+def train_in_child(args: list[str]) -> bool:
+    """python train.py ARGS, printing to our stdout; SIGINT or SIGTERM sent to us is passed on once (train.py then
+    saves and stops). Returns whether that happened; a failed run is a UserError."""
+    sys.stdout.flush()
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, start_new_session=True)  # Ctrl-C: ours only
+    received = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code and not received:
+        raise UserError(f"train.py {' '.join(args)} failed with exit code {code}")
+    return bool(received)
 
 
 # ---- command line ----------------------------------------------------------------------------------
@@ -476,12 +479,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_known_args(argv)
 
 
-def data_overrides(cli: list[str]) -> list[str]:
-    """Tiny Shakespeare's local copy as the default raw input, so the presets prepare offline."""
-    given = any(a.split("=")[0] == "--data.input" for a in cli)
-    return cli if given or not SHAKESPEARE.is_file() else ["--data.input", str(SHAKESPEARE), *cli]
-
-
 def main(argv: list[str] | None = None) -> int:
     args, cli = parse_args(sys.argv[1:] if argv is None else argv)
     if args.prepare:
@@ -490,14 +487,14 @@ def main(argv: list[str] | None = None) -> int:
         bench_sample(args, parse_overrides(cli))
     elif args.memory:
         args.iters = args.iters or 300
-        bench_memory(args, data_overrides(cli))
+        bench_memory(args, with_shakespeare_input(cli))
     elif args.precision_curves:
         args.iters = args.iters or 300
-        precision_curves(args, data_overrides(cli))
+        precision_curves(args, with_shakespeare_input(cli))
     else:
         args.iters = args.iters or 50
         args.config = args.config or str(CPU_PRESET)
-        bench_training(args, parse_overrides(data_overrides(cli)))
+        bench_training(args, parse_overrides(with_shakespeare_input(cli)))
     return 0
 
 

@@ -1,38 +1,131 @@
-"""Checkpoints: plain-typed dicts written atomically, loaded with torch.load(weights_only=True).
+"""Checkpoints: what a training checkpoint holds, how it is written and read, and the run directories they live in.
 
-A checkpoint holds only tensors, numbers, strings, lists, tuples, dicts and None, so it can be
-inspected without this code and a hostile file cannot run code when loaded. Layout of a run:
+A checkpoint is a plain dict (tensors, numbers, strings, lists, dicts, None) written atomically and
+loaded with torch.load(weights_only=True): it can be inspected without this code, and a hostile
+file cannot run code when loaded. TrainingCheckpoint below is the one definition of its contents.
+Layout of a run:
 
     checkpoints/<run>/ckpt_last.pt        every save_interval and at the end
     checkpoints/<run>/ckpt_best.pt        whenever val loss improves (save_best)
     checkpoints/<run>/ckpt_step0001000.pt periodic, pruned to the newest keep_last
     checkpoints/<run>/latest              name of the newest checkpoint (what --resume loads)
     checkpoints/<run>/config.toml         the fully resolved config
+
+resolve_run decides which run a train.py invocation is: a new one (never silently overwriting
+checkpoints) or the one --resume names, whose checkpoint's config then replaces the TOML.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
-import shutil
 import random
 import re
+import shutil
+import sys
+import time
+import types
+import typing
 import zipfile
 import zlib
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from common import TEMP_SUFFIX, UserError, atomic_write, atomic_write_text, fsync_dir
-from config import build_config
-from model import GPT, GPTConfig
+from common import TEMP_SUFFIX, UserError, WriteError, atomic_write, atomic_write_text, fsync_dir
+from config import Config, build_config, layer_from_dict, load_toml, lookup, parse_overrides
 
 FORMAT = "quillgpt-checkpoint"
 VERSION = 1
 STEP_PATTERN = re.compile(r"ckpt_step(\d+)\.pt$")
 
+
+# ---- what a training checkpoint holds ---------------------------------------------------------------
+
+# Fields that may be missing from a checkpoint: written only by some runs, or added after the first checkpoints.
+OPTIONAL = {"optional": True}
+
+
+@dataclass
+class TrainState:
+    """Training progress: the counters that let a resumed run continue exactly where it stopped."""
+    iter_num: int = 0
+    best_val_loss: float = math.inf
+    bad_evals: int = 0  # evaluations in a row without an improvement of early_stopping_min_delta
+    tokens_seen: int = 0
+    nonfinite_streak: int = field(default=0, metadata=OPTIONAL)  # optimizer steps in a row skipped as non-finite
+    wandb_run_id: str | None = field(default=None, metadata=OPTIONAL)
+
+
+@dataclass
+class TrainingCheckpoint:
+    """Everything a training checkpoint holds: trainer.save writes it, trainer.restore reads it, from_dict checks it.
+
+    On disk it is a plain dict of these keys, with TrainState's fields at the top level."""
+    model: dict  # the full weights (gathered from the shards under FSDP)
+    model_args: dict  # GPTConfig.to_dict(): rebuilds the model without the config
+    optimizers: list  # one state dict per optimizer; None each under FSDP, whose state is in `sharded`
+    config: dict  # the run's resolved Config.to_dict()
+    rng: list | dict  # one RNG state per rank (a single dict, rank 0's, in early checkpoints)
+    state: TrainState
+    scaler: dict | None = field(default=None, metadata=OPTIONAL)  # the fp16 GradScaler's state
+    tokenizer: dict | None = field(default=None, metadata=OPTIONAL)  # Tokenizer.to_dict() of the dataset
+    world_size: int | None = field(default=None, metadata=OPTIONAL)  # ranks that wrote it
+    sharded: str | None = field(default=None, metadata=OPTIONAL)  # FSDP: its sharded_stepNNNNNNN directory
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "state"}
+        if self.sharded is None:
+            del d["sharded"]
+        return {**d, **asdict(self.state)}
+
+    @classmethod
+    def from_dict(cls, ckpt: dict, path: str | Path) -> TrainingCheckpoint:
+        """A loaded checkpoint as a TrainingCheckpoint; UserError when it lacks what --resume needs
+        (written by another tool, or edited)."""
+        wrong = _wrong_fields(ckpt, cls) + _wrong_fields(ckpt, TrainState)
+        config = ckpt.get("config")
+        if not wrong and not (isinstance(config.get("run"), dict) and all(isinstance(t, dict) for t in config.values())):
+            wrong = ["config"]
+        if wrong:
+            raise UserError(f"{path} cannot be resumed: its training state is missing or malformed ({', '.join(wrong)}); "
+                            "start a new run from its weights with run.init_from instead")
+        state = TrainState(**{f.name: ckpt.get(f.name, f.default) for f in fields(TrainState)})
+        return cls(**{f.name: ckpt.get(f.name, f.default) for f in fields(cls) if f.name != "state"}, state=state)
+
+
+def _wrong_fields(ckpt: dict, cls: type) -> list[str]:
+    """The fields of dataclass cls that ckpt lacks (unless optional) or holds with another type than annotated."""
+    hints = typing.get_type_hints(cls)
+    wrong = []
+    for f in fields(cls):
+        if f.name == "state":
+            continue
+        if f.name not in ckpt:
+            wrong += [] if f.metadata.get("optional") else [f.name]
+        elif not _is_a(ckpt[f.name], hints[f.name]):
+            wrong.append(f.name)
+    return wrong
+
+
+def _is_a(value: Any, annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_is_a(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return annotation is bool
+    if annotation is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, annotation)
+
+
+# ---- files ------------------------------------------------------------------------------------------
 
 def save_checkpoint(path: str | Path, state: dict) -> None:
     with atomic_write(path, "wb") as f:
@@ -98,37 +191,6 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return ckpt
 
 
-def model_config_from_checkpoint(ckpt: dict, path: str | Path = "checkpoint") -> GPTConfig:
-    args = ckpt["model_args"]
-    if not isinstance(args, dict) or not isinstance(args.get("vocab_size"), int):
-        raise UserError(f"{path}: model_args is not a complete model description (it needs an integer vocab_size)")
-    build_config({"model": args}, source=f"{path} model_args")  # the config schema's type and range checks
-    return GPTConfig.from_dict(args)
-
-
-def load_model_weights(model: GPT, state: dict, path: str | Path = "checkpoint") -> None:
-    """load_state_dict with a message that names the first mismatch instead of a traceback."""
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise UserError(f"{path}: its model weights are not a dict of named tensors")
-    state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise UserError(f"{path} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    for k, v in state.items():
-        if tuple(v.shape) != tuple(own[k].shape):
-            raise UserError(f"{path} does not match the model: {k} is {list(v.shape)} in the checkpoint, "
-                            f"{list(own[k].shape)} in the model (different architecture or vocabulary)")
-    model.load_state_dict(state)
-
-
-def model_from_checkpoint(ckpt: dict, path: str | Path = "checkpoint") -> GPT:
-    model = GPT(model_config_from_checkpoint(ckpt, path))
-    load_model_weights(model, ckpt["model"], path)
-    return model
-
-
 # ---- RNG state as plain types ----------------------------------------------------------------------
 
 def rng_state() -> dict:
@@ -159,6 +221,39 @@ def set_rng_state(state: dict) -> None:
 class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.last_saved: str | None = None  # "ckpt_last.pt (iter N)" of this process's newest successful save
+
+    def save(self, kind: str, ckpt: TrainingCheckpoint, save_interval: int, keep_last: int, final: bool = False) -> None:
+        """Write ckpt_best.pt (kind "best") or ckpt_last.pt ("last"), atomically. A last checkpoint also
+        becomes `latest`; on a save_interval step it is hard-linked as that step's checkpoint, keeping the
+        newest keep_last; FSDP's sharded directories that no checkpoint names any more are deleted.
+
+        A full disk or a read-only directory leaves every file already there intact and costs only this
+        checkpoint: one warning line (the next save retries), or, for the final save, a UserError naming
+        the last good checkpoint."""
+        try:
+            self._write(kind, ckpt, save_interval, keep_last)
+        except WriteError as e:
+            good = self.last_saved or self.latest()
+            where = f"the last good checkpoint is {good}" if good else "no checkpoint has been saved yet"
+            if final:
+                raise UserError(f"the final checkpoint was not saved: {e}; {where}") from None
+            print(f"warning: {kind} checkpoint of iter {ckpt.state.iter_num} not saved: {e}; {where}; "
+                  "training continues and the next save retries", file=sys.stderr, flush=True)
+
+    def _write(self, kind: str, ckpt: TrainingCheckpoint, save_interval: int, keep_last: int) -> None:
+        path = self.best if kind == "best" else self.last
+        save_checkpoint(path, ckpt.to_dict())
+        if kind != "last":
+            return
+        it = ckpt.state.iter_num
+        self.last_saved = f"{path} (iter {it})"
+        self.set_latest(path)
+        if save_interval and it % save_interval == 0 and keep_last > 0:
+            link_or_copy(path, self.step(it))
+            self.prune(keep_last)
+        if ckpt.sharded:
+            self.prune_sharded(ckpt.sharded)
 
     @property
     def last(self) -> Path:
@@ -230,3 +325,60 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
     if not path.exists():
         raise UserError(f"checkpoint not found: {path}")
     return path
+
+
+# ---- which run --------------------------------------------------------------------------------------
+
+def resolve_run(config: str | Path | None, overrides: dict | list | None, resume: bool | str, force: bool,
+                world_size: int) -> tuple[Config, RunDir, TrainingCheckpoint | None]:
+    """The config, run directory and (on resume) checkpoint of a train.py invocation.
+
+    A new run: defaults < TOML < overrides, in out_dir/name, which must not hold checkpoints already
+    (unless force, or eval_only, which writes nothing). A resumed run continues its checkpoint with
+    the config stored in it: defaults < that config < overrides. resume is True (the run the TOML and
+    overrides name), a run directory (its newest complete checkpoint) or a checkpoint file (that one)."""
+    toml = load_toml(config) if config else {}
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    source = str(config or "config")
+    if not resume:
+        cfg = build_config(toml, overrides, source=source, world_size=world_size)
+        return cfg, new_run_dir(cfg, force), None
+    if resume is True:
+        name, out_dir = lookup(toml, overrides, "run.name", source), lookup(toml, overrides, "run.out_dir", source)
+        if name is None:
+            raise UserError("--resume needs run.name in the config, or a run directory: --resume checkpoints/<run>")
+        resume = str(Path(out_dir) / name)
+    run, path = run_to_resume(Path(resume))
+    ckpt = load_resumable(run, path)
+    saved = layer_from_dict(ckpt.config)
+    saved["run"].update(name=run.path.name, out_dir=str(run.path.parent))
+    return build_config(saved, overrides, source=f"{run.path}/config", world_size=world_size), run, ckpt
+
+
+def new_run_dir(cfg: Config, force: bool) -> RunDir:
+    """out_dir/name (a name from the dataset and the time when the config gives none)."""
+    run = RunDir(Path(cfg.run.out_dir) / (cfg.run.name or f"{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    if run.has_checkpoints() and not force and not cfg.training.eval_only:
+        raise UserError(f"{run.path} already holds checkpoints: pass --resume to continue it, --force to start over, "
+                        "or choose another --run.name")
+    return run
+
+
+def run_to_resume(path: Path) -> tuple[RunDir, Path]:
+    """A run directory (its newest complete checkpoint) or a checkpoint file (that one): (run, checkpoint path)."""
+    run = RunDir(path.parent if path.is_file() else path)
+    found = path if path.is_file() else run.latest()
+    if found is None:
+        raise UserError(f"--resume: no checkpoint in {run.path} to resume from")
+    return run, found
+
+
+def load_resumable(run: RunDir, path: Path) -> TrainingCheckpoint:
+    """The checkpoint at path, checked for what --resume needs; a damaged file's error names an older one."""
+    try:
+        ckpt = load_checkpoint(path)
+    except UserError as e:
+        older = [p for p in run.step_checkpoints() if not os.path.samefile(p, path)]  # step files may be hard links
+        raise UserError(f"{e}; an older checkpoint can be resumed with --resume {older[-1]}" if older else str(e)) from None
+    return TrainingCheckpoint.from_dict(ckpt, path)

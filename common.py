@@ -1,4 +1,4 @@
-"""Small pieces every script shares: the user-error convention and atomic file writes.
+"""Small pieces every script shares: the user-error convention, atomic file writes, and a few machine facts.
 
 A user's mistake (bad config, missing data, corrupt checkpoint) raises UserError; the entry
 scripts wrap main() in `run_main`, which prints one line to stderr and exits 2, no traceback.
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import IO, Callable, Iterator
 
 EXIT_USER_ERROR = 2
+# Where our machines keep tiny Shakespeare, which tests and benchmarks read (never a committed copy).
+SHAKESPEARE = Path(__file__).resolve().parent.parent / "shared" / "data" / "tinyshakespeare.txt"
 TEMP_SUFFIX = ".tmp"  # atomic_write's temp files are ".<name>.<random>.tmp" beside their target
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -126,3 +128,22 @@ def format_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (Linux: respects taskset and container CPU limits)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def load_average() -> str:
+    """The line every benchmark table ends with: above the core count, someone else was computing too."""
+    return f"load average (1 min) {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
+
+
+def with_shakespeare_input(cli: list[str]) -> list[str]:
+    """Command-line overrides with tiny Shakespeare's local copy as data.input unless one is given, so the
+    shakespeare_char presets prepare their dataset offline."""
+    given = any(a.split("=")[0] == "--data.input" for a in cli)
+    return cli if given or not SHAKESPEARE.is_file() else ["--data.input", str(SHAKESPEARE), *cli]

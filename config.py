@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from common import UserError, run_main
-from model import GPTConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,6 +42,44 @@ def _f(default, help: str, **kw):
 
 
 @dataclass
+class GPTConfig:
+    """Model arguments. Stored in every checkpoint as a plain dict; rebuilds the model."""
+
+    block_size: int = _f(1024, "context length in tokens")
+    vocab_size: int | None = _f(None, "vocabulary size; None takes the dataset's exactly (set a larger multiple of 64 yourself for speed)")
+    n_layer: int = _f(12, "number of transformer blocks")
+    n_head: int = _f(12, "attention heads per block")
+    n_embd: int = _f(768, "model width")
+    dropout: float = _f(0.0, "dropout probability in [0, 1)")
+    bias: bool = _f(True, "bias in Linear and norm layers (GPT-2: true)")
+    pos_emb: str = _f("learned", "position encoding: learned | rope", choices=("learned", "rope"))
+    norm: str = _f("layernorm", "normalisation: layernorm | rmsnorm", choices=("layernorm", "rmsnorm"))
+    qk_norm: bool = _f(False, "normalise queries and keys before attention")
+    mlp: str = _f("gelu", "MLP activation: gelu | relu2 | swiglu", choices=("gelu", "relu2", "swiglu"))
+    gelu_approx: str = _f("none", "GELU form: none (exact erf) | tanh (OpenAI GPT-2's gelu_new)", choices=("none", "tanh"))
+    tie_embeddings: bool = _f(True, "share the token embedding and output head weights")
+    logit_softcap: float = _f(0.0, "soft-cap logits at this value with tanh (0 = off)")
+    zero_init_proj: bool = _f(False, "zero-initialise the attention/MLP output projections and the head")
+    rope_theta: float = _f(10000.0, "rotary base frequency (pos_emb = rope)")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model arguments: {sorted(unknown)}")
+        return cls(**d)
+
+    def gpt2_incompatibilities(self) -> list[str]:
+        """The switches that make this model differ from GPT-2's architecture, as 'name = value' strings."""
+        gpt2 = dict(pos_emb="learned", norm="layernorm", qk_norm=False, mlp="gelu", tie_embeddings=True, logit_softcap=0.0)
+        return [f"{k} = {getattr(self, k)!r}" for k, v in gpt2.items() if getattr(self, k) != v]
+
+
+@dataclass
 class RunConfig:
     name: str | None = _f(None, "run name: checkpoints go to out_dir/name (None: generated from dataset and time)")
     out_dir: str = _f("checkpoints", "root directory of run directories")
@@ -58,7 +95,7 @@ class DataConfig:
     tokenizer: str = _f("char", "char | bpe | a tiktoken encoding name such as gpt2")
     bpe_vocab_size: int = _f(4096, "vocabulary size the bpe tokenizer is trained to")
     data_dir: str = _f("data", "root directory of prepared datasets")
-    processed_dir: str | None = _f(None, "read train/val from this directory instead of data_dir/dataset (seed layout: data/processed)")
+    processed_dir: str | None = _f(None, "read train/val from this directory instead of data_dir/dataset (the data/processed layout: train.bin/val.bin, or train.txt/val.txt with data_format = txt)")
     val_fraction: float = _f(0.1, "fraction of the text held out for validation when preparing")
     max_bytes: int | None = _f(None, "cap on the bytes of raw text read when preparing (pystdlib default: 4 MB)")
 
@@ -311,6 +348,30 @@ def build_config(toml: dict | None = None, overrides: list[tuple[str, Any]] | di
     return cfg
 
 
+def lookup(toml: dict, overrides: list[tuple[str, Any]] | dict | None, dotted: str, source: str = "config") -> Any:
+    """The value one key takes under defaults < TOML < overrides, type-checked, without building a whole Config
+    (--resume reads only the run's name and out_dir from the user's config)."""
+    section, _, key = dotted.partition(".")
+    cfg, errors = Config(), []
+    table = (toml or {}).get(section)
+    if isinstance(table, dict) and key in table:
+        _apply(cfg, section, key, table[key], source, errors)
+    for name, value in overrides.items() if isinstance(overrides, dict) else (overrides or []):
+        if name == dotted:
+            _apply(cfg, section, key, value, "command line", errors)
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return getattr(getattr(cfg, section), key)
+
+
+def resolved(cfg: Config, run_name: str, model: GPTConfig, compile: bool) -> Config:
+    """The config a run records: cfg with what was resolved from it downstream, namely the run's name, the
+    model as built (from a checkpoint or GPT-2 its architecture comes from the weights) and whether it is
+    compiled. cfg itself is left as it is."""
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=run_name),
+                               model=ModelConfig(**model.to_dict(), compile=compile))
+
+
 def load_config(path: str | Path | None, cli_args: list[str] | None = None, world_size: int = 1) -> Config:
     toml = load_toml(path) if path else {}
     return build_config(toml, parse_overrides(cli_args or []), source=str(path or "config"), world_size=world_size)
@@ -405,10 +466,10 @@ def to_toml(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def config_from_dict(d: dict) -> Config:
-    """Rebuild a Config from Config.to_dict() (as stored in checkpoints); unknown keys are errors."""
-    return build_config({s: {k: v for k, v in t.items() if v is not None} for s, t in d.items()},
-                        source="checkpoint config")
+def layer_from_dict(d: dict) -> dict:
+    """Config.to_dict() output (as stored in checkpoints) as a layer for build_config: None values are left
+    out, being every such field's default."""
+    return {s: {k: v for k, v in t.items() if v is not None} for s, t in d.items()}
 
 
 def summary(cfg: Config) -> str:

@@ -1,9 +1,10 @@
 """Prepared datasets on disk -> checked token memmaps -> reproducible (x, y) batches.
 
-Each micro-batch is drawn from a counter-based generator keyed by (seed, split, global index),
+find_dataset locates the dataset a config names (preparing it on rank 0 when missing) and checks
+it. Each micro-batch is drawn from a counter-based generator keyed by (seed, split, global index),
 where the global index of a training micro-batch is step * slots + slot and slot = rank *
-grad_accum_steps + micro_step. Resuming is therefore "restore the step counter", and N ranks x
-accumulation 1 see exactly the batches of 1 rank x accumulation N.
+grad_accum_steps + micro_step (micro_batch_index). Resuming is therefore "restore the step
+counter", and N ranks x accumulation 1 see exactly the batches of 1 rank x accumulation N.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import numpy as np
 import torch
 
 from common import UserError, read_json
-from tokenizer import Tokenizer, load_tokenizer
+from config import Config
+from distributed import DistInfo, on_every_rank, on_main
+from prepare import prepare_dataset, prepare_txt_dir
+from tokenizer import Tokenizer, load_tokenizer, tokenizer_label
 
 SPLIT_IDS = {"train": 0, "val": 1}
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -38,12 +42,32 @@ class Dataset:
         return self.directory / f"{split}.bin"
 
 
-def tokenizer_label(meta_tokenizer: dict) -> str:
-    """meta.json's tokenizer section -> the name a user types (char, bpe, gpt2, ...)."""
-    return meta_tokenizer.get("name") or meta_tokenizer.get("kind", "?")
+def find_dataset(cfg: Config, dist: DistInfo) -> Dataset:
+    """The dataset the config names, opened and checked on every rank: data_dir/dataset (rank 0 prepares it
+    first when it is missing), data.processed_dir with train.bin/val.bin (or in its parent), or
+    with training.data_format = "txt" its train.txt/val.txt tokenized once into processed_dir/cache."""
+    d = cfg.data
+    vocab_size = d.bpe_vocab_size if d.tokenizer == "bpe" else None
+    expect = None  # the tokenizer the dataset must have been made with, when the config decides it
+    if cfg.training.data_format == "txt":
+        processed = Path(d.processed_dir or "data/processed")
+        on_main(prepare_txt_dir, dist, processed, tokenizer=d.tokenizer, vocab_size=vocab_size)
+        directory = processed / "cache"
+    elif d.processed_dir is not None:
+        # data/processed falls back to its parent data/ for train.bin/val.bin (a common layout of prepared data)
+        directory = Path(d.processed_dir)
+        if not (directory / "train.bin").exists() and directory.name == "processed":
+            directory = directory.parent
+        if not (directory / "train.bin").exists():
+            raise UserError(f"no train.bin in data.processed_dir = {d.processed_dir} (or its parent)")
+    else:
+        on_main(prepare_dataset, dist, d.dataset, input_path=d.input, tokenizer=d.tokenizer, vocab_size=vocab_size,
+                val_fraction=d.val_fraction, data_dir=d.data_dir, max_bytes=d.max_bytes)
+        directory, expect = Path(d.data_dir) / d.dataset, d.tokenizer
+    return on_every_rank(load_dataset, dist, directory, expect)
 
 
-def load_dataset(directory: str | Path, expect_tokenizer: str | None = None, scan: bool = True) -> Dataset:
+def load_dataset(directory: str | Path, expect_tokenizer: str | None = None) -> Dataset:
     """Open and check a prepared dataset directory (train.bin, val.bin, meta.json, tokenizer.json)."""
     directory = Path(directory)
     meta = read_json(directory / "meta.json", "dataset metadata")
@@ -72,8 +96,7 @@ def load_dataset(directory: str | Path, expect_tokenizer: str | None = None, sca
         lengths[split] = size // dtype.itemsize
         if lengths[split] == 0:
             raise UserError(f"{path} is empty: the {split} split has no tokens (use a larger input or another data.val_fraction)")
-        if scan:
-            check_token_ids(path, dtype, vocab_size)
+        check_token_ids(path, dtype, vocab_size)
     return Dataset(directory, meta, tokenizer, dtype, lengths)
 
 
@@ -94,6 +117,29 @@ def check_fits(dataset: Dataset, block_size: int, model_vocab_size: int) -> None
                             f"{block_size + 1}: lower model.block_size or use more data")
     if model_vocab_size < dataset.vocab_size:
         raise UserError(f"model.vocab_size = {model_vocab_size} is smaller than the dataset's vocabulary ({dataset.vocab_size})")
+
+
+def check_vocab_compatible(model_vocab: int, tokenizer: dict | None, dataset: Dataset, source: str) -> None:
+    """A model (of model_vocab ids, trained with `tokenizer`, from `source`) can train on the dataset: same tokenizer
+    (any recorded one when the model records none) and enough ids; UserError naming both otherwise."""
+    data_tok = dataset.tokenizer.to_dict()
+    if tokenizer is not None and tokenizer.get("kind") == "tiktoken" and data_tok.get("kind") == "tiktoken":
+        same = tokenizer.get("name") == data_tok.get("name")
+    else:
+        same = tokenizer is None or tokenizer == data_tok
+    if not same or model_vocab < dataset.vocab_size:
+        ours = tokenizer_label(tokenizer) if tokenizer else "?"
+        missing = sorted(set(data_tok.get("chars", [])) - set((tokenizer or {}).get("chars", [])))
+        hint = f" (the dataset has characters the checkpoint lacks: {''.join(missing[:10])!r})" if ours == "char" and missing else ""
+        raise UserError(f"vocabulary mismatch: {source} was trained with a {ours} tokenizer of {model_vocab} tokens, "
+                        f"the dataset {dataset.directory} uses {tokenizer_label(data_tok)} with {dataset.vocab_size}{hint}: "
+                        "prepare the dataset with the checkpoint's tokenizer")
+
+
+def micro_batch_index(step: int, rank: int, micro: int, accum: int, world_size: int) -> int:
+    """The global index of the training micro-batch a rank draws at one accumulation micro-step of a step:
+    step * slots + rank * accum + micro, with slots = accum * world_size micro-batches per optimizer step."""
+    return (step * world_size + rank) * accum + micro
 
 
 def batch_rng(seed: int, split: str, index: int) -> np.random.Generator:

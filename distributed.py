@@ -30,12 +30,14 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from common import EXIT_USER_ERROR, TEMP_SUFFIX, UserError, fsync_dir
+from common import EXIT_USER_ERROR, TEMP_SUFFIX, UserError, fsync_dir, report, usable_cpus
 
+T = TypeVar("T")
 # how gloo and nccl report a peer that died or a collective that timed out (gloo raises a plain RuntimeError)
 PEER_FAILURE_HINTS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "NCCL")
 
@@ -75,7 +77,7 @@ def init_process_group(info: DistInfo, device: torch.device, backend: str | None
     dist.init_process_group(**kwargs)
 
 
-def shutdown(info: DistInfo) -> None:
+def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -106,7 +108,7 @@ def reporting_peer_failures(info: DistInfo):
 
 # ---- collectives ------------------------------------------------------------------------------------
 
-def barrier(info: DistInfo) -> None:
+def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
@@ -130,7 +132,7 @@ def collective_device() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         settled(t)
@@ -139,10 +141,10 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
 
 def mean_over_ranks(t: torch.Tensor, info: DistInfo) -> float:
     t = t.detach().float().clone()
-    return (all_reduce_sum(t, info) / info.world_size).item()
+    return (all_reduce_sum(t) / info.world_size).item()
 
 
-def any_rank(flag: bool, info: DistInfo) -> bool:
+def any_rank(flag: bool) -> bool:
     """True on every rank when it is True on any rank: all ranks agree to stop at the same step."""
     if not dist.is_initialized():
         return flag
@@ -160,7 +162,7 @@ def unpickled(t: torch.Tensor) -> object:
     return pickle.loads(t.cpu().numpy().tobytes())
 
 
-def gather_objects(obj: object, info: DistInfo) -> list:
+def gather_objects(obj: object) -> list:
     """[rank 0's obj, rank 1's obj, ...] on every rank (small picklable objects such as RNG states).
 
     Pickled as all_gather_object does, but through tensors we hold; see settled."""
@@ -192,11 +194,35 @@ def broadcast_object(obj: object, info: DistInfo) -> object:
     return obj if info.is_main else unpickled(data)
 
 
-def save_on_main(fn, info: DistInfo) -> None:
-    """Rank 0 writes; the others wait, so no rank runs ahead of a checkpoint being written."""
+def on_every_rank(fn: Callable[..., T], info: DistInfo, *args, **kwargs) -> T:
+    """fn(*args, **kwargs) on every rank, for steps whose outcome is the same on each (opening the data, building the
+    model). A UserError on any rank is printed once, by rank 0, before any rank exits, and raised on every
+    rank, so all of them exit 2 (torchrun stops the others as soon as one exits: a later message is lost)."""
+    try:
+        return_value, error = fn(*args, **kwargs), None
+    except UserError as e:
+        if not info.enabled:
+            raise
+        return_value, error = None, str(e)
+    if info.enabled:
+        errors = [e for e in gather_objects(error) if e is not None]
+        if errors:
+            if info.is_main:
+                report(UserError(errors[0]))
+            barrier()  # nobody exits (and so has torchrun stop the rest) before rank 0 has printed
+            raise UserError(errors[0], reported_elsewhere=True)
+    return return_value
+
+
+def on_main(fn: Callable[..., object], info: DistInfo, *args, **kwargs) -> None:
+    """fn(*args, **kwargs) on rank 0 while the others wait (preparing data, writing a checkpoint); a UserError there
+    is handled as on_every_rank's."""
+    on_every_rank(_main_only, info, fn, info, *args, **kwargs)
+
+
+def _main_only(fn: Callable[..., object], info: DistInfo, *args, **kwargs) -> None:
     if info.is_main:
-        fn()
-    barrier(info)
+        fn(*args, **kwargs)
 
 
 # ---- wrapping ---------------------------------------------------------------------------------------
@@ -259,19 +285,17 @@ def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def wrap_model(model: torch.nn.Module, cfg, info: DistInfo, device: torch.device) -> torch.nn.Module:
+def wrap_model(model: torch.nn.Module, info: DistInfo, device: torch.device, compile: bool, fsdp: bool,
+               gradient_checkpointing: bool) -> torch.nn.Module:
     """FSDP or DDP, and torch.compile, in the orders that work: shard then compile; compile then DDP.
 
     Under FSDP the optimizer must be built after this call (fully_shard replaces the parameters with DTensors)."""
-    if cfg.distributed.fsdp and info.enabled:
-        if cfg.optimizer.name == "muon":
-            raise UserError("distributed.fsdp does not support optimizer.name = 'muon' (Muon orthogonalises whole "
-                            "matrices, FSDP shards them): use adamw, or DDP")
+    if fsdp and info.enabled:
         broadcast_weights(model)
         model = shard(model, device)
-        return torch.compile(model) if cfg.model.compile else model
-    if cfg.model.compile:
-        if info.enabled and cfg.training.gradient_checkpointing:
+        return torch.compile(model) if compile else model
+    if compile:
+        if info.enabled and gradient_checkpointing:
             # Dynamo's DDP graph splitter can't handle checkpointing's higher-order ops (pytorch#104674)
             import torch._dynamo.config as dynamo_config
             dynamo_config.optimize_ddp = False
@@ -311,7 +335,7 @@ def save_sharded(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
         tmp.mkdir(parents=True)
-    barrier(info)
+    barrier()
     model_sd, optim_sd = get_state_dict(unwrap(model), optimizers)
     dcp.save({"model": model_sd, "optimizers": optim_sd}, checkpoint_id=tmp)
     if info.is_main:  # dcp.save returns on every rank only after the coordinator wrote .metadata
@@ -381,8 +405,7 @@ def relaunch_with_torchrun(nproc: int, argv: list[str], script: str) -> int:
         raise UserError(f"--nproc-per-node = {nproc} must be at least 1")
     if "RANK" in os.environ:
         raise UserError("--nproc-per-node launches torchrun itself: don't combine it with torchrun")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // nproc)))
     launch = ["--standalone", f"--nproc-per-node={nproc}", script, *without_flag(argv, "--nproc-per-node")]
     print(f"launching: torchrun {' '.join(launch)} (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})", flush=True)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we report failures ourselves

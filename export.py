@@ -1,4 +1,4 @@
-"""GPT-2 weights in; Hugging Face GPT-2 directories and plain safetensors files out.
+"""Models out: Hugging Face GPT-2 directories and plain safetensors files (load.py brings models in).
 
     python export.py --ckpt checkpoints/base --hf exports/base-hf                  # a run dir: its ckpt_best.pt
     python export.py --ckpt checkpoints/base/ckpt_last.pt --safetensors exports/base.safetensors
@@ -11,10 +11,10 @@ plus the model arguments and the tokenizer as JSON in its metadata (sample.py --
 
 From Python:
 
-    from export import load_gpt2, load_safetensors
-    model = load_gpt2("gpt2")                     # OpenAI's weights through transformers (network once)
-    model = load_gpt2("path/to/hf-gpt2")          # a local Hugging Face GPT-2 directory, offline
-    model, tokenizer = load_safetensors("exports/base.safetensors")
+    from export import export_hf, export_safetensors
+    from load import load_model
+    loaded = load_model("checkpoints/base")
+    export_safetensors(loaded.model, loaded.tokenizer, "exports/base.safetensors")
 """
 
 from __future__ import annotations
@@ -26,133 +26,19 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 
-from checkpoint import load_checkpoint, load_model_weights, model_from_checkpoint, resolve_checkpoint
-from common import UserError, atomic_write, atomic_write_json, read_json, run_main
-from model import GPT, GPTConfig
-from tokenizer import Tokenizer, get_tiktoken, tokenizer_from_dict
+from common import UserError, atomic_write, atomic_write_json, run_main
+from config import GPTConfig
+from load import CONV1D_WEIGHTS, GPT2_TOKENIZER, GPT2_VOCAB_SIZE, LAYER_NORM_EPS, load_model
+from model import GPT
+from tokenizer import get_tiktoken, tokenizer_label
 
-GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-GPT2_TOKENIZER = {"kind": "tiktoken", "name": "gpt2"}
-GPT2_VOCAB_SIZE = 50257  # the last id is <|endoftext|>
-# HF's GPT-2 stores these as Conv1D weights, (in, out): the transpose of nn.Linear's (out, in)
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-HF_ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # -> GPTConfig.gelu_approx
-LAYER_NORM_EPS = 1e-5  # model.py's LayerNorm
 # the files tiktoken builds its gpt2 encoding from are HF's vocab.json and merges.txt
 GPT2_TOKENIZER_URLS = {
     "vocab.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
     "merges.txt": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
 }
-
-
-def is_gpt2_source(name_or_dir: str | Path) -> bool:
-    """A GPT-2 name or a local Hugging Face model directory (as opposed to a quillgpt checkpoint)."""
-    path = Path(name_or_dir)
-    return (str(name_or_dir) in GPT2_NAMES and not path.exists()) or (path / "config.json").is_file()
-
-
-# ---- import -----------------------------------------------------------------------------------------
-
-def load_gpt2(name_or_dir: str, dropout: float = 0.0) -> GPT:
-    """OpenAI's GPT-2 by name (through transformers) or a local Hugging Face GPT-2 directory (offline)."""
-    path = Path(name_or_dir)
-    if path.is_dir():
-        hf_config, state = read_hf_dir(path)
-    elif name_or_dir in GPT2_NAMES:
-        hf_config, state = download_gpt2(name_or_dir)
-    else:
-        raise UserError(f"{name_or_dir!r} is neither a GPT-2 model ({', '.join(GPT2_NAMES)}) "
-                        "nor a local Hugging Face GPT-2 directory")
-    model = GPT(gpt_config_from_hf(hf_config, dropout, name_or_dir))
-    load_model_weights(model, state_from_hf(state), name_or_dir)
-    return model
-
-
-def download_gpt2(name: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    local = "or give a local Hugging Face GPT-2 directory (config.json + model.safetensors) instead of the name"
-    try:
-        from transformers import GPT2LMHeadModel
-    except ImportError:
-        raise UserError(f"loading {name} needs transformers: pip install '.[hf]', {local}") from None
-    try:
-        hf = GPT2LMHeadModel.from_pretrained(name)
-    except OSError as e:
-        reason = (str(e).splitlines() or [type(e).__name__])[0]
-        raise UserError(f"could not load {name} from the Hugging Face hub ({reason}): "
-                        f"it downloads once with network access; {local}") from None
-    return hf.config.to_dict(), hf.state_dict()
-
-
-def read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """config.json and the weights of a Hugging Face model directory, without transformers."""
-    hf_config = read_json(path / "config.json", "Hugging Face config")
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = [path / f for f in sorted(set(read_json(index, "safetensors index").get("weight_map", {}).values()))]
-    elif (path / "model.safetensors").is_file():
-        files = [path / "model.safetensors"]
-    elif (path / "pytorch_model.bin").is_file():
-        try:
-            return hf_config, torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except Exception as e:  # unpickling reports corruption in many exception types
-            raise UserError(f"cannot read {path / 'pytorch_model.bin'}: {(str(e).splitlines() or [''])[0]}") from None
-    else:
-        raise UserError(f"{path} has config.json but no weights (model.safetensors or pytorch_model.bin)")
-    state = {}
-    for f in files:
-        state.update(read_safetensors_file(f))
-    return hf_config, state
-
-
-def read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(path)
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
-
-
-def gpt_config_from_hf(hf: dict, dropout: float, source: str) -> GPTConfig:
-    """A Hugging Face GPT-2 config.json -> GPTConfig; refuses settings model.py would compute differently."""
-    def refuse(what: str) -> UserError:
-        return UserError(f"{source}: {what}, which model.py cannot reproduce")
-
-    if hf.get("model_type", "gpt2") != "gpt2":
-        raise refuse(f"model_type is {hf.get('model_type')!r}, not gpt2")
-    activation = hf.get("activation_function", "gelu_new")
-    if activation not in HF_ACTIVATIONS:
-        raise refuse(f"activation_function is {activation!r} (supported: {', '.join(HF_ACTIVATIONS)})")
-    if abs(hf.get("layer_norm_epsilon", LAYER_NORM_EPS) - LAYER_NORM_EPS) > 1e-12:
-        raise refuse(f"layer_norm_epsilon is {hf['layer_norm_epsilon']} (model.py uses {LAYER_NORM_EPS})")
-    for key, expected in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                          ("add_cross_attention", False), ("tie_word_embeddings", True)):
-        if hf.get(key, expected) != expected:
-            raise refuse(f"{key} is {hf[key]}")
-    try:
-        n_embd = int(hf["n_embd"])
-        if hf.get("n_inner") not in (None, 4 * n_embd):
-            raise refuse(f"n_inner is {hf['n_inner']} (GPT-2 uses 4 * n_embd = {4 * n_embd})")
-        return GPTConfig(block_size=int(hf["n_positions"]), vocab_size=int(hf["vocab_size"]), n_layer=int(hf["n_layer"]),
-                         n_head=int(hf["n_head"]), n_embd=n_embd, dropout=dropout, bias=True,
-                         gelu_approx=HF_ACTIVATIONS[activation])
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{source}: config.json lacks a valid GPT-2 setting ({e})") from None
-
-
-def state_from_hf(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF GPT2LMHeadModel weights -> model.py's names and layout (the head tied to the token embedding)."""
-    state = {}
-    for k, v in hf_state.items():
-        if k.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers in old checkpoints
-            continue
-        if not k.startswith(("transformer.", "lm_head.")):  # OpenAI's hub files name GPT2Model's weights bare
-            k = "transformer." + k
-        state[k] = v.t() if k.endswith(CONV1D_WEIGHTS) else v
-    if "transformer.wte.weight" in state:
-        state["lm_head.weight"] = state["transformer.wte.weight"]
-    return state
 
 
 # ---- export: Hugging Face ---------------------------------------------------------------------------
@@ -210,7 +96,7 @@ def export_hf(model: GPT, tokenizer: dict | None, out_dir: str | Path, source: s
     with atomic_write(out_dir / "model.safetensors") as f:
         f.write(save(hf_state_dict(model), metadata={"format": "pt"}))
     if tokenizer != GPT2_TOKENIZER:
-        kind = (tokenizer or {}).get("name") or (tokenizer or {}).get("kind", "unknown")
+        kind = tokenizer_label(tokenizer) if tokenizer else "unknown"
         return [f"no tokenizer files written: the {kind} tokenizer has no Hugging Face GPT-2 equivalent"]
     try:
         files = gpt2_tokenizer_files()
@@ -260,45 +146,6 @@ def export_safetensors(model: GPT, tokenizer: dict | None, path: str | Path) -> 
         f.write(save(state, metadata=metadata))
 
 
-def read_safetensors(path: str | Path) -> tuple[GPT, dict | None]:
-    """A file written by export_safetensors -> (model, tokenizer dict or None)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"safetensors file not found: {path}")
-    try:
-        with safe_open(path, "pt") as f:
-            metadata = f.metadata() or {}
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"{path} is not a readable safetensors file: {e}") from None
-    if "model_args" not in metadata:
-        raise UserError(f"{path} has no model_args metadata: only files written by export.py --safetensors load here")
-    try:
-        config = GPTConfig.from_dict(json.loads(metadata["model_args"]))
-        tokenizer = json.loads(metadata["tokenizer"]) if "tokenizer" in metadata else None
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{path}: malformed metadata: {e}") from None
-    state = read_safetensors_file(path)
-    if config.tie_embeddings and "lm_head.weight" in state:
-        state["transformer.wte.weight"] = state["lm_head.weight"]
-    model = GPT(config)
-    load_model_weights(model, state, path)
-    return model, tokenizer
-
-
-def load_safetensors(path: str | Path) -> tuple[GPT, Tokenizer | None]:
-    model, tokenizer = read_safetensors(path)
-    return model, tokenizer_from_dict(tokenizer) if tokenizer is not None else None
-
-
-def load_model(path: str | Path) -> tuple[GPT, dict | None, Path]:
-    """A checkpoint file, run directory (its best checkpoint) or .safetensors file -> (model, tokenizer dict, file)."""
-    if Path(path).suffix == ".safetensors":
-        return *read_safetensors(path), Path(path)
-    file = resolve_checkpoint(path, prefer="best")
-    ckpt = load_checkpoint(file)
-    return model_from_checkpoint(ckpt, file), ckpt.get("tokenizer"), file
-
-
 # ---- command line -----------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -314,7 +161,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model, tokenizer, source = load_model(args.ckpt)
+    loaded = load_model(args.ckpt)
+    model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.source
     if args.hf:  # refuse before writing anything
         check_gpt2_exportable(model.config, str(source))
     if args.safetensors:

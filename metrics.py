@@ -1,6 +1,6 @@
-"""Training telemetry: the console line, train_log.json, wandb, the loss-curve PNG, and MFU's peak.
+"""Training telemetry: the console lines, train_log.json, wandb, the loss-curve PNG, and MFU's peak.
 
-Only rank 0 creates a MetricsLog. train_log.json is rewritten atomically at each evaluation, each
+Only rank 0 creates a MetricsLog: it prints each step and evaluation line and records the point. train_log.json is rewritten atomically at each evaluation, each
 checkpoint and the end, so it always matches a loadable checkpoint; loss_curve.png is redrawn then
 too, atomically, by a background child process.
 """
@@ -14,8 +14,12 @@ import subprocess
 import uuid
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common import UserError, WriteError, atomic_write, atomic_write_json, format_duration, run_main
+
+if TYPE_CHECKING:
+    import torch
 
 # Dense bf16/fp16 tensor-core peaks of common accelerators (FLOP/s); fp32 is taken as 1/2 of TF32-less peak.
 CUDA_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10": 125e12, "L4": 121e12, "4090": 165e12,
@@ -82,6 +86,18 @@ class MetricsLog:
         self.wandb = wandb.init(project=project, name=run_name, id=run_id, resume="allow", config=config,
                                 dir=str(self.run_dir))
         return run_id
+
+    def step(self, it: int, max_iters: int, loss: float, lr: float, grad_norm: float, seconds_per_step: float,
+             tokens_per_s: float, mfu: float, tokens: int) -> None:
+        print(format_step_line(it, max_iters, loss, lr, grad_norm, seconds_per_step, tokens_per_s, mfu,
+                               (max_iters - it) * seconds_per_step), flush=True)
+        self.record({"kind": "train", "iter": it, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                     "ms_per_iter": seconds_per_step * 1000, "tokens_per_s": tokens_per_s, "mfu": mfu, "tokens": tokens})
+
+    def evaluation(self, it: int, metrics: dict[str, float], improved: bool, tokens: int) -> None:
+        print(f"eval {it}: train {metrics['train_loss']:.4f} | val {metrics['val_loss']:.4f} "
+              f"(ppl {metrics['val_ppl']:.2f}, acc {metrics['val_acc']:.3f})" + (" *best" if improved else ""), flush=True)
+        self.record({"kind": "eval", "iter": it, **metrics, "tokens": tokens})
 
     def record(self, point: dict) -> None:
         self.history.append(point)

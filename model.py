@@ -1,9 +1,10 @@
-"""The one GPT definition used by train.py, sample.py, bench.py and export.py.
+"""The one GPT definition every script uses: the network, its FLOP count, and generation with a KV cache.
 
 Defaults reproduce GPT-2 (learned positions, LayerNorm, GELU MLP, tied embeddings), so GPT-2
-weights load unchanged. A modern recipe is available through switches: rotary positions,
-RMSNorm, QK-norm, ReLU^2 / SwiGLU MLPs, untied embeddings, logit soft-capping, zero-initialised
-output projections, and Muon for the 2-D hidden weights.
+weights load unchanged. A modern recipe is available through switches (config.GPTConfig):
+rotary positions, RMSNorm, QK-norm, ReLU^2 / SwiGLU MLPs, untied embeddings, logit soft-capping
+and zero-initialised output projections. Optimizers live in optim.py, the CPU training kernels
+that attention and dropout switch to in kernels.py.
 
 References: nanoGPT's model.py; GPT-2 (Radford et al. 2019); RoFormer (Su et al. 2021);
 modded-nanogpt for QK-norm, ReLU^2, soft-capping and Muon.
@@ -11,9 +12,7 @@ modded-nanogpt for QK-norm, ReLU^2, soft-capping and Muon.
 
 from __future__ import annotations
 
-import inspect
 import math
-from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator
 
 import torch
@@ -21,55 +20,12 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-
-def _f(default, help: str, **kw):
-    return field(default=default, metadata={"help": help, **kw})
-
-
-@dataclass
-class GPTConfig:
-    """Model arguments. Stored in every checkpoint as a plain dict; rebuilds the model."""
-
-    block_size: int = _f(1024, "context length in tokens")
-    vocab_size: int | None = _f(None, "vocabulary size; None takes the dataset's exactly (set a larger multiple of 64 yourself for speed)")
-    n_layer: int = _f(12, "number of transformer blocks")
-    n_head: int = _f(12, "attention heads per block")
-    n_embd: int = _f(768, "model width")
-    dropout: float = _f(0.0, "dropout probability in [0, 1)")
-    bias: bool = _f(True, "bias in Linear and norm layers (GPT-2: true)")
-    pos_emb: str = _f("learned", "position encoding: learned | rope", choices=("learned", "rope"))
-    norm: str = _f("layernorm", "normalisation: layernorm | rmsnorm", choices=("layernorm", "rmsnorm"))
-    qk_norm: bool = _f(False, "normalise queries and keys before attention")
-    mlp: str = _f("gelu", "MLP activation: gelu | relu2 | swiglu", choices=("gelu", "relu2", "swiglu"))
-    gelu_approx: str = _f("none", "GELU form: none (exact erf) | tanh (OpenAI GPT-2's gelu_new)", choices=("none", "tanh"))
-    tie_embeddings: bool = _f(True, "share the token embedding and output head weights")
-    logit_softcap: float = _f(0.0, "soft-cap logits at this value with tanh (0 = off)")
-    zero_init_proj: bool = _f(False, "zero-initialise the attention/MLP output projections and the head")
-    rope_theta: float = _f(10000.0, "rotary base frequency (pos_emb = rope)")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown model arguments: {sorted(unknown)}")
-        return cls(**d)
-
-    @property
-    def is_gpt2_compatible(self) -> bool:
-        return not self.gpt2_incompatibilities()
-
-    def gpt2_incompatibilities(self) -> list[str]:
-        """The switches that make this model differ from GPT-2's architecture, as 'name = value' strings."""
-        gpt2 = dict(pos_emb="learned", norm="layernorm", qk_norm=False, mlp="gelu", tie_embeddings=True, logit_softcap=0.0)
-        return [f"{k} = {getattr(self, k)!r}" for k, v in gpt2.items() if getattr(self, k) != v]
+from config import GPTConfig
+from kernels import Dropout, causal_attention
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, ndim: int, bias: bool):
+    def __init__(self, ndim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(ndim))
 
@@ -91,8 +47,8 @@ class LayerNorm(nn.Module):
 
 
 def make_norm(config: GPTConfig, ndim: int | None = None) -> nn.Module:
-    cls = RMSNorm if config.norm == "rmsnorm" else LayerNorm
-    return cls(ndim or config.n_embd, config.bias)
+    ndim = ndim or config.n_embd
+    return RMSNorm(ndim) if config.norm == "rmsnorm" else LayerNorm(ndim, config.bias)
 
 
 def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,76 +82,6 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
-def cpu_keep_mask(shape: torch.Size, p: float, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, float]:
-    """A dropout keep-mask of 0s and 1s in `dtype`, drawn 16 bits per element, and the scale that keeps
-    expectations unchanged.
-
-    On the CPU, F.dropout's bernoulli_ draws one random number per element (~90M/s on 2 cores);
-    taking four 16-bit draws out of each 64-bit word is several times faster. p is rounded to a
-    multiple of 1/65536 and the scale uses the rounded value, so E[mask * scale] = 1. The mask is
-    0/1 rather than 0/scale because a bf16 scale (1/0.9 -> 1.109) would bias every activation."""
-    n = math.prod(shape)
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-2**63, 2**63 - 1)
-    bits = words.view(torch.int16)[:n].view(shape)  # uniform over [-32768, 32767]
-    dropped = round(p * 65536)
-    # one conversion here: multiplying by a bool mask converts it again in forward and backward
-    return (bits >= dropped - 32768).to(dtype), 65536 / (65536 - dropped)
-
-
-class Dropout(nn.Dropout):
-    """nn.Dropout, with the faster mask of cpu_keep_mask in eager CPU training."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0 or x.device.type != "cpu" or torch.compiler.is_compiling():
-            return super().forward(x)
-        keep, scale = cpu_keep_mask(x.shape, self.p, x.dtype, x.device)
-        return x * keep * scale
-
-
-def causal_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Scaled attention scores with the future masked out: q, k (B, nh, T, hs) -> (B, nh, T, T)."""
-    T = q.size(-2)
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)  # scaling q: T x hs multiplies, not T x T
-    return scores.masked_fill_(future, float("-inf"))
-
-
-def cpu_dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
-    """Causal attention with dropout on the probabilities, written out (as SDPA's CPU math path
-    computes it) so that the mask comes from cpu_keep_mask: q, k, v (B, nh, T, hs) -> (B, nh, T, hs).
-    The softmax stays in the input dtype: in fp32 its backward (with the casts around it) was the
-    slowest op of the bf16 step, 16 ms per layer against 0.6 ms in bf16 at (8, 6, 256, 256)."""
-    att = causal_scores(q, k).softmax(-1)
-    keep, scale = cpu_keep_mask(att.shape, p, att.dtype, att.device)
-    return (att * keep) @ v * scale  # (B, nh, T, hs): the scale goes on the smaller tensor
-
-
-class CPUCausalAttention(torch.autograd.Function):
-    """Causal attention for bf16 training on the CPU: PyTorch's flash kernel forward, a matmul backward.
-
-    The CPU flash kernel's backward is slow in bf16 (3x its fp32 time at T = 64); recomputing the
-    probabilities with bf16 batched matmuls is several times faster, and like flash it saves no
-    (T, T) tensor for the backward pass. Gradients match flash to bf16 precision.
-    """
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        ctx.save_for_backward(q, k, v, y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v, y = ctx.saved_tensors
-        scale = q.size(-1) ** -0.5
-        p = causal_scores(q, k).softmax(-1, dtype=torch.float32)
-        dv = p.to(dy.dtype).transpose(-2, -1) @ dy
-        # softmax backward: dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dY * Y)
-        dp = (dy @ v.transpose(-2, -1)).float()
-        ds = (p * (dp - (dy.float() * y.float()).sum(-1, keepdim=True)) * scale).to(q.dtype)
-        return ds @ k, ds.transpose(-2, -1) @ q, dv
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
@@ -226,14 +112,7 @@ class CausalSelfAttention(nn.Module):
         is_causal = cache is None or cache.pos == 0
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        dropout = self.dropout if self.training else 0.0
-        cpu_training = q.requires_grad and q.device.type == "cpu" and cache is None and T > 1
-        if cpu_training and dropout and not torch.compiler.is_compiling():  # inductor fuses its own mask
-            y = cpu_dropout_attention(q, k, v, dropout)
-        elif cpu_training and not dropout and q.dtype == torch.bfloat16:
-            y = CPUCausalAttention.apply(q, k, v)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal and T > 1)
+        y = causal_attention(q, k, v, self.dropout if self.training else 0.0, is_causal and T > 1)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -373,50 +252,6 @@ class GPT(nn.Module):
         """Model FLOPs utilisation: achieved training FLOP/s over the device's peak."""
         return self.flops_per_token() * tokens_per_second / peak_flops
 
-    # ---- optimizers ---------------------------------------------------------------------------
-
-    def param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
-        """(2-D hidden matrices, embeddings + head, 1-D params): Muon takes the first group only."""
-        embed_ids = {id(self.transformer.wte.weight), id(self.lm_head.weight)}
-        if "wpe" in self.transformer:
-            embed_ids.add(id(self.transformer.wpe.weight))
-        hidden, embed, flat = [], [], []
-        for p in self.parameters():  # parameters() yields a tied weight once
-            if not p.requires_grad:
-                continue
-            if id(p) in embed_ids:
-                embed.append(p)
-            elif p.dim() >= 2:
-                hidden.append(p)
-            else:
-                flat.append(p)
-        return hidden, embed, flat
-
-    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
-                             device_type: str, optimizer: str = "adamw", fused: bool | None = None,
-                             muon_lr: float = 0.02, muon_momentum: float = 0.95) -> list[torch.optim.Optimizer]:
-        """AdamW with decay on matrices only (no decay on 1-D params); optionally Muon for hidden matrices.
-
-        Returns a list of optimizers; each param group carries `base_lr` so the LR schedule can
-        scale every group by the same factor. fused=None picks fused AdamW where the device has it.
-        """
-        hidden, embed, flat = self.param_groups()
-        if fused is None:
-            fused = device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        adam_kw = dict(betas=betas, fused=True) if fused else dict(betas=betas, foreach=False, fused=False)
-        if optimizer == "adamw":
-            groups = [{"params": hidden + embed, "weight_decay": weight_decay, "base_lr": learning_rate},
-                      {"params": flat, "weight_decay": 0.0, "base_lr": learning_rate}]
-            return [torch.optim.AdamW(groups, lr=learning_rate, **adam_kw)]
-        if optimizer == "muon":
-            groups = [{"params": embed, "weight_decay": weight_decay, "base_lr": learning_rate},
-                      {"params": flat, "weight_decay": 0.0, "base_lr": learning_rate}]
-            adam = torch.optim.AdamW(groups, lr=learning_rate, **adam_kw)
-            muon = make_muon([{"params": hidden, "base_lr": muon_lr}], lr=muon_lr, momentum=muon_momentum,
-                             weight_decay=weight_decay)
-            return [muon, adam]
-        raise ValueError(f"unknown optimizer {optimizer!r}")
-
     # ---- generation ---------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -478,48 +313,3 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top
         logits = torch.full_like(logits, -float("inf")).scatter(1, sorted_idx, sorted_logits)
     probs = F.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator)
-
-
-# ---- Muon ---------------------------------------------------------------------------------------
-
-def make_muon(groups: list[dict], lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
-    """torch.optim.Muon where the installed torch has it, else our short implementation."""
-    if hasattr(torch.optim, "Muon"):
-        return torch.optim.Muon(groups, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                nesterov=True, adjust_lr_fn="match_rms_adamw")
-    return Muon(groups, lr=lr, momentum=momentum, weight_decay=weight_decay)
-
-
-def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Approximately orthogonalise G (Keller Jordan's quintic Newton-Schulz iteration)."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    X = G.float()
-    transposed = X.size(0) > X.size(1)
-    if transposed:
-        X = X.T
-    X = X / (X.norm() + 1e-7)
-    for _ in range(steps):
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    return X.T if transposed else X
-
-
-class Muon(torch.optim.Optimizer):
-    """Momentum + Newton-Schulz orthogonalised update for 2-D weights (fallback for torch < 2.9)."""
-
-    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                update = zeropower_via_newtonschulz(p.grad.lerp(buf, group["momentum"]))
-                # match AdamW's update RMS so the same lr scale works (Moonshot's rule)
-                scale = 0.2 * math.sqrt(max(p.size(0), p.size(1)))
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update.to(p.dtype), alpha=-group["lr"] * scale)

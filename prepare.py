@@ -59,6 +59,7 @@ from tokenizer import (
     save_tokenizer,
     split_text,
     tokenizer_kind,
+    tokenizer_label,
     tokenizer_from_dict,
     train_tokenizer,
 )
@@ -417,9 +418,7 @@ def _reusable(out_dir: Path, request: dict, input_path: str | None) -> dict | No
 
 
 def _describe(meta: dict) -> str:
-    tok = meta["tokenizer"]
-    label = tok.get("name") or tok.get("kind")
-    return f"{label} tokenizer, vocab {meta['vocab_size']}, {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens"
+    return f"{tokenizer_label(meta['tokenizer'])} tokenizer, vocab {meta['vocab_size']}, {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens"
 
 
 def prepare_dataset(

@@ -27,28 +27,23 @@ from typing import Iterator, TextIO
 import torch
 
 from common import UserError, run_main
-from export import GPT2_VOCAB_SIZE, is_gpt2_source, load_gpt2, load_model
+from load import GPT2_VOCAB_SIZE, is_hf_source, load_model
 from model import GPT
-from tokenizer import Tokenizer, get_tiktoken, tokenizer_from_dict
+from tokenizer import Tokenizer, tokenizer_from_dict
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
 def load_for_sampling(source: str | Path, device: str) -> tuple[GPT, Tokenizer, str]:
     """A checkpoint, run directory, .safetensors file, GPT-2 name or HF GPT-2 directory -> (model, tokenizer, label)."""
-    if is_gpt2_source(source):
-        model = load_gpt2(str(source))
-        if model.config.vocab_size < GPT2_VOCAB_SIZE:
-            raise UserError(f"{source} has {model.config.vocab_size} token ids, fewer than the GPT-2 tokenizer's "
-                            f"{GPT2_VOCAB_SIZE}: sample from the checkpoint it was exported from instead")
-        tokenizer, label = get_tiktoken("gpt2"), str(source)
-    else:
-        model, tok_dict, path = load_model(source)
-        if tok_dict is None:
-            raise UserError(f"{path} records no tokenizer, so its ids can't be decoded")
-        tokenizer, label = tokenizer_from_dict(tok_dict), str(path)
-    model.eval().to(device)
-    return model, tokenizer, label
+    loaded = load_model(source)
+    if is_hf_source(source) and loaded.model.config.vocab_size < GPT2_VOCAB_SIZE:
+        raise UserError(f"{source} has {loaded.model.config.vocab_size} token ids, fewer than the GPT-2 tokenizer's "
+                        f"{GPT2_VOCAB_SIZE}: sample from the checkpoint it was exported from instead")
+    if loaded.tokenizer is None:
+        raise UserError(f"{loaded.source} records no tokenizer, so its ids can't be decoded")
+    loaded.model.eval().to(device)
+    return loaded.model, tokenizer_from_dict(loaded.tokenizer), loaded.source
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> list[int]:

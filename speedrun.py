@@ -27,10 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import UserError, format_duration, run_main
+from common import UserError, format_duration, load_average, run_main, with_shakespeare_input
 
 REPO = Path(__file__).resolve().parent
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 CONFIGS = ["configs/shakespeare_char/cpu.toml", "configs/shakespeare_char/speedrun_cpu.toml"]
 EVAL_LINE = re.compile(r"^eval (\d+): train [\d.]+ \| val ([\d.]+)")
 
@@ -117,8 +116,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(sys.argv[1:] if argv is None else argv)
-    if SHAKESPEARE.is_file() and not any(a.split("=")[0] == "--data.input" for a in extra):
-        extra = ["--data.input", str(SHAKESPEARE), *extra]  # prepare tiny Shakespeare offline if needed
+    extra = with_shakespeare_input(extra)  # prepare tiny Shakespeare offline if needed
     results: dict[str, list[Crossing]] = {}
     with tempfile.TemporaryDirectory(prefix="speedrun_") as out_dir:
         for _ in range(args.repeats):
@@ -128,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results, args.target)
     if len(results) > 1:
         print(ratio_line(results))
-    print(f"load average (1 min) {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    print(load_average())
     return 0
 
 

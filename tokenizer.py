@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import tiktoken
 
-from common import UserError, atomic_write_json, read_json
+from common import UserError, atomic_write_json, read_json, usable_cpus
 
 DEFAULT_BPE_VOCAB_SIZE = 4096
 MIN_BPE_VOCAB_SIZE = 256  # one token per byte value, so every byte sequence is encodable
@@ -154,12 +154,6 @@ def split_text(text: str, piece_chars: int) -> list[str]:
     return pieces
 
 
-def _usable_cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):  # Linux: respects taskset / container CPU limits
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 class TiktokenTokenizer(Tokenizer):
     """Shared encode/decode over a tiktoken.Encoding; long texts are encoded in parallel threads."""
 
@@ -175,7 +169,7 @@ class TiktokenTokenizer(Tokenizer):
         if len(pieces) == 1:
             return self._encode_piece(text)
         # tiktoken releases the GIL while encoding, so threads use all cores
-        with ThreadPoolExecutor(max_workers=_usable_cpus()) as pool:
+        with ThreadPoolExecutor(max_workers=usable_cpus()) as pool:
             return np.concatenate(list(pool.map(self._encode_piece, pieces)))
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
@@ -222,6 +216,11 @@ class BPETokenizer(TiktokenTokenizer):
             "pattern": self.pattern,
             "tokens": [base64.b64encode(t).decode("ascii") for t in self.tokens],
         }
+
+
+def tokenizer_label(d: dict) -> str:
+    """A tokenizer's to_dict() (or meta.json's tokenizer section) -> the name a user types: char, bpe, gpt2, ..."""
+    return d.get("name") or d.get("kind", "?")
 
 
 def tokenizer_kind(spec: str) -> str:

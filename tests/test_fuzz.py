@@ -1,4 +1,4 @@
-"""Fuzzing (issue 7): the config loader, the command line and prepare.py take anything and either work or say
+"""Fuzzing: the config loader, the command line and prepare.py take anything and either work or say
 what is wrong (ConfigError / UserError: one line per mistake, exit 2), never a traceback.
 
 In-process with hypothesis for volume, plus a handful of real subprocess runs for the exit path.
@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import prepare
 from common import UserError
-from config import SECTIONS, SHORT_FLAGS, Config, ConfigError, build_config, load_config, parse_overrides, to_toml
+from config import SECTIONS, SHORT_FLAGS, Config, ConfigError, build_config, load_config, to_toml
 from conftest import REPO_ROOT
 from data import load_dataset
 from prepare import prepare_dataset

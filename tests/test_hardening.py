@@ -1,4 +1,4 @@
-"""Issue 7: no lost work, no code run from a checkpoint, no traceback for a user's mistake.
+"""Robustness: no lost work, no code run from a checkpoint, no traceback for a user's mistake.
 
 Real processes where the promise is about a process (SIGKILL, exit codes, one-line errors), real
 files everywhere (a crafted pickle that would run code, truncated and bit-flipped checkpoints,
@@ -28,11 +28,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from checkpoint import RunDir, load_checkpoint, model_from_checkpoint
+from checkpoint import RunDir, load_checkpoint, resolve_run
 from common import UserError
 from conftest import REPO_ROOT, tiny_overrides
 from tokenizer import tokenizer_from_dict
-from train import load_run_config, train
+from load import model_from_checkpoint
+from train import train
 
 WORKERS = 2  # subprocesses at once: the CI machine has 2 cores
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -265,6 +266,7 @@ def test_the_crafted_checkpoint_really_runs_code_with_an_unsafe_load(tmp_path):
     assert marker.exists()
 
 
+@pytest.mark.slow
 def test_malicious_checkpoint_is_refused_by_train_and_sample(tmp_path):
     marker = tmp_path / "pwned"
     run = tmp_path / "evil_run"
@@ -320,10 +322,11 @@ def test_a_corrupt_latest_checkpoint_names_an_older_one_that_resumes(trained_run
     damaged[middle:middle + 16] = bytes(b ^ 0xFF for b in damaged[middle:middle + 16])
     run.last.write_bytes(damaged)
     with pytest.raises(UserError, match=rf"{re.escape(str(run.last))} is corrupt.*--resume {re.escape(str(run.step(4)))}"):
-        load_run_config(None, [], str(run.path), False, 1)
+        resolve_run(None, [], str(run.path), False, 1)
     assert train(None, overrides={"training.max_iters": 5}, resume=str(run.step(4))).iterations == 5
 
 
+@pytest.mark.slow
 def test_architecture_and_vocabulary_mismatches_are_named(trained_run, tiny_data, tmp_path):
     ckpt = load_checkpoint(trained_run.last)
     ckpt["model_args"]["n_embd"] = 64  # the weights are 32 wide
@@ -369,7 +372,7 @@ def test_tampered_checkpoint_contents_load_or_give_a_user_error(trained_run, tmp
     run = tmp_path / "run"
     run.mkdir(exist_ok=True)
     torch.save(ckpt, run / "ckpt_last.pt")
-    for load in (sampling_load, lambda path: load_run_config(None, [], str(path.parent), False, 1)):
+    for load in (sampling_load, lambda path: resolve_run(None, [], str(path.parent), False, 1)):
         try:
             load(run / "ckpt_last.pt")
         except UserError:
@@ -444,6 +447,7 @@ def data_case_results(tiny_data, tmp_path_factory) -> dict[str, subprocess.Compl
 
 
 @pytest.mark.parametrize("case", sorted(DATA_CASES))
+@pytest.mark.slow
 def test_bad_data_is_one_line_and_exit_2(case, data_case_results):
     assert_user_error(data_case_results[case], *DATA_CASES[case][2])
 

@@ -1,10 +1,13 @@
-"""model.py: shapes, causality, initialisation, KV-cache generation, sampling filters, optimizer groups."""
+"""model.py and kernels.py: shapes, causality, initialisation, KV-cache generation, sampling filters, and the CPU attention and dropout paths against their PyTorch definitions."""
 
 import math
 
 import pytest
 import torch
 
+import torch.nn.functional as F
+
+from kernels import CPUCausalAttention, Dropout, cpu_keep_mask
 from model import GPT, GPTConfig, sample_next
 
 MODERN = dict(pos_emb="rope", norm="rmsnorm", qk_norm=True, mlp="swiglu", tie_embeddings=False,
@@ -109,34 +112,6 @@ def test_sampling_is_deterministic_under_a_seed():
     assert torch.equal(a, b)
 
 
-def test_optimizer_groups_no_decay_on_1d():
-    model = tiny()
-    (adamw,) = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
-    decay, no_decay = adamw.param_groups
-    assert decay["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decay["params"])
-    assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
-    n = sum(p.numel() for g in adamw.param_groups for p in g["params"])
-    assert n == sum(p.numel() for p in model.parameters())
-
-
-def test_muon_takes_hidden_matrices_only():
-    model = tiny(**MODERN)
-    muon, adamw = model.configure_optimizers(0.0, 1e-3, (0.9, 0.95), "cpu", optimizer="muon")
-    hidden = {id(p) for p in muon.param_groups[0]["params"]}
-    assert id(model.transformer.wte.weight) not in hidden and id(model.lm_head.weight) not in hidden
-    assert all(p.dim() == 2 for p in muon.param_groups[0]["params"])
-    x = torch.randint(0, 50, (4, 16))
-    losses = []
-    for _ in range(15):
-        _, loss = model(x, x)
-        loss.backward()
-        for opt in (muon, adamw):
-            opt.step()
-            opt.zero_grad()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.5
-
-
 def test_flops_and_mfu():
     model = tiny()
     n = model.num_params()
@@ -173,3 +148,77 @@ def test_default_cpu_peak_knows_zen4_runs_avx512_at_half_width():
     avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
     assert per_cycle == (64 if avx512 and not is_amd_zen4(read_cpuinfo()) else 32)
     assert default_peak_flops(cpu, "bf16") == 2 * default_peak_flops(cpu, "fp32")
+
+
+def test_cpu_bf16_attention_matches_flash_gradients():
+    """The CPU bf16 training path (flash forward, matmul backward) that bench.py times computes true gradients."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 40, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dy = torch.randn(2, 3, 40, 16, dtype=torch.bfloat16)
+    exact = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    want = torch.autograd.grad(exact, (q, k, v), dy.float())
+    got = torch.autograd.grad(CPUCausalAttention.apply(q, k, v), (q, k, v), dy)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16
+        assert (g.float() - w).abs().max() <= 0.01 * w.abs().max()  # bf16 rounding of the result
+    # the model takes this path when training under bf16 autocast on the CPU, and learns
+    model = GPT(GPTConfig(block_size=16, vocab_size=20, n_layer=1, n_head=2, n_embd=16))
+    x = torch.randint(0, 20, (4, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(x, x)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_cpu_dropout_mask_has_the_asked_rate_and_keeps_expectations():
+    """cpu_keep_mask, the fast dropout mask of CPU training: drops p of the elements, scale undoes it on average."""
+    torch.manual_seed(0)
+    for p in (0.1, 0.2, 0.5):
+        keep, scale = cpu_keep_mask(torch.Size((4, 1000, 1001)), p, torch.bfloat16, torch.device("cpu"))  # odd count
+        assert keep.shape == (4, 1000, 1001) and keep.dtype == torch.bfloat16
+        assert set(keep.unique().tolist()) == {0.0, 1.0}
+        assert abs(1 - keep.float().mean().item() - p) < 0.002
+        assert abs(scale - 1 / (1 - p)) < 1e-4
+    a, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.float32, torch.device("cpu"))
+    b, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.float32, torch.device("cpu"))
+    assert not torch.equal(a, b)  # consecutive draws differ
+    torch.manual_seed(1)
+    c, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.float32, torch.device("cpu"))
+    torch.manual_seed(1)
+    assert torch.equal(c, cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.float32, torch.device("cpu"))[0])  # seeded: reproducible
+
+
+def test_cpu_dropout_layer_and_attention_match_their_definitions():
+    """Eager CPU training uses our dropout mask in the residual/embedding Dropout and in attention:
+    the outputs and gradients are dropout's (the same mask, replayed from the same seed)."""
+    x = torch.randn(3, 7, 10, requires_grad=True)
+    drop = Dropout(0.3)
+    torch.manual_seed(5)
+    y = drop(x)
+    torch.manual_seed(5)
+    keep, scale = cpu_keep_mask(x.shape, 0.3, x.dtype, x.device)
+    assert torch.equal(y, x * keep * scale) and 0.2 < (y == 0).float().mean() < 0.4
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    assert torch.allclose(gx, keep * scale)
+    assert torch.equal(drop.eval()(x), x)
+
+    model = GPT(GPTConfig(block_size=12, vocab_size=11, n_layer=1, n_head=2, n_embd=8, dropout=0.25, bias=False))
+    attn = model.transformer.h[0].attn
+    h = torch.randn(2, 12, 8, requires_grad=True)
+    torch.manual_seed(9)
+    got = attn(h, None, None)
+    # the same computation by hand: SDPA's math path with the mask drawn at the same RNG position
+    torch.manual_seed(9)
+    q, k, v = attn.c_attn(h).split(8, dim=2)
+    q, k, v = (t.view(2, 12, 2, 4).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+    probs = ((q @ k.transpose(-2, -1)) / 2.0).masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    keep, scale = cpu_keep_mask(probs.shape, 0.25, probs.dtype, probs.device)
+    out = ((probs * keep * scale) @ v).transpose(1, 2).reshape(2, 12, 8)
+    keep2, scale2 = cpu_keep_mask(out.shape, 0.25, out.dtype, out.device)
+    want = attn.c_proj(out) * keep2 * scale2
+    assert torch.allclose(got, want, atol=1e-6)
+    g_got, g_want = (torch.autograd.grad(t.square().sum(), h)[0] for t in (got, want))
+    assert torch.allclose(g_got, g_want, atol=1e-5)
+    # about p of the attention probabilities are dropped: rows of the output differ from no-dropout's
+    assert not torch.allclose(got, attn.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                                               .transpose(1, 2).reshape(2, 12, 8)))

@@ -1,12 +1,11 @@
-"""train.py: the loop's promises (issue 3) on tiny real runs."""
+"""train.py and the engine (trainer.py): the loop's promises, on tiny real runs."""
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
-import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,8 @@ import torch
 
 from checkpoint import RunDir, load_checkpoint
 from conftest import REPO_ROOT, tiny_overrides
-from train import lr_multiplier, train, train_step
 from config import build_config
+from train import train
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -143,42 +142,28 @@ class FixedBatches:
 
 
 def test_accumulation_matches_one_big_batch(tiny_data, tmp_path):
-    """4 micro-steps of B/4 update the weights exactly like one step of B."""
-    from train import Runtime, autocast_context
+    """4 micro-steps of B/4 update the weights exactly like one step of B (the Trainer train.py builds, with a
+    plain SGD optimizer and one fixed batch)."""
+    from data import find_dataset
     from distributed import DistInfo
-    from model import GPT, GPTConfig
+    from trainer import build, setup, train_step
 
     torch.manual_seed(0)
-    x = torch.randint(0, 65, (8, 16))
-    y = torch.randint(0, 65, (8, 16))
+    x = torch.randint(0, 50, (8, 16))  # ids within the tiny dataset's vocabulary
+    y = torch.randint(0, 50, (8, 16))
     deltas = []
     for batch, accum in ((8, 1), (2, 4)):
-        torch.manual_seed(1)
-        model = GPT(GPTConfig(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32))
-        before = [p.detach().clone() for p in model.parameters()]
-        cfg = build_config(None, {"training.batch_size": batch, "training.grad_accum_steps": accum,
-                                  "optimizer.grad_clip": 0.0})
-        rt = Runtime(cfg, torch.device("cpu"), "fp32", autocast_context(torch.device("cpu"), "fp32"), DistInfo(),
-                     RunDir(tmp_path), 1e12)
-        opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
-        train_step(model, [opt], scaler, FixedBatches(x, y, batch), rt, 0)
-        deltas.append([p.detach() - b for p, b in zip(model.parameters(), before)])
+        cfg = build_config(None, tiny_overrides(tiny_data, tmp_path, **{
+            "training.batch_size": batch, "training.grad_accum_steps": accum, "optimizer.grad_clip": 0.0,
+            "model.dropout": 0.0, "model.block_size": 16}))
+        rt = setup(cfg, DistInfo())  # seeds torch: both trainers start from the same weights
+        tr = build(cfg, rt, find_dataset(cfg, DistInfo()))
+        tr = replace(tr, optimizers=[torch.optim.SGD(tr.model.parameters(), lr=1.0)], batches=FixedBatches(x, y, batch))
+        before = [p.detach().clone() for p in tr.model.parameters()]
+        train_step(tr, 0)
+        deltas.append([p.detach() - b for p, b in zip(tr.model.parameters(), before)])
     for a, b in zip(*deltas):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-
-
-def test_lr_schedule():
-    cfg = build_config(None, {"optimizer.learning_rate": 1.0, "optimizer.min_lr": 0.1, "optimizer.warmup_iters": 10,
-                              "optimizer.lr_decay_iters": 110, "training.max_iters": 200})
-    assert lr_multiplier(0, cfg) == pytest.approx(1 / 11)
-    assert lr_multiplier(9, cfg) == pytest.approx(10 / 11)
-    assert lr_multiplier(10, cfg) == pytest.approx(1.0)
-    assert lr_multiplier(60, cfg) == pytest.approx(0.55)
-    assert lr_multiplier(110, cfg) == pytest.approx(0.1)
-    assert lr_multiplier(150, cfg) == pytest.approx(0.1)
-    flat = build_config(None, {"optimizer.decay_lr": False})
-    assert lr_multiplier(5000, flat) == 1.0
 
 
 def test_nonfinite_loss_stops_with_last_good_checkpoint(tiny_data, tmp_path):
@@ -250,6 +235,7 @@ def test_wandb_offline_run_writes_files(tiny_data, tmp_path, monkeypatch):
     assert load_checkpoint(run / "ckpt_last.pt")["wandb_run_id"] in offline[0].name
 
 
+@pytest.mark.slow
 def test_cli_user_errors_exit_2_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "train.py", "--config", str(tmp_path / "missing.toml")],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)

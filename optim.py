@@ -1,0 +1,125 @@
+"""Optimizers and the learning-rate schedule: AdamW (decay on matrices and embeddings, not on 1-D
+parameters; fused where the device has it), Muon for the 2-D hidden matrices, and linear warmup +
+cosine decay. Every param group carries `base_lr`; the schedule scales all of them by one factor.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn as nn
+
+from config import Config, OptimizerConfig
+
+
+def param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
+    """(2-D hidden matrices, embeddings + head, 1-D params) of a GPT: Muon takes the first group only."""
+    embed_ids = {id(model.transformer.wte.weight), id(model.lm_head.weight)}
+    if "wpe" in model.transformer:
+        embed_ids.add(id(model.transformer.wpe.weight))
+    hidden, embed, flat = [], [], []
+    for p in model.parameters():  # parameters() yields a tied weight once
+        if not p.requires_grad:
+            continue
+        if id(p) in embed_ids:
+            embed.append(p)
+        elif p.dim() >= 2:
+            hidden.append(p)
+        else:
+            flat.append(p)
+    return hidden, embed, flat
+
+
+def make_optimizers(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
+    """[AdamW] for optimizer.name = adamw; [Muon for the hidden matrices, AdamW for the rest] for muon.
+
+    fused = None picks fused AdamW where the device has it (CUDA and CPU)."""
+    hidden, embed, flat = param_groups(model)
+    fused = o.fused
+    if fused is None:
+        fused = device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
+    betas = (o.beta1, o.beta2)
+    adam_kw = dict(betas=betas, fused=True) if fused else dict(betas=betas, foreach=False, fused=False)
+    lr = o.learning_rate
+    if o.name == "adamw":
+        groups = [{"params": hidden + embed, "weight_decay": o.weight_decay, "base_lr": lr},
+                  {"params": flat, "weight_decay": 0.0, "base_lr": lr}]
+        return [torch.optim.AdamW(groups, lr=lr, **adam_kw)]
+    if o.name == "muon":
+        groups = [{"params": embed, "weight_decay": o.weight_decay, "base_lr": lr},
+                  {"params": flat, "weight_decay": 0.0, "base_lr": lr}]
+        adam = torch.optim.AdamW(groups, lr=lr, **adam_kw)
+        muon = make_muon([{"params": hidden, "base_lr": o.muon_lr}], lr=o.muon_lr, momentum=o.muon_momentum,
+                         weight_decay=o.weight_decay)
+        return [muon, adam]
+    raise ValueError(f"unknown optimizer {o.name!r}")
+
+
+def lr_multiplier(it: int, cfg: Config) -> float:
+    """Linear warmup, cosine decay to min_lr over lr_decay_iters, then constant; as a fraction of peak."""
+    o = cfg.optimizer
+    if not o.decay_lr:
+        return 1.0
+    decay_iters = o.lr_decay_iters or cfg.training.max_iters
+    floor = o.min_lr / o.learning_rate
+    if it < o.warmup_iters:
+        return (it + 1) / (o.warmup_iters + 1)
+    if it >= decay_iters:
+        return floor
+    ratio = (it - o.warmup_iters) / max(1, decay_iters - o.warmup_iters)
+    return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
+
+
+def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> float:
+    """Scale every group's base_lr; returns the last optimizer's first group's lr (AdamW's, for the log)."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["base_lr"] * multiplier
+    return optimizers[-1].param_groups[0]["lr"]
+
+
+# ---- Muon ---------------------------------------------------------------------------------------
+
+def make_muon(groups: list[dict], lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+    """torch.optim.Muon where the installed torch has it, else our short implementation."""
+    if hasattr(torch.optim, "Muon"):
+        return torch.optim.Muon(groups, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                nesterov=True, adjust_lr_fn="match_rms_adamw")
+    return Muon(groups, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+
+def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Approximately orthogonalise G (Keller Jordan's quintic Newton-Schulz iteration)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.float()
+    transposed = X.size(0) > X.size(1)
+    if transposed:
+        X = X.T
+    X = X / (X.norm() + 1e-7)
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if transposed else X
+
+
+class Muon(torch.optim.Optimizer):
+    """Momentum + Newton-Schulz orthogonalised update for 2-D weights (fallback for torch < 2.9)."""
+
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = zeropower_via_newtonschulz(p.grad.lerp(buf, group["momentum"]))
+                # match AdamW's update RMS so the same lr scale works (Moonshot's rule)
+                scale = 0.2 * math.sqrt(max(p.size(0), p.size(1)))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update.to(p.dtype), alpha=-group["lr"] * scale)

@@ -1,0 +1,49 @@
+"""optim.py: parameter groups, AdamW and Muon, the learning-rate schedule."""
+
+import pytest
+import torch
+
+from config import OptimizerConfig, build_config
+from optim import lr_multiplier, make_optimizers
+from test_model import MODERN, tiny
+
+
+def test_optimizer_groups_no_decay_on_1d():
+    model = tiny()
+    (adamw,) = make_optimizers(model, OptimizerConfig(weight_decay=0.1, learning_rate=1e-3), "cpu")
+    decay, no_decay = adamw.param_groups
+    assert decay["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
+    n = sum(p.numel() for g in adamw.param_groups for p in g["params"])
+    assert n == sum(p.numel() for p in model.parameters())
+
+
+def test_muon_takes_hidden_matrices_only():
+    model = tiny(**MODERN)
+    muon, adamw = make_optimizers(model, OptimizerConfig(name="muon", weight_decay=0.0, learning_rate=1e-3), "cpu")
+    hidden = {id(p) for p in muon.param_groups[0]["params"]}
+    assert id(model.transformer.wte.weight) not in hidden and id(model.lm_head.weight) not in hidden
+    assert all(p.dim() == 2 for p in muon.param_groups[0]["params"])
+    x = torch.randint(0, 50, (4, 16))
+    losses = []
+    for _ in range(15):
+        _, loss = model(x, x)
+        loss.backward()
+        for opt in (muon, adamw):
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_lr_schedule():
+    cfg = build_config(None, {"optimizer.learning_rate": 1.0, "optimizer.min_lr": 0.1, "optimizer.warmup_iters": 10,
+                              "optimizer.lr_decay_iters": 110, "training.max_iters": 200})
+    assert lr_multiplier(0, cfg) == pytest.approx(1 / 11)
+    assert lr_multiplier(9, cfg) == pytest.approx(10 / 11)
+    assert lr_multiplier(10, cfg) == pytest.approx(1.0)
+    assert lr_multiplier(60, cfg) == pytest.approx(0.55)
+    assert lr_multiplier(110, cfg) == pytest.approx(0.1)
+    assert lr_multiplier(150, cfg) == pytest.approx(0.1)
+    flat = build_config(None, {"optimizer.decay_lr": False})
+    assert lr_multiplier(5000, flat) == 1.0

@@ -1,0 +1,518 @@
+"""The training engine: from a config to a trained model, each stage a small function.
+
+    rt = setup(cfg, dist)                             # device, precision, compile, process group, seed, MFU peak
+    dataset = find_dataset(cfg, dist)                 # data.py: located (or prepared) and checked
+    tr = build(cfg, rt, dataset, run_dir, ckpt)       # model, wrapping, optimizers, scaler, batches
+    state = restore(tr, ckpt) if ckpt else TrainState()
+    log = start_run(tr, state, resumed=ckpt is not None)
+    with StopRequest() as stop:
+        outcome = fit(tr, state, log, stop)           # step, log, evaluate, save
+
+train.py is that sequence; bench.py and validate.py build the same Trainer and time its
+train_step. The config flows down: build() returns the config the run records (config.resolved),
+and nothing here writes into the one it was given. Optimizers and the LR schedule live in
+optim.py, checkpoint contents and run directories in checkpoint.py, telemetry in metrics.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+import distributed
+from checkpoint import RunDir, TrainingCheckpoint, TrainState, rng_state, set_rng_state
+from common import UserError, atomic_write_text
+from config import Config, GPTConfig, TrainingConfig, resolved, summary, to_toml
+from data import BatchSource, Dataset, check_fits, check_vocab_compatible, micro_batch_index
+from distributed import DistInfo
+from load import GPT2_TOKENIZER, is_hf_source, load_model, load_model_weights, model_config_from_args
+from metrics import MetricsLog, default_peak_flops, rss_mb
+from model import GPT
+from optim import lr_multiplier, make_optimizers, set_lr
+
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# ---- setup --------------------------------------------------------------------------------------
+
+@dataclass
+class Runtime:
+    """Where and how this process computes, resolved once from the config and torchrun's environment."""
+    device: torch.device
+    precision: str  # fp32 / fp16 / bf16 ("auto" resolved)
+    dist: DistInfo
+    compile: bool  # model.compile resolved (None: on for CUDA)
+    peak_flops: float  # the device's peak FLOP/s, for MFU
+    autocast: object  # the autocast context of the precision (a null context for fp32)
+
+
+def setup(cfg: Config, dist: DistInfo) -> Runtime:
+    """Resolve device, precision and compile, start the process group, configure the backends and seed torch."""
+    device = resolve_device(cfg.run.device, dist)
+    precision = resolve_precision(cfg.training.precision, device)
+    compile = cfg.model.compile if cfg.model.compile is not None else device.type == "cuda"
+    if compile and device.type == "cpu" and not has_cxx_compiler():
+        raise UserError("model.compile = true needs a C++ compiler on the CPU (inductor builds C++ kernels); "
+                        "install g++ or set --model.compile false")
+    distributed.init_process_group(dist, device, cfg.distributed.backend, cfg.distributed.timeout_s)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cpu":
+        # Same seed, same losses, compiled too: inductor's CPU embedding backward otherwise adds rows with
+        # atomics in thread order. No slower on the CPU preset (measured); warn_only: never an error.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False  # we never read torch.empty's contents
+    torch.manual_seed(cfg.run.seed + dist.rank)
+    peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else default_peak_flops(device, precision)
+    autocast = nullcontext() if precision == "fp32" else torch.autocast(device.type, dtype=PRECISIONS[precision])
+    return Runtime(device, precision, dist, compile, peak, autocast)
+
+
+def resolve_device(name: str, dist: DistInfo) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"run.device = {name!r} but this machine has no CUDA device (use --device cpu)")
+        index = int(name[5:]) if ":" in name else dist.local_rank
+        if index >= torch.cuda.device_count():
+            raise UserError(f"run.device = {name!r} but only {torch.cuda.device_count()} CUDA device(s) exist")
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UserError("run.device = 'mps' but MPS is not available here (use --device cpu)")
+    return torch.device(name)
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "fp32"
+    if requested == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError("training.precision = 'bf16' but this GPU has no bf16 support: use fp16 or auto")
+    return requested
+
+
+def has_cxx_compiler() -> bool:
+    return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c)
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls several times faster than fp32 (without them bf16 is emulated, usually slower)."""
+    return any(getattr(torch.cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+@contextmanager
+def callers_determinism_restored() -> Iterator[None]:
+    """setup() switches on deterministic algorithms for the CPU; a Python caller gets its own setting back."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.utils.deterministic.fill_uninitialized_memory)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
+
+
+# ---- build ----------------------------------------------------------------------------------------
+
+@dataclass
+class Trainer:
+    """Everything the loop works with, built once by build()."""
+    cfg: Config  # the resolved config: what the run records
+    rt: Runtime
+    dataset: Dataset
+    raw_model: GPT
+    model: nn.Module  # raw_model as the step calls it: FSDP- or DDP-wrapped and compiled as configured
+    optimizers: list[torch.optim.Optimizer]
+    scaler: torch.amp.GradScaler  # enabled for fp16 only
+    batches: BatchSource
+    run_dir: RunDir | None  # None: a measurement that saves nothing (bench.py)
+    tokenizer: dict  # the dataset's tokenizer.to_dict(), stored in every checkpoint
+
+    @property
+    def tokens_per_step(self) -> int:
+        return tokens_per_step(self.cfg.training, self.rt.dist.world_size, self.raw_model.config.block_size)
+
+
+def tokens_per_step(t: TrainingConfig, world_size: int, block_size: int) -> int:
+    """Tokens per optimizer step over all ranks: batch_size x grad_accum_steps x world_size x block_size."""
+    return t.batch_size * t.grad_accum_steps * world_size * block_size
+
+
+def build(cfg: Config, rt: Runtime, dataset: Dataset, run_dir: RunDir | None = None,
+          resume: TrainingCheckpoint | None = None) -> Trainer:
+    """The model (resumed, from run.init_from, or new) on its device, wrapped for DDP/FSDP and compiled as
+    configured, its optimizers, the GradScaler and the batch source; with the config the run records."""
+    raw_model = distributed.on_every_rank(build_model, rt.dist, cfg, dataset, resume)
+    raw_model.to(rt.device)
+    raw_model.gradient_checkpointing = cfg.training.gradient_checkpointing
+    cfg = resolved(cfg, run_dir.path.name if run_dir else cfg.run.name, raw_model.config, rt.compile)
+    if cfg.distributed.fsdp and rt.dist.enabled and cfg.optimizer.name == "muon":
+        raise UserError("distributed.fsdp does not support optimizer.name = 'muon' (Muon orthogonalises whole "
+                        "matrices, FSDP shards them): use adamw, or DDP")
+    model = distributed.wrap_model(raw_model, rt.dist, rt.device, rt.compile, cfg.distributed.fsdp,
+                                   cfg.training.gradient_checkpointing)
+    optimizers = make_optimizers(raw_model, cfg.optimizer, rt.device.type)  # after wrapping: FSDP swaps the parameters
+    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
+    batches = BatchSource(dataset, raw_model.config.block_size, cfg.training.batch_size, cfg.run.seed, rt.device)
+    return Trainer(cfg, rt, dataset, raw_model, model, optimizers, scaler, batches, run_dir, dataset.tokenizer.to_dict())
+
+
+def build_model(cfg: Config, dataset: Dataset, resume: TrainingCheckpoint | None) -> GPT:
+    """The model a run trains, checked against the dataset: the resumed checkpoint's (whose architecture must be
+    the config's), run.init_from's (a checkpoint, run directory, GPT-2 name or HF directory: the architecture
+    comes from the weights, dropout from the config), or a new one from the config."""
+    init = cfg.run.init_from
+    if resume is not None:
+        margs = model_config_from_args(resume.model_args, "checkpoint")
+        if margs.to_dict() != cfg.model_args():
+            diff = [k for k, v in margs.to_dict().items() if cfg.model_args()[k] != v]
+            raise UserError(f"--resume: the config's model differs from the checkpoint's in {diff}; "
+                            "resume with the run's own config, or fine-tune with run.init_from instead")
+        check_vocab_compatible(margs.vocab_size, resume.tokenizer, dataset, "the checkpoint")
+    elif init == "scratch":
+        margs = GPTConfig.from_dict({**cfg.model_args(), "vocab_size": cfg.model.vocab_size or dataset.vocab_size})
+    else:
+        loaded = load_model(init, dropout=cfg.model.dropout)
+        tokenizer = GPT2_TOKENIZER if is_hf_source(init) else loaded.tokenizer
+        check_vocab_compatible(loaded.model.config.vocab_size, tokenizer, dataset, loaded.source)
+        check_fits(dataset, loaded.model.config.block_size, loaded.model.config.vocab_size)
+        return loaded.model
+    check_fits(dataset, margs.block_size, margs.vocab_size)
+    model = GPT(margs)
+    if resume is not None:
+        load_model_weights(model, resume.model, "checkpoint")
+    return model
+
+
+def restore(tr: Trainer, ckpt: TrainingCheckpoint) -> TrainState:
+    """Optimizer, scaler and RNG state from the checkpoint whose weights build() loaded; returns its progress.
+
+    On the world size it was written with, a run continues exactly: the data stream is a pure
+    function of the step (data.py) and every rank gets back its own RNG state (dropout). On another
+    world size the data streams are re-derived from the step counter for the new layout: keep
+    batch_size x grad_accum_steps x world_size constant (2 ranks x 1 -> 1 rank x 2 accumulation
+    steps) and every optimizer step draws exactly the micro-batches it would have drawn; each rank's
+    RNG is then seeded afresh from (seed, rank, step). An FSDP checkpoint (sharded optimizer state)
+    resumes on any world size, with or without FSDP; other checkpoints can't be resumed under FSDP.
+    """
+    dist = tr.rt.dist
+    if ckpt.sharded:
+        distributed.load_sharded(tr.raw_model, tr.optimizers, tr.run_dir.path / ckpt.sharded)
+    elif distributed.is_sharded(tr.raw_model):
+        raise UserError("--resume with distributed.fsdp needs a checkpoint written under FSDP: resume this one without "
+                        "FSDP, or start a new run from its weights with run.init_from")
+    else:
+        if len(ckpt.optimizers) != len(tr.optimizers):
+            raise UserError("--resume: the checkpoint's optimizer differs from the config's (optimizer.name)")
+        for opt, sd in zip(tr.optimizers, ckpt.optimizers):
+            opt.load_state_dict(sd)
+    if ckpt.scaler and tr.scaler.is_enabled():
+        tr.scaler.load_state_dict(ckpt.scaler)
+    rng = ckpt.rng if isinstance(ckpt.rng, list) else [ckpt.rng]  # early checkpoints: rank 0's state only
+    if len(rng) == dist.world_size:
+        set_rng_state(rng[dist.rank])
+    else:
+        torch.manual_seed(hash((tr.cfg.run.seed, dist.rank, ckpt.state.iter_num)) & 0xFFFF_FFFF)
+        if dist.is_main:
+            print(f"resuming a {ckpt.world_size}-rank checkpoint on {dist.world_size} ranks: "
+                  "data streams are re-derived from the step counter for the new world size, RNG streams re-seeded")
+    return replace(ckpt.state)
+
+
+# ---- the run directory and the log --------------------------------------------------------------
+
+def start_run(tr: Trainer, state: TrainState, resumed: bool) -> MetricsLog | None:
+    """On rank 0: print the start-up lines, write config.toml, remove the temp files a killed run left, and open
+    the metrics log (continuing train_log.json on resume) and wandb. eval_only reads a run and writes nothing.
+    The other ranks log nothing: None."""
+    if not tr.rt.dist.is_main:
+        return None
+    cfg, run_dir = tr.cfg, tr.run_dir
+    print_startup(tr, state)
+    evaluating_only = cfg.training.eval_only
+    if not evaluating_only:
+        atomic_write_text(run_dir.path / "config.toml", to_toml(cfg))  # creates the run directory; WriteError if it can't
+        run_dir.remove_temp_files()
+    kw = dict(json_log=cfg.logging.json_log and not evaluating_only, plot=cfg.logging.plot and not evaluating_only)
+    log = MetricsLog.resume(run_dir.path, state.iter_num, **kw) if resumed else MetricsLog(run_dir.path, **kw)
+    if cfg.logging.wandb_project:
+        state.wandb_run_id = log.start_wandb(cfg.logging.wandb_project, cfg.logging.wandb_run_name or cfg.run.name,
+                                             state.wandb_run_id, cfg.to_dict())
+    return log
+
+
+def print_startup(tr: Trainer, state: TrainState) -> None:
+    t, rt, model, dataset = tr.cfg.training, tr.rt, tr.raw_model, tr.dataset
+    print(summary(tr.cfg))
+    print(f"data: {dataset.directory} | {dataset.tokenizer.kind} tokenizer, vocab {dataset.vocab_size} | "
+          f"train {dataset.lengths['train']:,} / val {dataset.lengths['val']:,} tokens")
+    print(f"model: {model.num_params() / 1e6:.2f}M parameters | {model.flops_per_token() / 1e6:.1f} MFLOPs/token")
+    print(f"batch: {t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks = "
+          f"{t.batch_size * t.grad_accum_steps * rt.dist.world_size} sequences, {tr.tokens_per_step:,} tokens per optimizer step")
+    if rt.device.type == "cpu" and rt.precision == "fp32":
+        print(f"device: cpu, fp32 ({torch.get_num_threads()} threads; set training.precision = \"bf16\" for bf16 autocast)")
+    elif rt.device.type == "cpu" and rt.precision == "bf16" and not cpu_has_native_bf16():
+        print("device: cpu, bf16 (emulated: this CPU has no AVX512-BF16/AMX, so fp32 is faster: --training.precision fp32)")
+    else:
+        print(f"device: {rt.device}, {rt.precision}" + (" with GradScaler" if rt.precision == "fp16" else ""))
+    if state.iter_num:
+        print(f"resuming {tr.run_dir.path} at iter {state.iter_num} (best val loss {state.best_val_loss:.4f})")
+    print(f"run: {tr.run_dir.path} | rss {rss_mb():.0f} MB", flush=True)
+
+
+# ---- one optimizer step -------------------------------------------------------------------------
+
+def train_step(tr: Trainer, it: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Forward/backward over grad_accum_steps micro-batches, clip, step. Returns (loss, grad norm, stepped)."""
+    accum, rank, world = tr.cfg.training.grad_accum_steps, tr.rt.dist.rank, tr.rt.dist.world_size
+    total_loss = torch.zeros((), device=tr.rt.device)
+    for micro in range(accum):
+        index = micro_batch_index(it, rank, micro, accum, world)
+        upcoming = micro_batch_index(it, rank, micro + 1, accum, world) if micro + 1 < accum else \
+            micro_batch_index(it + 1, rank, 0, accum, world)
+        x, y = tr.batches.get("train", index, next_index=upcoming)
+        with distributed.no_sync(tr.model, last=micro == accum - 1):
+            with tr.rt.autocast:
+                _, loss = tr.model(x, y)
+                loss = loss / accum
+            tr.scaler.scale(loss).backward()
+        total_loss += loss.detach()
+    for opt in tr.optimizers:
+        tr.scaler.unscale_(opt)
+    norm = clip_gradients(tr.model, tr.cfg.optimizer.grad_clip)
+    # non-finite gradients: GradScaler skips the step under fp16; otherwise we skip it ourselves
+    finite = bool(torch.isfinite(norm)) if not tr.scaler.is_enabled() else True
+    if finite:
+        for opt in tr.optimizers:
+            tr.scaler.step(opt)
+    scale_before = tr.scaler.get_scale() if tr.scaler.is_enabled() else 1.0
+    tr.scaler.update()
+    if tr.scaler.is_enabled():
+        finite = tr.scaler.get_scale() >= scale_before
+    for opt in tr.optimizers:
+        opt.zero_grad(set_to_none=True)
+    return total_loss, norm, finite
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip to max_norm (0: don't) and return the global L2 norm of the gradients before clipping."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params]))
+    return distributed.full_tensor(norm)
+
+
+# ---- evaluation -----------------------------------------------------------------------------------
+
+@torch.no_grad()  # not inference_mode: FSDP's unsharded weights made here are reused by training
+def evaluate(tr: Trainer) -> dict[str, float]:
+    """Mean loss, perplexity and next-token accuracy over eval_iters batches per split (the same batches every time).
+
+    The batches are dealt round-robin to the ranks, so the result does not depend on the world size.
+    Every rank runs the same number of forwards (FSDP gathers weights collectively); padding batches count zero."""
+    tr.model.eval()
+    out = {}
+    n, rank, world, device = tr.cfg.training.eval_iters, tr.rt.dist.rank, tr.rt.dist.world_size, tr.rt.device
+    for split in ("train", "val"):
+        sums = torch.zeros(3, device=device)  # loss, correct, count
+        for k in tqdm(range(rank, math.ceil(n / world) * world, world), desc=f"eval {split}", leave=False,
+                      disable=None if tr.rt.dist.is_main else True):
+            x, y = tr.batches.get(split, k)
+            with tr.rt.autocast:
+                logits, loss = tr.model(x, y)
+            sums += (k < n) * torch.stack([loss.float(), (logits.argmax(-1) == y).sum().float() / y.numel(),
+                                           torch.ones((), device=device)])
+        sums = distributed.all_reduce_sum(sums)
+        loss = (sums[0] / sums[2]).item()
+        out[f"{split}_loss"] = loss
+        out[f"{split}_ppl"] = math.exp(min(loss, 50))
+        out[f"{split}_acc"] = (sums[1] / sums[2]).item()
+    tr.model.train()
+    return out
+
+
+def evaluate_and_track(tr: Trainer, state: TrainState, log: MetricsLog | None) -> str:
+    """Evaluate, log it, keep the best checkpoint and count evaluations without improvement.
+    Returns why training should stop early, or ""."""
+    t = tr.cfg.training
+    metrics = evaluate(tr)
+    improved = metrics["val_loss"] < state.best_val_loss - t.early_stopping_min_delta
+    if improved:
+        state.best_val_loss, state.bad_evals = metrics["val_loss"], 0
+    else:
+        state.bad_evals += 1
+    if log:
+        log.evaluation(state.iter_num, metrics, improved, state.tokens_seen)
+    if improved and t.save_best and state.iter_num > 0 and not t.eval_only:
+        save(tr, state, "best")
+    if log:
+        log.flush()
+    if not improved and t.early_stopping and state.bad_evals >= t.early_stopping_patience:
+        return (f"early stopping: val loss has not improved by {t.early_stopping_min_delta} for "
+                f"{state.bad_evals} evaluations (best {state.best_val_loss:.4f})")
+    return ""
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+
+def save(tr: Trainer, state: TrainState, kind: str, final: bool = False) -> None:
+    """Save a checkpoint: "last" (ckpt_last.pt, `latest` and a pruned step checkpoint) or "best" (ckpt_best.pt).
+
+    Collective: every rank takes part (RNG states are gathered; under FSDP the weights are gathered and every
+    rank writes its shards first); rank 0 writes the file (RunDir.save: a failed periodic save is a warning,
+    a failed final one a UserError naming the last good checkpoint)."""
+    ckpt = TrainingCheckpoint(
+        model=distributed.model_state_dict(tr.raw_model), model_args=tr.raw_model.config.to_dict(),
+        optimizers=[distributed.optimizer_state_dict(tr.raw_model, o) for o in tr.optimizers],
+        config=tr.cfg.to_dict(), rng=distributed.gather_objects(rng_state()), state=state,
+        scaler=tr.scaler.state_dict() if tr.scaler.is_enabled() else None, tokenizer=tr.tokenizer,
+        world_size=tr.rt.dist.world_size)
+    if kind == "last" and distributed.is_sharded(tr.raw_model):
+        directory = tr.run_dir.sharded(state.iter_num)
+        ckpt.sharded = distributed.save_sharded(tr.raw_model, tr.optimizers, directory, tr.rt.dist).name
+    t = tr.cfg.training
+    distributed.on_main(tr.run_dir.save, tr.rt.dist, kind, ckpt, t.save_interval, t.keep_last, final)
+
+
+# ---- the loop -------------------------------------------------------------------------------------
+
+class StopRequest:
+    """SIGINT or SIGTERM during training: finish the step, save, stop with reason "signal"; a second Ctrl-C aborts.
+    A context manager: the previous handlers are back afterwards (train() may be called from Python)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: list = []
+
+    def __enter__(self) -> StopRequest:
+        self._previous = [(sig, signal.signal(sig, self._handle)) for sig in (signal.SIGINT, signal.SIGTERM)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous:
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.requested:  # a second Ctrl-C: give up at once
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name} received: finishing this step, saving, exiting", flush=True)
+
+
+class StepClock:
+    """Seconds per optimizer step: the mean over the last 20 steps, leaving out the first (it may compile) and
+    the time spent evaluating and saving (restart() after them)."""
+
+    def __init__(self) -> None:
+        self.steps, self.recent, self.last = 0, [], 0.0
+        self.restart()
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        self.last, self._start = now - self._start, now
+        self.steps += 1
+        if self.steps > 1:
+            self.recent = (self.recent + [self.last])[-20:]
+
+    def restart(self) -> None:
+        self._start = time.perf_counter()
+
+    @property
+    def seconds_per_step(self) -> float:
+        return sum(self.recent) / len(self.recent) if self.recent else self.last
+
+
+@dataclass
+class Outcome:
+    state: TrainState
+    last_loss: float | None  # the last logged training loss (mean over ranks)
+    stop_reason: str  # "" when max_iters was reached
+
+
+def fit(tr: Trainer, state: TrainState, log: MetricsLog | None, stop: StopRequest) -> Outcome:
+    """Train from state.iter_num to max_iters, or until early stopping, a signal or too many non-finite steps;
+    evaluate at the start, every eval_interval and at the end; save every save_interval and at the end."""
+    t = tr.cfg.training
+    if t.eval_only:
+        return Outcome(state, None, evaluate_and_track(tr, state, log))
+    reason = evaluate_and_track(tr, state, log) if state.iter_num == 0 and t.eval_interval else ""
+    tr.model.train()
+    clock, last_loss, loss = StepClock(), None, None
+    while state.iter_num < t.max_iters and not reason:
+        lr = set_lr(tr.optimizers, lr_multiplier(state.iter_num, tr.cfg))
+        loss, norm, stepped = train_step(tr, state.iter_num)
+        state.iter_num += 1
+        state.tokens_seen += tr.tokens_per_step
+        reason = count_nonfinite(state, stepped, t.max_nonfinite_steps, tr.rt.dist.is_main)
+        clock.tick()
+        if clock.steps == 1 and log and tr.rt.compile:
+            print(f"first step took {clock.last:.1f}s (torch.compile); later steps are fast", flush=True)
+        if t.log_interval and state.iter_num % t.log_interval == 0:
+            last_loss = log_step(tr, state, log, loss, lr, norm, clock)
+        # every rank agrees; not stored back in stop.requested: a signal that arrives while any_rank
+        # waits would be overwritten (and lost), whereas this way it is agreed on at the next step
+        signalled = distributed.any_rank(stop.requested)
+        done = state.iter_num >= t.max_iters
+        if not signalled and evaluation_due(state.iter_num, t, done):
+            reason = evaluate_and_track(tr, state, log) or reason
+        reason = reason or ("signal" if signalled else "")
+        if save_due(state.iter_num, t, ending=done or bool(reason)):
+            save(tr, state, "last", final=done or bool(reason))
+            if log:
+                log.flush()
+        clock.restart()
+    if last_loss is None and loss is not None:
+        last_loss = distributed.mean_over_ranks(loss, tr.rt.dist)
+    return Outcome(state, last_loss, reason)
+
+
+def evaluation_due(it: int, t: TrainingConfig, done: bool) -> bool:
+    return done or bool(t.eval_interval and it % t.eval_interval == 0)
+
+
+def save_due(it: int, t: TrainingConfig, ending: bool) -> bool:
+    return ending or bool(t.save_interval and it % t.save_interval == 0)
+
+
+def log_step(tr: Trainer, state: TrainState, log: MetricsLog | None, loss: torch.Tensor, lr: float,
+             norm: torch.Tensor, clock: StepClock) -> float:
+    """The step's loss averaged over the ranks (a collective); rank 0 prints and records it with lr, gradient
+    norm, speed, MFU and ETA."""
+    mean_loss = distributed.mean_over_ranks(loss, tr.rt.dist)
+    if log:
+        seconds = clock.seconds_per_step
+        tokens_per_s = tr.tokens_per_step / seconds
+        log.step(state.iter_num, tr.cfg.training.max_iters, mean_loss, lr, float(norm), seconds, tokens_per_s,
+                 tr.raw_model.estimate_mfu(tokens_per_s, tr.rt.peak_flops), state.tokens_seen)
+    return mean_loss
+
+
+def count_nonfinite(state: TrainState, stepped: bool, limit: int, main: bool) -> str:
+    """Count skipped (non-finite) steps in a row; returns the reason to stop once there are `limit` of them, else ""."""
+    if stepped:
+        state.nonfinite_streak = 0
+        return ""
+    state.nonfinite_streak += 1
+    if main:
+        print(f"iter {state.iter_num}: non-finite loss or gradient, step skipped ({state.nonfinite_streak} in a row)",
+              flush=True)
+    if state.nonfinite_streak < limit:
+        return ""
+    return (f"stopped: {state.nonfinite_streak} consecutive non-finite steps; the last good checkpoint is intact "
+            "(lower the learning rate or use bf16/fp32)")
