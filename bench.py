@@ -5,6 +5,7 @@ Training runs the real trainer.train_step on the Trainer that train.py builds (t
     python bench.py --config configs/shakespeare_char/cpu.toml --baseline     # ... and the speed-up over all-off
     python bench.py --config configs/shakespeare_char/gpu.toml --training.batch_size 8 --training.precision bf16
     python bench.py --config configs/shakespeare_char/cpu.toml --profile      # + a chrome trace in bench_out/
+    python bench.py --config configs/shakespeare_char/cpu.toml --against HEAD~1 --rounds 6  # this code vs a commit's
 Other modes:
     python bench.py --sample             # generation tokens/s with and without the KV cache (GPU preset's model)
     python bench.py --prepare            # BPE training time, encoding MB/s, peak RSS of preparing a 1 GB file
@@ -17,6 +18,10 @@ foreach kernel), fp32, batches built row by row in Python without prefetching, a
 steps each, so a machine whose speed drifts slows both alike (peak RSS is then the process's).
 Every time is the median (and best) of the rounds, and each table ends with the load average;
 above the core count means someone else was computing at the same time.
+
+--against REV times this checkout's training step against the same step at commit REV (unpacked
+with `git archive` into a temp directory): each round runs one fresh `bench.py --json` process per
+side, in ABBA order, so both sides see the same drift of the machine; the table gives every round.
 """
 
 from __future__ import annotations
@@ -278,6 +283,40 @@ def bench_training(args: argparse.Namespace, overrides: list) -> None:
     print(load_average())
 
 
+def bench_against(args: argparse.Namespace, cli: list[str]) -> None:
+    """This checkout's training step against commit args.against's, alternating fresh processes round by round."""
+    if not any(a.split("=")[0] == "--data.data_dir" for a in cli):
+        cli = [*cli, "--data.data_dir", str(REPO / "data")]  # both sides use (and prepare once) this checkout's data
+    common = ["--config", args.config, *cli, "--warmup", str(args.warmup), "--iters", str(args.iters), "--repeats", "1",
+              "--json"]
+    times: dict[str, list[float]] = {"this checkout": [], args.against: []}
+    with tempfile.TemporaryDirectory(prefix="bench_against_") as tmp:
+        checkout_commit(args.against, Path(tmp))
+        where = {"this checkout": REPO, args.against: Path(tmp)}
+        for round_ in range(args.rounds):
+            order = list(where) if round_ % 2 == 0 else list(where)[::-1]
+            for side in order:
+                log = Path(tmp) / "round.log"
+                run_child([sys.executable, str(where[side] / "bench.py"), *common], log, cwd=where[side])
+                times[side].append(json.loads(log.read_text().strip().splitlines()[-1])[0]["ms_median"])
+    print(f"training step, {args.config} {' '.join(cli)}: {args.rounds} rounds of {args.iters} steps per side, ABBA order")
+    print("| code | ms/iter per round | median ms/iter |")
+    print("| --- | --- | ---: |")
+    for side, ms in times.items():
+        print(f"| {side} | {', '.join(f'{m:.1f}' for m in ms)} | {statistics.median(ms):.1f} |")
+    new, old = (statistics.median(ms) for ms in times.values())
+    print(f"this checkout / {args.against}: {new / old:.3f} of the time per step ({old / new:.3f}x the speed)")
+    print(load_average())
+
+
+def checkout_commit(rev: str, into: Path) -> None:
+    """The files of commit `rev` of this repository, unpacked into `into` (no git metadata is touched)."""
+    archive = subprocess.run(["git", "archive", "--format=tar", rev], cwd=REPO, capture_output=True)
+    if archive.returncode:
+        raise UserError(f"--against {rev}: git archive failed: {archive.stderr.decode(errors='replace').strip()}")
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+
+
 # ---- generation -----------------------------------------------------------------------------------
 
 def time_generation(model: GPT, new_tokens: int, use_cache: bool, repeats: int) -> float:
@@ -318,11 +357,11 @@ def write_repeated(path: Path, data: bytes, size: int) -> None:
             f.write(data[:size - start])
 
 
-def run_child(cmd: list[str], log: Path) -> tuple[float, float]:
+def run_child(cmd: list[str], log: Path, cwd: Path = REPO) -> tuple[float, float]:
     """(seconds, peak RSS MB) of a child process; wait4 reports that child's own high-water mark."""
     t0 = time.perf_counter()
     with atomic_write(log) as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -470,6 +509,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--iters", type=int, default=None, help="timed steps per repeat (training 50, --memory 300, curves 300)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
     p.add_argument("--json", action="store_true", help="print the training measurements as one JSON line")
+    p.add_argument("--against", metavar="REV", help="time this checkout's training step against git commit REV's")
+    p.add_argument("--rounds", type=int, default=6, help="--against: rounds of one process per side")
     p.add_argument("--new-tokens", type=int, default=500, help="--sample: tokens generated per run")
     p.add_argument("--input", default=str(SHAKESPEARE), help="--prepare: the text to train BPE on and repeat")
     p.add_argument("--vocab-size", type=int, default=4096, help="--prepare: BPE vocabulary size")
@@ -491,6 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.precision_curves:
         args.iters = args.iters or 300
         precision_curves(args, with_shakespeare_input(cli))
+    elif args.against:
+        args.iters = args.iters or 50
+        args.config = str(Path(args.config or CPU_PRESET).resolve())  # the other side runs in another directory
+        bench_against(args, with_shakespeare_input(cli))
     else:
         args.iters = args.iters or 50
         args.config = args.config or str(CPU_PRESET)

@@ -1,5 +1,7 @@
-"""Shared pytest fixtures; the repo root is made importable so tests can `import prepare` etc."""
+"""What the tests share: the repository root (made importable, so tests `import prepare` etc.), the tiny
+corpora they train on, and a prepared tiny char dataset with the overrides for a fast CPU run on it."""
 
+import random
 import sys
 from pathlib import Path
 
@@ -8,34 +10,32 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from common import SHAKESPEARE  # noqa: E402  (importable only once the root is on sys.path)
 
-@pytest.fixture
-def repo_root() -> Path:
-    return REPO_ROOT
+WORDS = "the king queen lord of and to my thou art not what say speak come go love death night".split()
 
 
 @pytest.fixture
 def shakespeare_path() -> Path:
-    path = (REPO_ROOT / ".." / "shared" / "data" / "tinyshakespeare.txt").resolve()
-    if not path.is_file():
-        pytest.skip(f"tiny Shakespeare not found at {path}")
-    return path
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"tiny Shakespeare not found at {SHAKESPEARE}")
+    return SHAKESPEARE
 
 
-SHAKESPEARE = (REPO_ROOT / ".." / "shared" / "data" / "tinyshakespeare.txt").resolve()
+def word_salad(n_chars: int, words: list[str] = WORDS, seed: int = 0) -> str:
+    """Deterministic sentences of random words, one per line, n_chars long."""
+    rng = random.Random(seed)
+    lines = []
+    while sum(map(len, lines)) < n_chars:
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 10))).capitalize() + ".\n")
+    return "".join(lines)[:n_chars]
 
 
 def tiny_corpus(n_bytes: int = 120_000) -> str:
-    """The start of tiny Shakespeare when present, else deterministic word salad of the same size."""
+    """The start of tiny Shakespeare when present, else word salad of the same size."""
     if SHAKESPEARE.is_file():
         return SHAKESPEARE.read_text(encoding="utf-8")[:n_bytes]
-    import random
-    rng = random.Random(0)
-    words = "the king queen lord of and to my thou art not what say speak come go love death night".split()
-    lines = []
-    while sum(map(len, lines)) < n_bytes:
-        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 10))).capitalize() + ".\n")
-    return "".join(lines)[:n_bytes]
+    return word_salad(n_bytes)
 
 
 @pytest.fixture(scope="session")

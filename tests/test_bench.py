@@ -12,6 +12,7 @@ import torch
 import bench
 import speedrun
 from common import UserError
+from conftest import REPO_ROOT
 from data import BatchSource, load_dataset
 from prepare import prepare_dataset
 
@@ -52,6 +53,17 @@ def test_training_table_and_baseline_ratio(tiny, capsys):
         assert float(rows[name][5].replace(",", "")) > 0  # peak RSS
     assert number_after("speed-up over the baseline:", out) > 0
     assert "load average" in out
+
+
+@pytest.mark.slow
+def test_against_a_commit_alternates_both_codes(tiny, capsys):
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    bench.main(["--against", "HEAD", "--rounds", "2", "--warmup", "1", "--iters", "2", "--model.compile", "false", *tiny])
+    out = capsys.readouterr().out
+    rows = {row[0]: row for row in table_rows(out)}
+    assert len(rows["this checkout"][1].split(",")) == 2 and len(rows["HEAD"][1].split(",")) == 2
+    assert float(rows["HEAD"][2]) > 0 and number_after("this checkout / HEAD:", out) > 0
 
 
 def test_json_output_and_profile_trace(tiny, tmp_path, capsys):
@@ -125,7 +137,7 @@ def test_precision_curves_stop_at_a_signal(tiny):
 
     cmd = [sys.executable, "bench.py", "--precision-curves", *tiny, "--iters", "100000", "--eval-interval", "10",
            "--training.eval_iters", "2"]
-    proc = subprocess.Popen(cmd, cwd=bench.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
         for line in proc.stdout:
@@ -160,7 +172,7 @@ def test_speedrun_times_both_configs(tiny, tmp_path):
         path.write_text("[run]\ndevice = \"cpu\"\n[training]\nmax_iters = 4\neval_iters = 2\n")
         configs.append(str(path))
     result = subprocess.run([sys.executable, "speedrun.py", "--configs", *configs, "--target", "100",
-                             "--eval-interval", "2", *tiny], cwd=bench.REPO, capture_output=True, text=True, timeout=120)
+                             "--eval-interval", "2", *tiny], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {row[0]: row for row in table_rows(result.stdout)}
     for config in configs:

@@ -7,7 +7,6 @@ under DDP the logged loss is the mean over ranks, i.e. the mean over all micro-b
 import contextlib
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -23,17 +22,18 @@ import torch
 
 import distributed
 from checkpoint import load_checkpoint
+from conftest import REPO_ROOT, word_salad
 from prepare import prepare_dataset
 from sample import load_for_sampling
 from train import train
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 ITERS = 12
 STOP = 6  # where interrupted runs stop; also save_interval and eval_interval
 # OMP_NUM_THREADS=1: two single-process "nodes" on two cores would otherwise oversubscribe them
 ENV = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
+SEA_WORDS = "the king and queen of a far land rode out to see what the sea had left upon the sand".split()
 CONFIG = """
 [run]
 name = "run"
@@ -64,19 +64,10 @@ plot = false
 """
 
 
-def generated_text(n_chars: int = 150_000) -> str:
-    rng = random.Random(0)
-    words = "the king and queen of a far land rode out to see what the sea had left upon the sand".split()
-    lines = []
-    while sum(map(len, lines)) < n_chars:
-        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))).capitalize() + ".")
-    return "\n".join(lines)
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dist")
-    (root / "input.txt").write_text(generated_text())
+    (root / "input.txt").write_text(word_salad(150_000, SEA_WORDS))
     prepare_dataset("gen", input_path=str(root / "input.txt"), tokenizer="char", data_dir=root / "data", verbose=False)
     for dropout in (0.0, 0.1):
         (root / f"dropout{dropout}.toml").write_text(

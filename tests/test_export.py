@@ -24,7 +24,8 @@ from common import UserError
 from export import export_hf, save_gpt2_tokenizer
 from load import load_gpt2, load_model, read_safetensors
 from model import GPT, GPTConfig
-from test_sample import REPO, write_char_checkpoint
+from conftest import REPO_ROOT
+from test_sample import write_char_checkpoint
 from tokenizer import CharTokenizer, get_tiktoken, tokenizer_from_dict
 
 HF_TINY = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=100)
@@ -95,7 +96,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_script(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, script, *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run([sys.executable, script, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 
 # ---- import ------------------------------------------------------------------------------------------

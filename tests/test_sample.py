@@ -11,12 +11,12 @@ import torch
 import sample
 from checkpoint import save_checkpoint
 from common import UserError
+from conftest import REPO_ROOT
 from model import GPT, GPTConfig
 from sample import generate_texts, load_for_sampling, showable_length, unescape
 from tokenizer import CharTokenizer
 
 CHARS = list("\n abcdefghijklmnopqrstuvwxyz.,:")
-REPO = Path(__file__).resolve().parent.parent
 
 
 def write_char_checkpoint(path: Path, seed: int = 0, **model_args) -> Path:
@@ -33,7 +33,7 @@ def write_char_checkpoint(path: Path, seed: int = 0, **model_args) -> Path:
 
 
 def run_sample(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "sample.py", *args], cwd=REPO, input=input, capture_output=True,
+    return subprocess.run([sys.executable, "sample.py", *args], cwd=REPO_ROOT, input=input, capture_output=True,
                           text=True, timeout=120)
 
 
