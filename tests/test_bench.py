@@ -97,14 +97,15 @@ def test_sample_mode(capsys):
 
 def test_prepare_mode(tmp_path, capsys):
     text = tmp_path / "small.txt"
-    text.write_text(TEXT)
-    bench.main(["--prepare", "--input", str(text), "--vocab-size", "300", "--encode-mb", "0.2", "--size-mb", "1",
-                "--repeats", "1"])
+    text.write_text(TEXT.replace("king.\n", "king.\n\n"))  # paragraphs: the documents of the jsonl corpus
+    bench.main(["--prepare", "--input", str(text), "--vocab-size", "300", "--size-mb", "1", "--workers", "2"])
     out = capsys.readouterr().out
-    assert number_after("tokens on small.txt |", out) >= 0
-    assert number_after("best of 1) |", out) > 0
-    assert number_after("file: peak RSS |", out) > 0
-    assert re.search(r"on a 1 MB file: time \| [\d.]+ s", out)
+    assert re.search(r"BPE training to \d+ tokens on small.txt: [\d.]+ s", out)
+    rows = {row[0]: row for row in table_rows(out)}
+    assert set(rows) == {"workers", "1", "2"}
+    for n in ("1", "2"):
+        assert float(rows[n][2]) > 0 and float(rows[n][3].split()[0].replace(",", "")) > 0  # MB/s, peak RSS
+    assert re.search(r"2 workers / 1: [\d.]+x the speed; train.bin and val.bin identical", out)
 
 
 @pytest.mark.slow

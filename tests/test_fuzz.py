@@ -235,25 +235,25 @@ def test_prepare_takes_any_bytes(data, kind, val_fraction, max_bytes, monkeypatc
     warning line with the count), NUL kept, the first int(n * (1 - val_fraction)) bytes (moved to a character
     start) are train, --max-bytes keeps a prefix of at most that many bytes."""
     TRIED["prepare inputs"] += 1
-    monkeypatch.setattr(prepare, "CHUNK_BYTES", 64)  # cross chunk boundaries with small inputs
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp, "input.bin")
         source.write_bytes(data)
-        try:
+        try:  # chunks of 64 bytes: small inputs cross chunk boundaries
             out = prepare_dataset("fuzz", input_path=str(source), tokenizer=kind, vocab_size=260 if kind == "bpe" else None,
-                                  val_fraction=val_fraction, max_bytes=max_bytes, data_dir=tmp, verbose=False)
+                                  val_fraction=val_fraction, max_bytes=max_bytes, data_dir=tmp, verbose=False,
+                                  chunk_bytes=64, workers=1)
         except UserError:
             capsys.readouterr()
             return
         meta = json.loads((out / "meta.json").read_text())
-        used = data[: meta["source"]["bytes"]]
+        used = data[: meta["input_bytes"]]
         limit = min(max_bytes or len(data), len(data))
         assert limit - 4 < len(used) <= limit  # cut back to a character start
         train, val = decoded(out)
         whole = used.decode("utf-8", "replace")
         assert train + val == whole
         invalid = whole.count("\ufffd") - used.count("\ufffd".encode())
-        assert meta["source"]["invalid_utf8_replaced"] == invalid
+        assert meta["invalid_utf8_replaced"] == invalid
         assert capsys.readouterr().err.count(f"has {invalid} invalid UTF-8") == (1 if invalid else 0)
         if "\x00" in whole and kind == "char":
             assert "\x00" in load_tokenizer(out / "tokenizer.json").chars
@@ -264,8 +264,8 @@ def test_prepare_takes_any_bytes(data, kind, val_fraction, max_bytes, monkeypatc
 
 
 def meta_mutations():
-    keys = ["format_version", "dataset", "tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens",
-            "max_token_id", "source", "val_fraction", "request"]
+    keys = ["format_version", "dataset", "tokenizer", "vocab_size", "dtype", "eot_id", "train_tokens", "val_tokens",
+            "train_documents", "max_token_id", "split", "sources", "input_bytes", "request"]
     change = st.tuples(st.sampled_from(keys), st.just("delete") | values | st.sampled_from(["uint16", "uint32", "float64"]))
     return st.lists(change, min_size=1, max_size=3)
 

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import pytest
 import prepare
 import tokenizer as tokenizer_module
 from common import UserError
+from data import load_dataset
 from prepare import prepare_dataset, prepare_txt_dir
 from tokenizer import get_tiktoken, load_tokenizer, save_tokenizer, train_tokenizer
 
@@ -20,8 +22,8 @@ TEXT = "".join(
     for i in range(400)
 )
 META_KEYS = {
-    "format_version", "dataset", "tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens",
-    "max_token_id", "source", "val_fraction",
+    "format_version", "dataset", "tokenizer", "vocab_size", "dtype", "eot_id", "train_tokens", "val_tokens",
+    "train_documents", "val_documents", "max_token_id", "split", "sources", "input_bytes", "request",
 }
 
 
@@ -58,14 +60,15 @@ def text_file(tmp_path):
 def check_dataset(out_dir, kind):
     meta, train, val, tok = load(out_dir)
     assert META_KEYS <= set(meta)
-    assert meta["format_version"] == 1
+    assert meta["format_version"] == 2
     assert meta["tokenizer"]["kind"] == kind == tok.kind
     assert meta["vocab_size"] == tok.vocab_size
     assert meta["dtype"] == "uint16"
     assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
     assert int(max(train.max(), val.max())) == meta["max_token_id"] < meta["vocab_size"]
-    assert set(meta["source"]) >= {"path", "kind", "bytes", "sha256"}
-    assert not [p for p in out_dir.iterdir() if p.name.endswith(".tmp")]
+    assert all(set(s) >= {"path", "kind", "bytes", "sha256"} for s in meta["sources"])
+    assert sorted(p.name for p in out_dir.iterdir() if p.name != "input.txt") == [
+        "meta.json", "tokenizer.json", "train.bin", "val.bin"]  # no temp files, no work directory
     return meta, train, val, tok
 
 
@@ -76,7 +79,8 @@ def test_char_dataset(tmp_path, text_file):
     assert tok.decode(train) + tok.decode(val) == TEXT
     assert meta["vocab_size"] == len(set(TEXT))
     raw = TEXT.encode()
-    assert meta["source"]["bytes"] == len(raw) and meta["source"]["kind"] == "file"
+    assert meta["sources"][0]["bytes"] == len(raw) and meta["sources"][0]["kind"] == "text"
+    assert meta["split"] == {"rule": "tail", "val_fraction": 0.1} and meta["eot_id"] is None
     assert 0 <= len(tok.decode(train).encode()) - int(len(raw) * 0.9) < 4  # nanoGPT's cut, at a character start
 
 
@@ -85,7 +89,7 @@ def test_bpe_dataset(tmp_path, text_file):
         "mytext", input_path=str(text_file), tokenizer="bpe", vocab_size=300, data_dir=tmp_path, verbose=False
     )
     meta, train, val, tok = check_dataset(out_dir, "bpe")
-    assert meta["vocab_size"] == 300 and meta["tokenizer"]["name"] is None
+    assert meta["vocab_size"] == 300 and meta["tokenizer"]["name"] is None and tok.eot_id == 299
     assert tok.decode(train) + tok.decode(val) == TEXT
     assert len(train) + len(val) < 0.6 * len(TEXT.encode())
 
@@ -94,11 +98,10 @@ def test_bpe_dataset(tmp_path, text_file):
 def test_small_chunks_give_the_same_tokens(tmp_path, text_file, monkeypatch, kind):
     whole = prepare_dataset("a", input_path=str(text_file), tokenizer=kind, vocab_size=300 if kind == "bpe" else None,
                             data_dir=tmp_path, verbose=False)
-    monkeypatch.setattr(prepare, "CHUNK_BYTES", 1000)
     monkeypatch.setattr(prepare, "BPE_TRAIN_PIECE_CHARS", 600)
     monkeypatch.setattr(tokenizer_module, "BPE_PIECE_CHARS", 500)
     chunked = prepare_dataset("b", input_path=str(text_file), tokenizer=kind, vocab_size=300 if kind == "bpe" else None,
-                              data_dir=tmp_path, verbose=False)
+                              data_dir=tmp_path, verbose=False, chunk_bytes=1000)
     for name in ("train.bin", "val.bin", "tokenizer.json"):
         assert (whole / name).read_bytes() == (chunked / name).read_bytes()
 
@@ -124,14 +127,19 @@ def test_reuse_conflict_and_reset(tmp_path, text_file, capsys):
         prepare_dataset("mytext", tokenizer="bpe", vocab_size=300, input_path=str(other), data_dir=tmp_path)
 
 
-def test_crash_leaves_no_partial_files(tmp_path, text_file, monkeypatch):
+def test_a_crash_leaves_only_work_to_continue(tmp_path, text_file, monkeypatch):
     def explode(self, text):
         raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(tokenizer_module.CharTokenizer, "encode_array", explode)
-    with pytest.raises(RuntimeError):
-        prepare_dataset("mytext", input_path=str(text_file), data_dir=tmp_path, verbose=False)
-    assert sorted(p.name for p in (tmp_path / "mytext").iterdir()) == ["tokenizer.json"]
+    with monkeypatch.context() as m:
+        m.setattr(tokenizer_module.CharTokenizer, "encode_array", explode)
+        with pytest.raises(RuntimeError):
+            prepare_dataset("mytext", input_path=str(text_file), data_dir=tmp_path, verbose=False)
+    assert sorted(p.name for p in (tmp_path / "mytext").iterdir()) == [".prepare"]
+    with pytest.raises(UserError, match="is incomplete: prepare.py stopped before finishing it; run the same"):
+        load_dataset(tmp_path / "mytext")
+    prepare_dataset("mytext", input_path=str(text_file), data_dir=tmp_path, verbose=False)
+    assert load_dataset(tmp_path / "mytext").lengths["train"] > 0
 
 
 def test_tiny_shakespeare_matches_nanogpt(tmp_path, shakespeare_path):
@@ -139,7 +147,7 @@ def test_tiny_shakespeare_matches_nanogpt(tmp_path, shakespeare_path):
     meta, train, val, tok = check_dataset(out_dir, "char")
     assert meta["vocab_size"] == 65
     assert (meta["train_tokens"], meta["val_tokens"]) == (1_003_854, 111_540)
-    assert meta["source"]["sha256"] == prepare.SHAKESPEARE_SHA256
+    assert meta["sources"][0]["sha256"] == prepare.SHAKESPEARE_SHA256
     assert tok.decode(train[:14]) == "First Citizen:"
 
 
@@ -169,15 +177,22 @@ def test_tiktoken_kind_with_a_stand_in_encoding(tmp_path, text_file, monkeypatch
         prepare_dataset("y", input_path=str(text_file), tokenizer="gpt2", vocab_size=299, data_dir=tmp_path)
 
 
-def test_pystdlib_is_offline_and_deterministic(tmp_path):
-    metas = []
+def test_pystdlib_is_an_offline_corpus_of_documents(tmp_path):
+    """Each stdlib file a document ending with <|endoftext|>; whole documents go to val by hash."""
+    outputs = []
     for data_dir in (tmp_path / "one", tmp_path / "two"):
         out_dir = prepare_dataset("pystdlib", max_bytes=150_000, data_dir=data_dir, verbose=False)
         meta, train, val, tok = check_dataset(out_dir, "char")
-        metas.append(meta)
-    assert metas[0]["source"]["sha256"] == metas[1]["source"]["sha256"]
-    assert metas[0]["source"]["kind"] == "pystdlib" and 140_000 < metas[0]["source"]["bytes"] <= 150_000
-    assert tok.decode(train[:8]) == "# file: "
+        outputs.append((meta["sources"], train.tobytes(), val.tobytes()))
+    assert outputs[0] == outputs[1]  # deterministic
+    assert meta["sources"][0]["kind"] == "pystdlib" and 140_000 < meta["input_bytes"] <= 150_000
+    assert meta["split"] == {"rule": "docs", "val_fraction": 0.1, "seed": 0} and meta["eot_id"] == tok.eot_id
+    documents = meta["train_documents"] + meta["val_documents"]
+    assert (train == tok.eot_id).sum() == meta["train_documents"] and (val == tok.eot_id).sum() == meta["val_documents"]
+    assert train[-1] == val[-1] == tok.eot_id and 0 < meta["val_documents"] < documents / 4
+    first = tok.decode(train[:np.argmax(train == tok.eot_id)])
+    stdlib = sorted(Path(meta["sources"][0]["path"]).glob("*.py"))[:20]
+    assert first in {p.read_text() for p in stdlib}  # a whole file
     with pytest.raises(UserError, match="max_bytes=150000.*--reset"):
         prepare_dataset("pystdlib", data_dir=tmp_path / "one", verbose=False)
 
@@ -187,7 +202,7 @@ def test_invalid_utf8_and_nul_bytes(tmp_path, capsys):
     path.write_bytes(b"good \x00 text\n" * 20 + b"bad \xff\xfe bytes \xe6\x97 cut\n" + b"more text here\n" * 20)
     out_dir = prepare_dataset("bad", input_path=str(path), data_dir=tmp_path, verbose=False)
     meta, train, val, tok = check_dataset(out_dir, "char")
-    assert meta["source"]["invalid_utf8_replaced"] == 3
+    assert meta["invalid_utf8_replaced"] == 3
     assert tok.decode(train) + tok.decode(val) == path.read_bytes().decode("utf-8", "replace")
     assert "\x00" in tok.chars
     assert "3 invalid UTF-8 byte sequences" in capsys.readouterr().err
@@ -198,7 +213,7 @@ def test_split_and_max_bytes_respect_characters(tmp_path):
     path.write_text("日本語テキスト" * 1000, encoding="utf-8")
     out_dir = prepare_dataset("cjk", input_path=str(path), max_bytes=10_000, val_fraction=0.25, data_dir=tmp_path, verbose=False)
     meta, train, val, tok = check_dataset(out_dir, "char")
-    assert meta["source"]["bytes"] == 9999 and meta["source"]["invalid_utf8_replaced"] == 0
+    assert meta["input_bytes"] == 9999 and meta["invalid_utf8_replaced"] == 0
     assert (len(train), len(val)) == (2500, 833)
 
 
@@ -214,11 +229,11 @@ def test_large_vocabulary_uses_uint32(tmp_path):
     "kwargs, message",
     [
         (dict(dataset="nope"), "unknown dataset 'nope'.*--input"),
-        (dict(dataset="x", input_path="missing.txt"), "input file not found: missing.txt"),
-        (dict(dataset="x", input_path=".", tokenizer="char"), "is not a file"),
+        (dict(dataset="x", input_path="missing.txt"), "input not found: missing.txt"),
+        (dict(dataset="x", input_path=".", glob="*.nothing"), "--glob '\\*.nothing' matches no file under ."),
         (dict(dataset="pystdlib", val_fraction=1.0), "val_fraction"),
         (dict(dataset="pystdlib", tokenizer="gpt5"), "unknown tokenizer 'gpt5'"),
-        (dict(dataset="pystdlib", tokenizer="bpe", vocab_size=100), "at least 256"),
+        (dict(dataset="pystdlib", tokenizer="bpe", vocab_size=100), "at least 257"),
         (dict(dataset="pystdlib", max_bytes=5000, vocab_size=3), "more than the requested vocab_size 3"),
         (dict(dataset="../x", input_path="a.txt"), "plain folder name"),
     ],
@@ -259,7 +274,7 @@ def test_shakespeare_download_is_verified_and_kept(tmp_path, shakespeare_path, m
     assert not (tmp_path / "shakespeare_char" / "input.txt").exists()
     out_dir = prepare_dataset("shakespeare_char", data_dir=tmp_path, verbose=False)
     meta = check_dataset(out_dir, "char")[0]
-    assert meta["source"]["kind"] == "download" and meta["train_tokens"] == 1_003_854
+    assert meta["sources"][0]["url"] == prepare.SHAKESPEARE_URL and meta["train_tokens"] == 1_003_854
     prepare_dataset("shakespeare_char", data_dir=tmp_path, tokenizer="bpe", reset=True, verbose=False)  # no second download
 
 
@@ -296,7 +311,8 @@ def test_txt_dir_builds_and_reuses_cache(tmp_path, capsys):
     assert cache == src / "cache"
     meta, train, val, tok = check_dataset(cache, "char")
     assert tok.decode(train) == "hello world\n" * 50 and tok.decode(val) == "world hello\n" * 10
-    assert meta["source"]["kind"] == "txt_dir"
+    assert meta["split"]["rule"] == "given" and [s["path"] for s in meta["sources"]] == [
+        str((src / name).resolve()) for name in ("train.txt", "val.txt")]
     prepare_txt_dir(src, verbose=True)
     assert capsys.readouterr().out.startswith("reusing")
 

@@ -97,17 +97,32 @@ def test_bpe_round_trip_arbitrary_unicode(bpe):
 
 def test_bpe_to_dict_rebuilds_same_tokenizer(bpe):
     d = json.loads(json.dumps(bpe.to_dict()))
-    assert set(d) == {"kind", "vocab_size", "pattern", "tokens"}
+    assert set(d) == {"kind", "vocab_size", "pattern", "tokens", "eot"} and len(d["tokens"]) == d["vocab_size"] - 1
     again = tokenizer_from_dict(d)
-    assert again.encode(CORPUS + UNICODE_TEXT) == bpe.encode(CORPUS + UNICODE_TEXT)
+    assert again.encode(CORPUS + UNICODE_TEXT) == bpe.encode(CORPUS + UNICODE_TEXT) and again.eot_id == bpe.eot_id
+
+
+def test_end_of_text_is_the_last_id_and_never_comes_from_text(bpe):
+    """A trained BPE always ends with <|endoftext|>, a document char vocabulary when asked; text that contains
+    the string encodes to its characters, and the id decodes to the string."""
+    char = train_tokenizer("char", ["ab\n<|endoftext|>"], None, eot=True)
+    for tok in (bpe, char):
+        assert tok.eot_id == tok.vocab_size - 1
+        assert tok.eot_id not in tok.encode("<|endoftext|>") and tok.decode(tok.encode("<|endoftext|>")) == "<|endoftext|>"
+    a, b = char.encode("a") + [char.eot_id], char.encode("b") + [char.eot_id]
+    assert char.decode(a + b) == "a<|endoftext|>b<|endoftext|>" and char.decode(char.encode("ab")) == "ab"
+    assert bpe.decode(bpe.encode("Speak") + [bpe.eot_id]) == "Speak<|endoftext|>"
+    assert json_round_trip(char).eot_id == char.eot_id and train_tokenizer("char", ["ab"], None).eot_id is None
+    with pytest.raises(UserError, match="the text has 2 distinct characters and <|endoftext|>, more than the requested vocab_size 2"):
+        train_tokenizer("char", ["ab"], 2, eot=True)
 
 
 def test_bpe_vocab_size_rules():
-    with pytest.raises(UserError, match="at least 256"):
-        train_tokenizer("bpe", ["abc"], 255)
+    with pytest.raises(UserError, match="at least 257"):
+        train_tokenizer("bpe", ["abc"], 256)
     assert train_tokenizer("bpe", ["abc abc abc"], None).vocab_size <= 4096
     with pytest.raises(UserError, match="out of range"):
-        train_tokenizer("bpe", ["abc"], 256).decode([256])
+        train_tokenizer("bpe", ["abc"], 257).decode([257])
 
 
 @pytest.mark.parametrize("pattern", ["gpt4", "gpt2"])
