@@ -8,6 +8,7 @@ Training runs the real trainer.train_step on the Trainer that train.py builds (t
     python bench.py --config configs/shakespeare_char/cpu.toml --against HEAD~1 --rounds 6  # this code vs a commit's
 Other modes:
     python bench.py --sample             # generation tokens/s with and without the KV cache (GPU preset's model)
+    python bench.py --hellaswag --training.precision bf16   # seconds per 1,000 HellaSwag items (GPU preset's model)
     python bench.py --prepare            # BPE training time; prepare.py on a 1 GB jsonl: MB/s with 1 and 2 workers, RSS
     python bench.py --memory             # training RSS on a 1 GB train.bin vs tiny Shakespeare's
     python bench.py --precision-curves --training.batch_size 8   # val loss of fp32 vs bf16 training, 300 iters
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -51,6 +53,7 @@ from distributed import DistInfo
 from metrics import rss_mb
 from model import GPT, GPTConfig
 from prepare import BPE_TRAIN_PIECE_CHARS
+from scoring import HellaSwagItem, hellaswag_items, score_hellaswag
 from tokenizer import cache_gpt2_files_from_package, get_tiktoken, split_text, train_tokenizer
 from trainer import PRECISIONS, Trainer, build, setup, train_step
 
@@ -241,18 +244,23 @@ def matmul_ceiling(tr: Trainer, repeats: int = 10) -> float:
 
     Every training FLOP the model counts is a matmul, so flops_per_token over this rate bounds
     tokens/s: no step can be faster, whatever else is optimised."""
-    device, dtype, c = tr.rt.device, PRECISIONS[tr.rt.precision], tr.raw_model.config
-    m = tr.cfg.training.batch_size * c.block_size
-    a = torch.randn(m, c.n_embd, dtype=dtype, device=device)
-    b = torch.randn(c.n_embd, 4 * c.n_embd, dtype=dtype, device=device)
+    c = tr.raw_model.config
+    return matmul_flops(c.n_embd, tr.cfg.training.batch_size * c.block_size, PRECISIONS[tr.rt.precision], tr.rt.device,
+                        repeats)
+
+
+def matmul_flops(width: int, rows: int, dtype: torch.dtype, device: torch.device, repeats: int = 10) -> float:
+    """FLOP/s of (rows, width) @ (width, 4 * width): the MLP's shape, the best of `repeats` after two warm-ups."""
+    a = torch.randn(rows, width, dtype=dtype, device=device)
+    b = torch.randn(width, 4 * width, dtype=dtype, device=device)
     best = float("inf")
-    for _ in range(repeats + 2):  # two warm-ups, then the best of `repeats`
+    for _ in range(repeats + 2):
         synchronize(device)
         t0 = time.perf_counter()
         a @ b
         synchronize(device)
         best = min(best, time.perf_counter() - t0)
-    return 2 * m * c.n_embd * 4 * c.n_embd / best
+    return 2 * rows * width * 4 * width / best
 
 
 def print_ceiling(tr: Trainer, row: StepTiming) -> None:
@@ -357,6 +365,43 @@ def bench_sample(args: argparse.Namespace, overrides: list) -> None:
     for cache, s in seconds.items():
         print(f"| {'on' if cache else 'off'} | {args.new_tokens / s:,.1f} | {s / args.new_tokens * 1e3:.2f} |")
     print(f"KV cache speed-up: {seconds[False] / seconds[True]:.1f}x")
+    print(load_average())
+
+
+# ---- evaluation -----------------------------------------------------------------------------------
+
+def bench_hellaswag(args: argparse.Namespace, overrides: list) -> None:
+    """Seconds per 1,000 HellaSwag items (scoring.score_hellaswag: 4 endings per forward pass, 4 items at once) for the
+    config's model (default: the GPU preset's 10.7M char model, random weights), with a matmul ceiling beside it.
+
+    Items come from --hellaswag-file, or are made in HellaSwag's format from tiny Shakespeare: a 200-character
+    context and four 120-character endings, near the real set's lengths in characters."""
+    cfg = build_config(load_toml(args.config or GPU_PRESET), overrides, source=str(args.config or GPU_PRESET))
+    text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else "".join(chr(32 + i % 90) for i in range(200_000))
+    tokenizer = train_tokenizer("char", [text], None)
+    if args.hellaswag_file:
+        items, note = hellaswag_items(args.hellaswag_file, tokenizer, args.items, allow_unknown=True)
+    else:
+        rng = np.random.default_rng(0)
+        starts = rng.integers(0, len(text) - 700, size=args.items)
+        items = [HellaSwagItem(text[s:s + 200], [text[s + 200 + 120 * k:s + 320 + 120 * k] for k in range(4)], 0)
+                 for s in starts]
+    margs = GPTConfig.from_dict({**cfg.model_args(), "vocab_size": tokenizer.vocab_size, "dropout": 0.0})
+    torch.manual_seed(0)
+    model = GPT(margs).eval()  # random weights: the speed does not depend on them
+    precision = "fp32" if cfg.training.precision == "auto" else cfg.training.precision
+    autocast = nullcontext() if precision == "fp32" else torch.autocast("cpu", dtype=PRECISIONS[precision])
+    score_hellaswag(model, tokenizer, items[:4], autocast)  # warm-up
+    t0 = time.perf_counter()
+    score = score_hellaswag(model, tokenizer, items, autocast, progress=True)
+    seconds = time.perf_counter() - t0
+    tokens = sum(min(len(tokenizer.encode(i.context)) + n, margs.block_size) for i, row in zip(items, score.tokens)
+                 for n in row)
+    flops = matmul_flops(margs.n_embd, 4 * tokens // len(items), PRECISIONS[precision], torch.device("cpu"))
+    print(f"HellaSwag scoring: {model.num_params() / 1e6:.2f}M parameters, block {margs.block_size}, {precision}, "
+          f"{torch.get_num_threads()} threads, {score.items:,} items ({tokens / score.items / 4:.0f} tokens a row)")
+    print(f"{seconds / score.items * 1000:.1f} s per 1,000 items ({tokens / seconds:,.0f} tokens/s forward); matmul "
+          f"ceiling here {flops / 1e9:,.0f} GFLOP/s -> at most {flops / (model.flops_per_token() / 3):,.0f} tokens/s forward")
     print(load_average())
 
 
@@ -549,6 +594,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     mode.add_argument("--prepare", action="store_true", help="BPE training time; prepare.py's MB/s and peak RSS, 1 vs N workers")
     mode.add_argument("--memory", action="store_true", help="training RSS with a --size-mb train.bin vs the real one")
     mode.add_argument("--precision-curves", action="store_true", help="val loss of fp32 vs bf16 training runs")
+    mode.add_argument("--hellaswag", action="store_true", help="seconds per 1,000 HellaSwag items (GPU preset's model)")
     p.add_argument("--config", help="TOML config (training/--memory: the CPU preset; --sample/--precision-curves: the GPU preset)")
     p.add_argument("--baseline", action="store_true", help="also run with every optimisation off and print the ratio")
     p.add_argument("--profile", nargs="?", const="bench_out", default=None, metavar="DIR",
@@ -566,6 +612,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--workers", type=int, default=None, help="--prepare: worker processes of the parallel run (default: cores)")
     p.add_argument("--size-mb", type=float, default=1000, help="--prepare/--memory: size of the large input in MB")
     p.add_argument("--eval-interval", type=int, default=25, help="--precision-curves: evaluate every this many steps")
+    p.add_argument("--items", type=int, default=1000, help="--hellaswag: items scored")
+    p.add_argument("--hellaswag-file", help="--hellaswag: HellaSwag's jsonl (default: items made from tiny Shakespeare)")
     return p.parse_known_args(argv)
 
 
@@ -575,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_prepare(args)
     elif args.sample:
         bench_sample(args, parse_overrides(cli))
+    elif args.hellaswag:
+        bench_hellaswag(args, parse_overrides(cli))
     elif args.memory:
         args.iters = args.iters or 300
         bench_memory(args, with_shakespeare_input(cli))

@@ -56,6 +56,7 @@ class TrainState:
     """Training progress: the counters that let a resumed run continue exactly where it stopped."""
     iter_num: int = 0
     best_val_loss: float = math.inf
+    best_score: float = field(default=math.inf, metadata=OPTIONAL)  # training.best_metric's best, lower is better
     bad_evals: int = 0  # evaluations in a row without an improvement of early_stopping_min_delta
     tokens_seen: int = 0
     nonfinite_streak: int = field(default=0, metadata=OPTIONAL)  # optimizer steps in a row skipped as non-finite
@@ -95,7 +96,10 @@ class TrainingCheckpoint:
         if wrong:
             raise UserError(f"{path} cannot be resumed: its training state is missing or malformed ({', '.join(wrong)}); "
                             "start a new run from its weights with run.init_from instead")
+        # a checkpoint from before best_metric existed chose its best by val loss
         state = TrainState(**{f.name: ckpt.get(f.name, f.default) for f in fields(TrainState)})
+        if "best_score" not in ckpt:
+            state.best_score = state.best_val_loss
         return cls(**{f.name: ckpt.get(f.name, f.default) for f in fields(cls) if f.name != "state"}, state=state)
 
 

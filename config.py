@@ -125,11 +125,21 @@ class TrainingConfig:
     log_interval: int = _f(10, "console/JSON log line every this many steps")
     save_interval: int = _f(250, "write ckpt_last.pt and a step checkpoint every this many steps (0: only at evals and the end)")
     keep_last: int = _f(3, "step checkpoints kept (older ones pruned; 0 keeps none)")
-    save_best: bool = _f(True, "write ckpt_best.pt whenever val loss improves by early_stopping_min_delta")
-    early_stopping: bool = _f(False, "stop when val loss stops improving")
+    save_best: bool = _f(True, "write ckpt_best.pt whenever best_metric improves by early_stopping_min_delta")
+    best_metric: str = _f("val_loss", "the evaluation figure that picks ckpt_best.pt and early stopping: val_loss / "
+                                      "bpb (val bits per byte) / hellaswag (acc_norm; needs eval.hellaswag)",
+                          choices=("val_loss", "bpb", "hellaswag"))
+    early_stopping: bool = _f(False, "stop when best_metric stops improving")
     early_stopping_patience: int = _f(3, "evaluations without sufficient improvement before stopping")
-    early_stopping_min_delta: float = _f(0.0, "minimum val-loss decrease that counts as improvement")
+    early_stopping_min_delta: float = _f(0.0, "minimum improvement of best_metric that counts")
     max_nonfinite_steps: int = _f(10, "consecutive non-finite losses tolerated (steps skipped) before stopping")
+
+
+@dataclass
+class EvalConfig:
+    hellaswag: str | None = _f(None, "HellaSwag validation jsonl scored at every evaluation (acc, acc_norm; none: off)")
+    hellaswag_limit: int = _f(500, "HellaSwag items scored per evaluation (0: all)")
+    map_unknown: bool = _f(False, "score characters a char model lacks as a stand-in instead of stopping")
 
 
 @dataclass
@@ -171,6 +181,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -404,6 +415,9 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     for key in ("eval_interval", "log_interval", "save_interval", "keep_last", "early_stopping_patience"):
         need(getattr(t, key) >= 0, f"training.{key} = {getattr(t, key)} must be >= 0")
     need(t.early_stopping_min_delta >= 0, f"training.early_stopping_min_delta = {t.early_stopping_min_delta} must be >= 0")
+    need(t.best_metric != "hellaswag" or cfg.eval.hellaswag is not None,
+         "training.best_metric = 'hellaswag' needs eval.hellaswag, a HellaSwag validation jsonl")
+    need(cfg.eval.hellaswag_limit >= 0, f"eval.hellaswag_limit = {cfg.eval.hellaswag_limit} must be >= 0 (0: all)")
     need(o.learning_rate > 0, f"optimizer.learning_rate = {o.learning_rate} must be positive")
     need(o.min_lr >= 0 and (o.min_lr <= o.learning_rate or not o.decay_lr),
          f"optimizer.min_lr = {o.min_lr} must be in [0, learning_rate]")

