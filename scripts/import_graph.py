@@ -6,7 +6,7 @@ Every import of one of our modules counts, also one inside a function (a lazy im
 from Python, not from this). Prints each module with what it imports, in layers (a module imports
 only from layers below its own), then checks the rules, which tests/test_layout.py checks too:
 - no import cycle;
-- no module imports an entry script: train.py, sample.py, bench.py, speedrun.py and export.py are
+- no module imports an entry script: train.py, sample.py, eval.py, bench.py, speedrun.py and export.py are
   built from the modules and never from each other.
 Exits 1 when a rule is broken.
 """
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ENTRY_SCRIPTS = {"train", "sample", "bench", "speedrun", "export"}
+ENTRY_SCRIPTS = {"train", "sample", "bench", "speedrun", "export", "eval"}
 
 
 def import_graph(root: Path = REPO_ROOT) -> dict[str, set[str]]:
