@@ -12,6 +12,7 @@ Other modes:
     python bench.py --prepare            # BPE training time; prepare.py on a 1 GB jsonl: MB/s with 1 and 2 workers, RSS
     python bench.py --memory             # training RSS on a 1 GB train.bin vs tiny Shakespeare's
     python bench.py --precision-curves --training.batch_size 8   # val loss of fp32 vs bf16 training, 300 iters
+    python bench.py --finetune           # SmolLM2-135M's shape (random): fine-tuning tokens/s and RSS vs --validate, decoding
 
 The baseline is the same model with every optimisation off: eager, for-loop AdamW (no fused or
 foreach kernel), fp32, batches built row by row in Python without prefetching, and a host sync
@@ -50,6 +51,8 @@ from common import SHAKESPEARE, UserError, atomic_write, load_average, run_main,
 from config import build_config, load_toml, parse_overrides
 from data import BatchSource, find_dataset
 from distributed import DistInfo
+from hf import export_hf
+from load import load_model
 from metrics import rss_mb
 from model import GPT, GPTConfig
 from prepare import BPE_TRAIN_PIECE_CHARS
@@ -60,7 +63,11 @@ from trainer import PRECISIONS, Trainer, build, setup, train_step
 REPO = Path(__file__).resolve().parent
 CPU_PRESET = REPO / "configs" / "shakespeare_char" / "cpu.toml"
 GPU_PRESET = REPO / "configs" / "shakespeare_char" / "gpu.toml"
+FINETUNE_PRESET = REPO / "configs" / "finetune" / "smollm2_135m.toml"
 CHAR_VOCAB = 65  # tiny Shakespeare's characters: the vocabulary of a model benchmarked without data
+# HuggingFaceTB/SmolLM2-135M's config.json, as model.py's switches
+SMOLLM2_135M = GPTConfig(block_size=8192, vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, n_embd=576, mlp_hidden=1536,
+                         bias=False, pos_emb="rope", norm="rmsnorm", mlp="swiglu", rope_theta=100000.0, norm_eps=1e-5)
 
 
 # ---- memory ---------------------------------------------------------------------------------------
@@ -405,6 +412,47 @@ def bench_hellaswag(args: argparse.Namespace, overrides: list) -> None:
     print(load_average())
 
 
+# ---- fine-tuning a small pretrained model -----------------------------------------------------------
+
+def bench_finetune(args: argparse.Namespace, cli: list[str]) -> None:
+    """configs/finetune/smollm2_135m.toml on a random model of exactly SmolLM2-135M's shape, written as a Hugging Face
+    Llama directory (no download), fine-tuned on tiny Shakespeare's char tokens (the speed does not depend on which
+    ids): train.py --validate's estimate beside a measured run of the real training step (its own process, for its
+    peak RSS), then KV-cache decoding at batch 1 in fp32 and bf16."""
+    with tempfile.TemporaryDirectory(prefix="bench_finetune_") as tmp:
+        model_dir = Path(tmp) / "SmolLM2-135M-random"
+        torch.manual_seed(0)
+        export_hf(GPT(SMOLLM2_135M), None, model_dir)
+        run = ["--config", str(FINETUNE_PRESET), "--run.init_from", str(model_dir), "--data.dataset", "shakespeare_char",
+               "--data.tokenizer", "char", "--run.out_dir", str(Path(tmp) / "runs"), *with_shakespeare_input(cli)]
+        log = Path(tmp) / "validate.log"
+        run_child([sys.executable, "train.py", *run, "--validate"], log)
+        wanted = ("model:", "tokens per", "memory", "expected", "measured")
+        estimate = [line for line in log.read_text().splitlines() if line.startswith(wanted)]
+        log = Path(tmp) / "bench.log"
+        _, process_peak = run_child([sys.executable, "bench.py", *run, "--warmup", str(args.warmup),
+                                     "--iters", str(args.iters), "--repeats", "1", "--json"], log)
+        timing = json.loads(log.read_text().strip().splitlines()[-1])[0]
+        model = load_model(model_dir).model.eval()
+    print(f"fine-tuning {FINETUNE_PRESET.relative_to(REPO)} on a random SmolLM2-135M-shaped model, {usable_cpus()} cores")
+    print("train.py --validate:\n  " + "\n  ".join(estimate))
+    print(f"measured: {timing['ms_median'] / 1e3:.1f} s/step, {timing['tokens_per_s']:,.0f} tokens/s, MFU "
+          f"{timing['mfu'] * 100:.1f}%, peak RSS {process_peak:,.0f} MB ({args.iters} steps after {args.warmup} warm-up)")
+    model.crop_block_size(512)  # as the preset trains it: the attention FLOPs grow with the context
+    ceiling = matmul_flops(SMOLLM2_135M.n_embd, 4 * 512, torch.bfloat16, torch.device("cpu"))
+    achieved = timing["tokens_per_s"] * model.flops_per_token()
+    print(f"model FLOPs {achieved / 1e9:,.0f} GFLOP/s (recomputation not counted) = {achieved / ceiling:.0%} of the bf16 "
+          f"matmul ceiling measured now, {ceiling / 1e9:,.0f} GFLOP/s at the MLP's shape")
+    prompt = torch.zeros((1, 1), dtype=torch.long)
+    deque(model.generate_stream(prompt, 4), maxlen=0)  # warm-up
+    print("| decoding, batch 1, KV cache | tokens/s | ms/token |")
+    print("| --- | ---: | ---: |")
+    for name, dtype in (("fp32", torch.float32), ("bf16 weights", torch.bfloat16)):
+        seconds = time_generation(model.to(dtype), args.new_tokens, True, min(args.repeats, 2))
+        print(f"| {name} | {args.new_tokens / seconds:,.1f} | {seconds / args.new_tokens * 1e3:.1f} |")
+    print(load_average())
+
+
 # ---- data preparation -----------------------------------------------------------------------------
 
 def write_repeated(path: Path, data: bytes, size: int) -> None:
@@ -595,6 +643,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     mode.add_argument("--memory", action="store_true", help="training RSS with a --size-mb train.bin vs the real one")
     mode.add_argument("--precision-curves", action="store_true", help="val loss of fp32 vs bf16 training runs")
     mode.add_argument("--hellaswag", action="store_true", help="seconds per 1,000 HellaSwag items (GPU preset's model)")
+    mode.add_argument("--finetune", action="store_true",
+                      help="SmolLM2-135M's shape: fine-tuning speed and RSS beside --validate's estimate; decoding speed")
     p.add_argument("--config", help="TOML config (training/--memory: the CPU preset; --sample/--precision-curves: the GPU preset)")
     p.add_argument("--baseline", action="store_true", help="also run with every optimisation off and print the ratio")
     p.add_argument("--profile", nargs="?", const="bench_out", default=None, metavar="DIR",
@@ -625,6 +675,11 @@ def main(argv: list[str] | None = None) -> int:
         bench_sample(args, parse_overrides(cli))
     elif args.hellaswag:
         bench_hellaswag(args, parse_overrides(cli))
+    elif args.finetune:
+        args.iters = args.iters or 3
+        args.warmup = min(args.warmup, 2)
+        args.new_tokens = min(args.new_tokens, 100)
+        bench_finetune(args, cli)
     elif args.memory:
         args.iters = args.iters or 300
         bench_memory(args, with_shakespeare_input(cli))

@@ -61,6 +61,17 @@ class GPTConfig:
     logit_softcap: float = _f(0.0, "soft-cap logits at this value with tanh (0 = off)")
     zero_init_proj: bool = _f(False, "zero-initialise the attention/MLP output projections and the head")
     rope_theta: float = _f(10000.0, "rotary base frequency (pos_emb = rope)")
+    n_kv_head: int | None = _f(None, "key/value heads, for grouped-query attention (None: n_head)")
+    head_dim: int | None = _f(None, "width of an attention head (None: n_embd / n_head)")
+    mlp_hidden: int | None = _f(None, "MLP hidden width (None: 4 x n_embd; swiglu: 2/3 of that, rounded up to 64)")
+    qkv_bias: bool = _f(False, "bias on the query, key and value projections only (Qwen2)")
+    norm_eps: float = _f(1e-5, "epsilon of LayerNorm and RMSNorm")
+    rope_scaling: str = _f("none", "rotary frequency scaling: none / llama3 (Llama 3.1-3.2's long context)",
+                           choices=("none", "llama3"))
+    rope_factor: float = _f(8.0, "llama3 rope scaling: factor")
+    rope_low_freq_factor: float = _f(1.0, "llama3 rope scaling: low_freq_factor")
+    rope_high_freq_factor: float = _f(4.0, "llama3 rope scaling: high_freq_factor")
+    rope_original_context: int = _f(8192, "llama3 rope scaling: original_max_position_embeddings")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -73,10 +84,13 @@ class GPTConfig:
             raise ValueError(f"unknown model arguments: {sorted(unknown)}")
         return cls(**d)
 
-    def gpt2_incompatibilities(self) -> list[str]:
-        """The switches that make this model differ from GPT-2's architecture, as 'name = value' strings."""
-        gpt2 = dict(pos_emb="learned", norm="layernorm", qk_norm=False, mlp="gelu", tie_embeddings=True, logit_softcap=0.0)
-        return [f"{k} = {getattr(self, k)!r}" for k, v in gpt2.items() if getattr(self, k) != v]
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
 
 
 @dataclass
@@ -85,7 +99,9 @@ class RunConfig:
     out_dir: str = _f("checkpoints", "root directory of run directories")
     seed: int = _f(1337, "seed for weights, dropout and the data stream")
     device: str = _f("auto", "auto | cpu | cuda | cuda:N | mps")
-    init_from: str = _f("scratch", "scratch | a checkpoint or run dir | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a local HF GPT-2 dir")
+    init_from: str = _f("scratch", "scratch | a checkpoint, run dir or .safetensors file | a Hugging Face model dir "
+                                   "(GPT-2, Llama, Qwen2, Qwen3) or hub name such as gpt2 (its context is cropped to "
+                                   "model.block_size when that is shorter)")
 
 
 @dataclass
@@ -94,7 +110,7 @@ class DataConfig:
                                   "fineweb-edu-10B, tinystories, or your own)")
     input: str | None = _f(None, "what to prepare data/<dataset>/ from when it is missing: a text file, a directory, "
                                  "a .jsonl(.gz/.zst) or .parquet file (prepare.py takes several, and hub datasets)")
-    tokenizer: str = _f("char", "char | bpe | a tiktoken encoding name such as gpt2")
+    tokenizer: str = _f("char", "char | bpe | a tiktoken encoding name such as gpt2 | hf:DIR (a Hugging Face tokenizer.json)")
     bpe_vocab_size: int = _f(4096, "vocabulary size the bpe tokenizer is trained to")
     data_dir: str = _f("data", "root directory of prepared datasets")
     processed_dir: str | None = _f(None, "read train/val from this directory instead of data_dir/dataset (the data/processed layout: train.bin/val.bin, or train.txt/val.txt with data_format = txt)")
@@ -431,10 +447,21 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         need(getattr(m, key) > 0, f"model.{key} = {getattr(m, key)} must be positive")
     need(m.vocab_size is None or m.vocab_size > 0, f"model.vocab_size = {m.vocab_size} must be positive")
+    for key in ("n_kv_head", "head_dim", "mlp_hidden"):
+        need(getattr(m, key) is None or getattr(m, key) > 0, f"model.{key} = {getattr(m, key)} must be positive")
     if m.n_head > 0 and m.n_embd > 0:
-        need(m.n_embd % m.n_head == 0, f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
-        if m.pos_emb == "rope" and m.n_embd % m.n_head == 0:
-            need((m.n_embd // m.n_head) % 2 == 0, f"model.pos_emb = 'rope' needs an even head size, got {m.n_embd // m.n_head}")
+        need(m.head_dim is not None or m.n_embd % m.n_head == 0,
+             f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
+        if m.pos_emb == "rope" and (m.head_dim or 0) >= 0 and (m.head_dim is not None or m.n_embd % m.n_head == 0):
+            width = m.head_dim or m.n_embd // m.n_head
+            need(width % 2 == 0, f"model.pos_emb = 'rope' needs an even head size, got {width}")
+        need(not m.n_kv_head or m.n_kv_head <= 0 or m.n_head % m.n_kv_head == 0,
+             f"model.n_head = {m.n_head} is not a multiple of model.n_kv_head = {m.n_kv_head}")
+    need(m.norm_eps > 0, f"model.norm_eps = {m.norm_eps} must be positive")
+    need(m.rope_scaling == "none" or (m.rope_factor > 0 and m.rope_high_freq_factor > m.rope_low_freq_factor > 0
+                                      and m.rope_original_context > 0),
+         "model.rope_scaling = 'llama3' needs rope_factor > 0, rope_high_freq_factor > rope_low_freq_factor > 0 "
+         "and rope_original_context > 0")
     need(0 <= m.dropout < 1, f"model.dropout = {m.dropout} must be in [0, 1)")
     need(m.logit_softcap >= 0, f"model.logit_softcap = {m.logit_softcap} must be >= 0 (0: off)")
     need(m.rope_theta > 0, f"model.rope_theta = {m.rope_theta} must be positive")

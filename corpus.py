@@ -24,14 +24,12 @@ import hashlib
 import io
 import json
 import os
-import socket
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
-from common import UserError
+from common import UserError, check_hub_reachable
 from tokenizer import safe_split_index
 
 CHUNK_BYTES = 16 * 2**20  # the default size of a chunk
@@ -122,24 +120,10 @@ def stdlib_source() -> Source:
 def hub_source(name: str, config: str | None, split: str, revision: str | None) -> Source:
     """A dataset streamed by `datasets`: a hub name (the network is checked at once) or a local directory."""
     if not Path(name).is_dir():
-        check_hub_reachable(name)
+        check_hub_reachable(f"the dataset {name} streams from the Hugging Face hub",
+                            "offline: copy its data files (parquet or jsonl) to this machine and pass them with --input")
     return Source("hub", name if not Path(name).is_dir() else str(Path(name).resolve()), config=config, split=split,
                   revision=revision)
-
-
-def check_hub_reachable(name: str) -> None:
-    """One line at once instead of the hub client's minute of retries when there is no network."""
-    offline = "offline: copy its data files (parquet or jsonl) to this machine and pass them with --input"
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "") or os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("0", ""):
-        raise UserError(f"the dataset {name} streams from the Hugging Face hub, but HF_HUB_OFFLINE is set; {offline}")
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return  # through a proxy: let the hub client try
-    try:
-        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=5).close()
-    except OSError as e:
-        raise UserError(f"the dataset {name} streams from the Hugging Face hub and needs the network "
-                        f"({endpoint.hostname}: {e.strerror or e}); {offline}") from None
 
 
 # ---- chunks: units of work --------------------------------------------------------------------------

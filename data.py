@@ -20,7 +20,7 @@ from common import UserError, read_json
 from config import Config
 from distributed import DistInfo, on_every_rank, on_main
 from prepare import WORK_DIR, prepare_dataset, prepare_txt_dir
-from tokenizer import Tokenizer, load_tokenizer, tokenizer_label
+from tokenizer import Tokenizer, canonical_spec, load_tokenizer, same_tokenizer, tokenizer_label
 
 SPLIT_IDS = {"train": 0, "val": 1}
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -81,7 +81,7 @@ def load_dataset(directory: str | Path, expect_tokenizer: str | None = None) -> 
         tok_file = directory / tok_meta.get("file", "tokenizer.json")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{directory / 'meta.json'} is malformed (missing or bad field {e}); re-run prepare.py with --reset") from None
-    if expect_tokenizer is not None and tokenizer_label(tok_meta) != expect_tokenizer:
+    if expect_tokenizer is not None and tokenizer_label(tok_meta) != canonical_spec(expect_tokenizer):
         raise UserError(f"{directory} was prepared with the {tokenizer_label(tok_meta)} tokenizer but the config asks for "
                         f"{expect_tokenizer}: re-prepare it (prepare.py --tokenizer {expect_tokenizer} --reset) or change data.tokenizer")
     tokenizer = load_tokenizer(tok_file)
@@ -128,10 +128,7 @@ def check_vocab_compatible(model_vocab: int, tokenizer: dict | None, dataset: Da
     """A model (of model_vocab ids, trained with `tokenizer`, from `source`) can train on the dataset: same tokenizer
     (any recorded one when the model records none) and enough ids; UserError naming both otherwise."""
     data_tok = dataset.tokenizer.to_dict()
-    if tokenizer is not None and tokenizer.get("kind") == "tiktoken" and data_tok.get("kind") == "tiktoken":
-        same = tokenizer.get("name") == data_tok.get("name")
-    else:
-        same = tokenizer is None or tokenizer == data_tok
+    same = tokenizer is None or same_tokenizer(tokenizer, data_tok)
     if not same or model_vocab < dataset.vocab_size:
         ours = tokenizer_label(tokenizer) if tokenizer else "?"
         missing = sorted(set(data_tok.get("chars", [])) - set((tokenizer or {}).get("chars", [])))

@@ -9,7 +9,8 @@
     python eval.py --ckpt X --split val --hellaswag h.jsonl --json results.json        # every figure, traceable
 
 --ckpt takes a checkpoint file, a run directory (its best checkpoint), a .safetensors file from
-export.py or a local Hugging Face GPT-2 directory. Text is read as prepare.py reads it (a text file,
+export.py, or a Hugging Face model directory (GPT-2, Llama, Qwen2, Qwen3) or hub name. A model with
+a long context scores windows of at most --context tokens (default 2048). Text is read as prepare.py reads it (a text file,
 .jsonl(.gz/.zst), .parquet, a directory; --text-field). How each figure is computed: scoring.py
 (bits per byte, HellaSwag) and harness.py (lm-evaluation-harness). --json writes every figure with
 the checkpoint, the sha256 of each file scored and the settings, so that a number in a README can be
@@ -43,6 +44,7 @@ HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/
 # git's blob id of data/hellaswag_val.jsonl in rowanz/hellaswag: SHA-1 of "blob <size>\0" + the file's bytes
 HELLASWAG_BLOB_SHA1 = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
 HELLASWAG_PATH = Path("data") / "hellaswag" / "hellaswag_val.jsonl"
+DEFAULT_CONTEXT = 2048
 
 
 def sha256_file(path: Path) -> str:
@@ -117,6 +119,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     if tokenizer.vocab_size > model.config.vocab_size:
         raise UserError(f"{loaded.source} has {model.config.vocab_size} token ids, fewer than its "
                         f"{tokenizer_label(loaded.tokenizer)} tokenizer's {tokenizer.vocab_size}")
+    if args.context < model.config.block_size:  # a 32k-token window's logits alone would not fit in memory
+        model.crop_block_size(args.context)
     device = torch.device(args.device)
     model.to(device).eval()
     autocast = nullcontext() if args.precision == "fp32" else torch.autocast(device.type, dtype=PRECISIONS[args.precision])
@@ -192,7 +196,9 @@ def print_report(report: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="checkpoint, run directory, .safetensors file or local HF GPT-2 directory")
+    p.add_argument("--ckpt", required=True, help="checkpoint, run directory, .safetensors file, or HF model directory or hub name")
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
+                   help=f"score with at most this many tokens of context (default {DEFAULT_CONTEXT}, or the model's if shorter)")
     p.add_argument("--text", nargs="+", metavar="PATH", help="text files, .jsonl/.parquet documents or directories")
     p.add_argument("--text-field", default="text", help="the records' text field (default: text)")
     p.add_argument("--split", choices=("train", "val"), help="a prepared split (default: val, when nothing else is asked)")
@@ -214,6 +220,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.split = "val"
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be at least 1")
+    if args.context < 2:
+        p.error("--context must be at least 2")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device} but this machine has no CUDA device")
     return args

@@ -25,7 +25,7 @@ from lm_eval.api.model import LM
 
 from common import UserError
 from model import GPT
-from scoring import continuation_logprobs, score_text
+from scoring import continuation_logprobs, encode_pair, score_text
 from tokenizer import Tokenizer
 
 
@@ -36,20 +36,15 @@ class QuillLM(LM):
         self._device = next(model.parameters()).device
         self.token_bytes = tokenizer.token_bytes()
 
-    def encode_context(self, context: str) -> list[int]:
-        ids = self.tokenizer.encode(context) if context else []
-        if not ids and self.tokenizer.eot_id is not None:
-            ids = [self.tokenizer.eot_id]
-        return ids
-
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        pairs = [(self.encode_context(ctx), self.tokenizer.encode(cont)) for ctx, cont in (r.args for r in requests)]
+        pairs = [encode_pair(self.tokenizer, ctx, cont) for ctx, cont in (r.args for r in requests)]
         return [(c.logprob, c.greedy) for c in continuation_logprobs(self.model, pairs, self.autocast)]
 
     def loglikelihood_rolling(self, requests) -> list[float]:
         out = []
         for (text,) in (r.args for r in requests):
-            ids = np.array(self.encode_context("") + self.tokenizer.encode(text), dtype=np.int64)
+            start, ids = encode_pair(self.tokenizer, "", text)
+            ids = np.array(start + ids, dtype=np.int64)
             every_token = np.ones_like(self.token_bytes)  # nats of every token, special or not
             out.append(-score_text(self.model, [ids], every_token, stride=self.model.config.block_size,
                                    autocast=self.autocast).nats if len(ids) > 1 else 0.0)
@@ -61,12 +56,15 @@ class QuillLM(LM):
         for context, kwargs in (r.args for r in requests):
             until = [s for s in kwargs.get("until", []) if s]
             limit = int(kwargs.get("max_gen_toks", 256))
-            idx = torch.tensor([self.encode_context(context)], device=self._device)
+            ids = self.tokenizer.prompt_ids(context) or [self.tokenizer.eot_id or 0]
+            idx = torch.tensor([ids], device=self._device)
             generated: list[int] = []
             text = ""
             for token in self.model.generate_stream(idx, limit, temperature=0, vocab_limit=self.tokenizer.vocab_size):
+                if int(token) == self.tokenizer.eot_id:
+                    break
                 generated.append(int(token))
-                text = self.tokenizer.decode(generated)
+                text = self.tokenizer.decode_after(ids[-8:], generated)
                 if any(s in text for s in until):
                     break
             cut = min((text.index(s) for s in until if s in text), default=len(text))

@@ -88,16 +88,17 @@ class CPUCausalAttention(torch.autograd.Function):
         return ds @ k, ds.transpose(-2, -1) @ q, dv
 
 
-
-
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, is_causal: bool) -> torch.Tensor:
-    """Attention as the model computes it: q (B, nh, T, hs), k and v (B, nh, S, hs) -> (B, nh, T, hs).
+    """Attention as the model computes it: q (B, nh, T, hs), k and v (B, nkv, S, hs) -> (B, nh, T, hs), where
+    nh is a multiple of nkv (grouped-query attention: each key/value head serves nh / nkv query heads).
 
     SDPA, except in eager CPU training (autograd on, no cache): dropout through our mask, and
     bf16 without dropout through CPUCausalAttention. Under torch.compile inductor fuses its own mask."""
     cpu_training = q.requires_grad and q.device.type == "cpu" and is_causal
-    if cpu_training and dropout and not torch.compiler.is_compiling():
-        return cpu_dropout_attention(q, k, v, dropout)
-    if cpu_training and not dropout and q.dtype == torch.bfloat16:
-        return CPUCausalAttention.apply(q, k, v)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal)
+    custom = cpu_training and ((dropout and not torch.compiler.is_compiling()) or (not dropout and q.dtype == torch.bfloat16))
+    grouped = k.size(1) != q.size(1)
+    if custom:
+        if grouped:
+            k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))  # (B, nh, S, hs)
+        return cpu_dropout_attention(q, k, v, dropout) if dropout else CPUCausalAttention.apply(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal, enable_gqa=grouped)

@@ -13,6 +13,7 @@ modded-nanogpt for QK-norm, ReLU^2, soft-capping and Muon.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Iterator
 
 import torch
@@ -25,35 +26,53 @@ from kernels import Dropout, causal_attention
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, ndim: int):
+    def __init__(self, ndim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(ndim))
+        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # in fp32, as autocast runs LayerNorm: a bf16 input with an fp32 weight misses the fused kernel
-        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), 1e-5).to(x.dtype)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
 
 
 class LayerNorm(nn.Module):
     """LayerNorm with an optional bias (PyTorch's can't switch bias off on older versions)."""
 
-    def __init__(self, ndim: int, bias: bool):
+    def __init__(self, ndim: int, bias: bool, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(ndim))
         self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
 def make_norm(config: GPTConfig, ndim: int | None = None) -> nn.Module:
     ndim = ndim or config.n_embd
-    return RMSNorm(ndim) if config.norm == "rmsnorm" else LayerNorm(ndim, config.bias)
+    return RMSNorm(ndim, config.norm_eps) if config.norm == "rmsnorm" else LayerNorm(ndim, config.bias, config.norm_eps)
 
 
-def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (T, hs/2)
+def rope_frequencies(config: GPTConfig) -> torch.Tensor:
+    """The rotary inverse frequencies of a head's dimension pairs (head_width / 2,), with Llama 3's scaling: long
+    wavelengths slowed by rope_factor, short ones kept, those between blended."""
+    dim = config.head_width
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if config.rope_scaling == "none":
+        return inv_freq
+    factor, low, high, context = (config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
+                                  config.rope_original_context)
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    between = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(between, blended, scaled)
+
+
+def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.outer(torch.arange(config.block_size, dtype=torch.float32), rope_frequencies(config))  # (T, hs/2)
     return angles.cos(), angles.sin()
 
 
@@ -65,11 +84,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Per-layer key/value buffers for generation: each new token costs one position."""
+    """Per-layer key/value buffers for generation (n_kv_head heads each): each new token costs one position."""
 
     def __init__(self, n_layer: int, batch: int, n_head: int, length: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype):
         shape = (batch, n_head, length, head_dim)
+        self.length = length
         self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(n_layer)]
         self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(n_layer)]
         self.pos = 0  # number of positions filled
@@ -85,12 +105,12 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        assert config.n_embd % config.n_head == 0
         self.layer = layer
-        self.n_head = config.n_head
-        self.head_dim = config.n_embd // config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_width
+        widths = (self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim)
+        self.widths = widths  # of q, k and v in c_attn's output
+        self.c_attn = nn.Linear(config.n_embd, sum(widths), bias=config.bias or config.qkv_bias)
+        self.c_proj = nn.Linear(widths[0], config.n_embd, bias=config.bias)
         self.c_proj.is_residual_proj = True
         self.dropout = config.dropout
         self.resid_dropout = Dropout(config.dropout)
@@ -100,10 +120,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: KVCache | None) -> torch.Tensor:
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = self.c_attn(x).split(self.widths, dim=2)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -113,7 +133,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
         y = causal_attention(q, k, v, self.dropout if self.training else 0.0, is_causal and T > 1)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.widths[0])  # (B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -125,6 +145,8 @@ class MLP(nn.Module):
         hidden = 4 * config.n_embd
         if self.kind == "swiglu":  # same parameter count as a 4x GELU MLP
             hidden = 64 * math.ceil(2 * hidden / 3 / 64)
+        hidden = config.mlp_hidden or hidden
+        if self.kind == "swiglu":
             self.c_gate = nn.Linear(config.n_embd, hidden, bias=config.bias)
         self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
@@ -171,7 +193,7 @@ class GPT(nn.Module):
         if config.pos_emb == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         else:
-            cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
+            cos, sin = rope_tables(config)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -245,7 +267,7 @@ class GPT(nn.Module):
         """Training FLOPs per token: 6N for the weights plus the attention scores (PaLM appendix B)."""
         cfg = self.config
         N = self.num_params()
-        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
+        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.head_width, cfg.block_size
         return 6 * N + 12 * L * H * Q * T
 
     def estimate_mfu(self, tokens_per_second: float, peak_flops: float) -> float:
@@ -272,9 +294,10 @@ class GPT(nn.Module):
             if not use_cache:
                 logits, _ = self(idx[:, -block:], last_only=True)
             else:
-                if cache is None or cache.pos >= block:
+                if cache is None or cache.pos >= cache.length:
                     context = idx[:, -(block // 2):] if cache is not None else idx
-                    cache = self.new_cache(idx.size(0))
+                    # room for what this call can produce: a long-context model needs no block_size-long cache
+                    cache = self.new_cache(idx.size(0), context.size(1) + max_new_tokens)
                     logits, _ = self(context, cache=cache, last_only=True)
                 else:
                     logits, _ = self(idx[:, -1:], cache=cache, last_only=True)
@@ -290,10 +313,21 @@ class GPT(nn.Module):
         new = list(self.generate_stream(idx, max_new_tokens, **kw))
         return torch.cat([idx[:, -self.config.block_size:], *new], dim=1) if new else idx
 
-    def new_cache(self, batch: int) -> KVCache:
+    def crop_block_size(self, block_size: int) -> None:
+        """Shorten the context to block_size (fine-tuning a long-context model on shorter sequences)."""
+        assert 0 < block_size <= self.config.block_size
+        self.config = replace(self.config, block_size=block_size)
+        if self.config.pos_emb == "learned":
+            self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].clone())
+        else:
+            self.rope_cos, self.rope_sin = self.rope_cos[:block_size].clone(), self.rope_sin[:block_size].clone()
+
+    def new_cache(self, batch: int, length: int | None = None) -> KVCache:
+        """Room for `length` positions (at most, and by default, block_size)."""
         cfg = self.config
         p = self.lm_head.weight
-        return KVCache(cfg.n_layer, batch, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head, p.device, p.dtype)
+        length = min(length or cfg.block_size, cfg.block_size)
+        return KVCache(cfg.n_layer, batch, cfg.kv_heads, length, cfg.head_width, p.device, p.dtype)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,

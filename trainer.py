@@ -36,7 +36,7 @@ from common import UserError, atomic_write_text
 from config import Config, GPTConfig, TrainingConfig, resolved, summary, to_toml
 from data import BatchSource, Dataset, check_fits, check_vocab_compatible, micro_batch_index
 from distributed import DistInfo
-from load import GPT2_TOKENIZER, is_hf_source, load_model, load_model_weights, model_config_from_args
+from load import load_model, load_model_weights, model_config_from_args, model_config_of
 from metrics import MetricsLog, default_peak_flops, rss_mb
 from model import GPT
 from optim import lr_multiplier, make_optimizers, set_lr
@@ -181,9 +181,7 @@ def build(cfg: Config, rt: Runtime, dataset: Dataset, run_dir: RunDir | None = N
 
 def build_model(cfg: Config, dataset: Dataset, resume: TrainingCheckpoint | None) -> GPT:
     """The model a run trains, checked against the dataset: the resumed checkpoint's (whose architecture must be
-    the config's), run.init_from's (a checkpoint, run directory, GPT-2 name or HF directory: the architecture
-    comes from the weights, dropout from the config), or a new one from the config."""
-    init = cfg.run.init_from
+    the config's), run.init_from's (see model_config), or a new one from the config."""
     if resume is not None:
         margs = model_config_from_args(resume.model_args, "checkpoint")
         if margs.to_dict() != cfg.model_args():
@@ -191,19 +189,31 @@ def build_model(cfg: Config, dataset: Dataset, resume: TrainingCheckpoint | None
             raise UserError(f"--resume: the config's model differs from the checkpoint's in {diff}; "
                             "resume with the run's own config, or fine-tune with run.init_from instead")
         check_vocab_compatible(margs.vocab_size, resume.tokenizer, dataset, "the checkpoint")
-    elif init == "scratch":
-        margs = GPTConfig.from_dict({**cfg.model_args(), "vocab_size": cfg.model.vocab_size or dataset.vocab_size})
-    else:
-        loaded = load_model(init, dropout=cfg.model.dropout)
-        tokenizer = GPT2_TOKENIZER if is_hf_source(init) else loaded.tokenizer
-        check_vocab_compatible(loaded.model.config.vocab_size, tokenizer, dataset, loaded.source)
+    elif cfg.run.init_from != "scratch":
+        loaded = load_model(cfg.run.init_from, dropout=cfg.model.dropout)
+        check_vocab_compatible(loaded.model.config.vocab_size, loaded.tokenizer, dataset, loaded.source)
+        if cfg.model.block_size < loaded.model.config.block_size:
+            loaded.model.crop_block_size(cfg.model.block_size)
         check_fits(dataset, loaded.model.config.block_size, loaded.model.config.vocab_size)
         return loaded.model
+    else:
+        margs = model_config(cfg, dataset)
     check_fits(dataset, margs.block_size, margs.vocab_size)
     model = GPT(margs)
     if resume is not None:
         load_model_weights(model, resume.model, "checkpoint")
     return model
+
+
+def model_config(cfg: Config, dataset: Dataset, resuming: bool = False) -> GPTConfig:
+    """The architecture a run trains. Resumed or from scratch: the config's, with the dataset's vocabulary unless set.
+    From run.init_from (a checkpoint, run directory, .safetensors file or Hugging Face model): the source's, with the
+    config's dropout, and its context cropped to model.block_size when that is shorter (fine-tuning a long-context
+    model on shorter sequences)."""
+    if resuming or cfg.run.init_from == "scratch":
+        return GPTConfig.from_dict({**cfg.model_args(), "vocab_size": cfg.model.vocab_size or dataset.vocab_size})
+    config = model_config_of(cfg.run.init_from, dropout=cfg.model.dropout)
+    return replace(config, block_size=min(config.block_size, cfg.model.block_size))
 
 
 def restore(tr: Trainer, ckpt: TrainingCheckpoint) -> TrainState:

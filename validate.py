@@ -14,23 +14,27 @@ import psutil
 import torch
 
 from common import UserError, format_duration
-from config import Config, GPTConfig
+from config import Config
 from data import Dataset
+from metrics import rss_mb
 from model import GPT
-from trainer import Runtime, Trainer, tokens_per_step, train_step
+from trainer import Runtime, Trainer, model_config, tokens_per_step, train_step
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ALLOCATOR_SLACK = 0.15
 
 
-def meta_model(cfg: Config, dataset: Dataset) -> GPT:
-    """The configured model on the meta device: shapes and counts without allocating memory."""
-    args = GPTConfig.from_dict({**cfg.model_args(), "vocab_size": cfg.model.vocab_size or dataset.vocab_size})
+def meta_model(cfg: Config, dataset: Dataset, resuming: bool) -> GPT:
+    """The model the run would train (the config's, or run.init_from's) on the meta device: shapes and counts
+    without allocating memory."""
     with torch.device("meta"):
-        return GPT(args)
+        return GPT(model_config(cfg, dataset, resuming))
 
 
 def memory_estimate(cfg: Config, model: GPT, precision: str, world_size: int) -> dict[str, float]:
-    """Bytes per rank for weights, gradients, optimizer state and activations (rough upper bounds)."""
+    """Bytes per rank the training step adds to the process: fp32 weights, gradients and optimizer state, the
+    16-bit weight copies autocast makes, activations and the logits (rough upper bounds, checked against measured
+    peak RSS in the README)."""
     n = sum(p.numel() for p in model.parameters())
     c = model.config
     B, T, C, L, H, V = cfg.training.batch_size, c.block_size, c.n_embd, c.n_layer, c.n_head, c.vocab_size
@@ -38,15 +42,19 @@ def memory_estimate(cfg: Config, model: GPT, precision: str, world_size: int) ->
     # per layer ~ B*T*(34*C + 5*H*T) values in 16-bit (Korthikanti et al. 2022), scaled for fp32
     per_layer = B * T * (34 * C + 5 * H * T) * act_bytes / 2
     if cfg.training.gradient_checkpointing:
-        activations = L * B * T * C * act_bytes + per_layer  # block inputs + one block recomputed
+        activations = L * B * T * C * 4 + per_layer  # the fp32 residual stream at each block's input + one block recomputed
     else:
         activations = L * per_layer
-    activations += 3 * B * T * V * 4  # logits, softmax and its gradient in fp32
+    # the logits: in 16-bit, their fp32 copy, log-softmax and its gradient in fp32, the 16-bit gradient
+    logits = B * T * V * (12 + (2 * act_bytes if act_bytes == 2 else 0))
     opt_states = 2 if cfg.optimizer.name == "adamw" else 1.5
-    est = {"weights": n * 4.0, "gradients": n * 4.0, "optimizer": n * 4.0 * opt_states, "activations": float(activations)}
+    est = {"weights": n * 4.0, "gradients": n * 4.0, "optimizer": n * 4.0 * opt_states,
+           "autocast copies": n * 2.0 if act_bytes == 2 else 0.0, "activations": float(activations), "logits": float(logits)}
     if cfg.distributed.fsdp:
         for k in ("weights", "gradients", "optimizer"):
             est[k] /= max(1, world_size)
+    # freed blocks the allocator keeps: peak RSS of SmolLM2-135M's fine-tune ran ~15% above the sum (README)
+    est["allocator"] = ALLOCATOR_SLACK * sum(est.values())
     est["total"] = sum(est.values())
     return est
 
@@ -58,10 +66,10 @@ def free_memory(device: torch.device) -> float:
     return float(psutil.virtual_memory().available)
 
 
-def check_memory(cfg: Config, rt: Runtime, dataset: Dataset) -> None:
+def check_memory(cfg: Config, rt: Runtime, dataset: Dataset, resuming: bool = False) -> None:
     """Print parameters, tokens per step and the memory estimate; UserError when it can't fit."""
     t, world = cfg.training, rt.dist.world_size
-    model = meta_model(cfg, dataset)
+    model = meta_model(cfg, dataset, resuming)
     est = memory_estimate(cfg, model, rt.precision, world)
     free = free_memory(rt.device)
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
@@ -71,6 +79,8 @@ def check_memory(cfg: Config, rt: Runtime, dataset: Dataset) -> None:
           f"({t.batch_size} x {t.grad_accum_steps} accum x {world} ranks x {block})")
     print("memory estimate per rank: " + ", ".join(f"{k} {gb(v)}" for k, v in est.items())
           + f" | free on {rt.device.type}: {gb(free)}")
+    if rt.device.type == "cpu":
+        print(f"expected peak RSS: {gb(est['total'] + rss_mb() * 1e6)} (this process now, {rss_mb() / 1e3:.2f} GB, + the estimate)")
     if est["total"] > free:
         raise UserError(f"would not fit: the estimated {gb(est['total'])} exceed the {gb(free)} free on {rt.device}; "
                         "lower training.batch_size (raise grad_accum_steps), enable training.gradient_checkpointing, "

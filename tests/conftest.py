@@ -118,3 +118,47 @@ def save_hf_gpt2(transformers, directory: Path, seed: int = 0, **config):
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**HF_TINY, **config})).eval()
     hf.save_pretrained(directory)
     return hf
+
+
+# the three modern families at toy size, with grouped-query attention and each family's own switches
+HF_FAMILY_CONFIGS = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(
+        rope_theta=500000.0, tie_word_embeddings=False, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
+}
+HF_FAMILY_TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+
+def save_hf_family(transformers, family: str, directory: Path, seed: int = 0, **config):
+    """A random model of the family, its norms and biases moved off their initial 1s and 0s (so that a norm or bias
+    read into the wrong place shows in the logits), saved by transformers' save_pretrained."""
+    model_class, config_class, own = HF_FAMILY_CONFIGS[family]
+    torch.manual_seed(seed)
+    hf = getattr(transformers, model_class)(getattr(transformers, config_class)(**{**HF_FAMILY_TINY, **own, **config}))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    hf.eval().save_pretrained(directory)
+    return hf
+
+
+def save_hf_tokenizer(transformers, directory: Path, text: str, vocab_size: int = 300, bos: bool = True):
+    """A byte-level BPE trained on text with Llama's <s> and </s> (ids 0 and 1), which the tokenizer puts before
+    its input when bos, saved by transformers as a model directory has it (tokenizer.json, tokenizer_config.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(directory)
+    return fast

@@ -1,4 +1,4 @@
-"""export.py: GPT-2 import from Hugging Face, export to Hugging Face and safetensors, and fine-tuning.
+"""GPT-2 in from Hugging Face and out again, safetensors files, and fine-tuning (Llama and Qwen: test_hf.py).
 
 Logits are compared against transformers' own GPT-2 implementation on tiny random models."""
 
@@ -15,8 +15,8 @@ from safetensors import safe_open
 import export
 from checkpoint import save_checkpoint
 from common import UserError
-from export import export_hf, save_gpt2_tokenizer
-from load import load_gpt2, load_model, read_safetensors
+from hf import export_hf
+from load import load_model, read_safetensors
 from model import GPT, GPTConfig
 from conftest import REPO_ROOT, gpt2_encoding_error, needs_gpt2_encoding, save_hf_gpt2  # noqa: F401 (the skipif string)
 from test_sample import write_char_checkpoint
@@ -50,7 +50,7 @@ def run_script(script: str, *args: str, env: dict | None = None) -> subprocess.C
 
 def test_local_hf_gpt2_imports_with_equal_logits(hf_dir):
     directory, hf = hf_dir
-    model = load_gpt2(str(directory), dropout=0.1)
+    model = load_model(directory, dropout=0.1).model
     assert model.config.gelu_approx == "tanh" and model.config.dropout == 0.1
     assert model.lm_head.weight is model.transformer.wte.weight
     x = torch.randint(0, 100, (2, 64))
@@ -59,17 +59,24 @@ def test_local_hf_gpt2_imports_with_equal_logits(hf_dir):
 
 def test_exact_gelu_hf_model_imports_with_equal_logits(transformers, tmp_path):
     hf = save_hf_gpt2(transformers, tmp_path, seed=1, activation_function="gelu")
-    model = load_gpt2(str(tmp_path))
+    model = load_model(tmp_path).model
     assert model.config.gelu_approx == "none"
+    x = torch.randint(0, 100, (1, 40))
+    assert max_diff(our_logits(model, x), hf_logits(hf, x)) <= 1e-4
+
+
+def test_gpt2_with_its_own_epsilon_and_mlp_width_imports_with_equal_logits(transformers, tmp_path):
+    hf = save_hf_gpt2(transformers, tmp_path, seed=2, layer_norm_epsilon=1e-6, n_inner=48)
+    model = load_model(tmp_path).model
+    assert (model.config.norm_eps, model.config.mlp_hidden) == (1e-6, 48)
     x = torch.randint(0, 100, (1, 40))
     assert max_diff(our_logits(model, x), hf_logits(hf, x)) <= 1e-4
 
 
 @pytest.mark.parametrize("change, message", [
     ({"activation_function": "relu"}, "activation_function is 'relu'"),
-    ({"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon is 1e-06"),
-    ({"n_inner": 64}, "n_inner is 64"),
-    ({"model_type": "llama"}, "model_type is 'llama'"),
+    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx is True, which model.py cannot"),
+    ({"architectures": ["LlamaForCausalLM"]}, "config.json has no integer hidden_size, which a Llama model needs"),
 ])
 def test_unsupported_hf_configs_are_refused(hf_dir, tmp_path, change, message):
     directory, _ = hf_dir
@@ -77,18 +84,21 @@ def test_unsupported_hf_configs_are_refused(hf_dir, tmp_path, change, message):
     config = json.loads((directory / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(UserError, match=message):
-        load_gpt2(str(tmp_path))
+        load_model(tmp_path)
 
 
-def test_bad_gpt2_sources_are_user_errors(tmp_path):
-    with pytest.raises(UserError, match="neither a GPT-2 model"):
-        load_gpt2("gpt2-huge")
+def test_bad_gpt2_sources_are_user_errors(hf_dir, tmp_path):
+    with pytest.raises(UserError, match="checkpoint not found: gpt2-huge"):
+        load_model("gpt2-huge")
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(UserError, match="no weights"):
-        load_gpt2(str(tmp_path))
+    with pytest.raises(UserError, match="architecture None is not supported"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text((hf_dir[0] / "config.json").read_text())
+    with pytest.raises(UserError, match="has config.json but no model.safetensors"):
+        load_model(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(UserError, match="cannot read"):
-        load_gpt2(str(tmp_path))
+        load_model(tmp_path)
 
 
 @pytest.mark.slow
@@ -97,7 +107,8 @@ def test_gpt2_name_offline_is_a_one_line_error(transformers, tmp_path):
     result = run_script("sample.py", "--ckpt", "gpt2", "--prompt", "Hello", env=env)
     assert result.returncode == 2
     [line] = result.stderr.splitlines()
-    assert "could not load gpt2" in line and "local Hugging Face GPT-2 directory" in line
+    assert line.startswith("error: gpt2 is a Hugging Face hub model, but HF_HUB_OFFLINE is set; download it where "
+                           "there is network (huggingface-cli download gpt2 --local-dir DIR)")
 
 
 # ---- export to Hugging Face ------------------------------------------------------------------------
@@ -112,27 +123,17 @@ def test_export_hf_loads_in_transformers_with_equal_logits(transformers, tmp_pat
     x = torch.randint(0, model.config.vocab_size, (2, model.config.block_size))
     assert max_diff(our_logits(model, x), hf_logits(hf, x)) <= 1e-4
     # and back again
-    assert max_diff(our_logits(load_gpt2(str(tmp_path / "hf")), x), our_logits(model, x)) <= 1e-5
+    assert max_diff(our_logits(load_model(tmp_path / "hf").model, x), our_logits(model, x)) <= 1e-5
 
 
 def test_imported_gpt2_exports_back_unchanged(hf_dir, transformers, tmp_path):
     directory, hf = hf_dir
-    notes = export_hf(load_gpt2(str(directory)), None, tmp_path)
-    assert notes == ["no tokenizer files written: the unknown tokenizer has no Hugging Face GPT-2 equivalent"]
+    notes = export_hf(load_model(directory).model, None, tmp_path)
+    assert notes == ["no tokenizer files written: the checkpoint records no tokenizer"]
     assert json.loads((tmp_path / "config.json").read_text())["activation_function"] == "gelu_new"
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     x = torch.randint(0, 100, (1, 64))
     assert max_diff(hf_logits(again, x), hf_logits(hf, x)) <= 1e-5
-
-
-@pytest.mark.parametrize("switch", [dict(pos_emb="rope"), dict(norm="rmsnorm"), dict(qk_norm=True), dict(mlp="relu2"),
-                                    dict(mlp="swiglu"), dict(tie_embeddings=False), dict(logit_softcap=30.0)])
-def test_modern_switches_refuse_hf_export(tmp_path, switch):
-    model = GPT(GPTConfig(block_size=16, vocab_size=20, n_layer=1, n_head=2, n_embd=16, **switch))
-    [(key, value)] = switch.items()
-    with pytest.raises(UserError, match=f"model.{key} = {value!r}"):
-        export_hf(model, None, tmp_path / "hf")
-    assert not (tmp_path / "hf").exists()
 
 
 def test_modern_model_export_exits_2_with_the_reason(tmp_path):
@@ -140,23 +141,9 @@ def test_modern_model_export_exits_2_with_the_reason(tmp_path):
     result = run_script("export.py", "--ckpt", str(ckpt), "--hf", str(tmp_path / "hf"),
                         "--safetensors", str(tmp_path / "m.safetensors"))
     assert result.returncode == 2
-    assert result.stderr == (f"error: {ckpt} cannot be exported as Hugging Face GPT-2: model.pos_emb = 'rope', "
-                             "model.norm = 'rmsnorm' has no GPT-2 equivalent (export it with --safetensors instead)\n")
+    assert result.stderr == (f"error: {ckpt} cannot be exported as Hugging Face Llama: model.mlp = 'gelu' (nearest that "
+                             "exports: 'swiglu') (export it with --safetensors instead)\n")
     assert not (tmp_path / "hf").exists() and not (tmp_path / "m.safetensors").exists()
-
-
-def test_gpt2_tokenizer_files_load_in_transformers(transformers, tmp_path):
-    """save_gpt2_tokenizer on a toy byte-level BPE in GPT-2's file format (the real files need the network)."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
-    vocab.update({"ab": 256, "<|endoftext|>": 257})
-    files = {"vocab.json": json.dumps(vocab).encode(), "merges.txt": b"#version: 0.2\na b\n"}
-    assert save_gpt2_tokenizer(tmp_path, files, block_size=64) == []
-    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    ids = tok("abab a").input_ids
-    assert ids == [256, 256, vocab["\u0120"], vocab["a"]]  # GPT-2 writes a space as U+0120
-    assert tok.decode(ids) == "abab a" and tok.eos_token == "<|endoftext|>" and tok.model_max_length == 64
 
 
 @needs_gpt2_encoding
@@ -177,7 +164,7 @@ def test_gpt2_tokenizer_files_skipped_offline_with_a_note(tmp_path):
     env.update(TIKTOKEN_CACHE_DIR=str(tmp_path / "empty-cache"), HTTPS_PROXY="http://127.0.0.1:9")
     result = run_script("export.py", "--ckpt", str(tmp_path / "ckpt.pt"), "--hf", str(tmp_path / "hf"), env=env)
     assert result.returncode == 0, result.stderr
-    assert result.stderr.startswith("note: no tokenizer files written: GPT-2's vocabulary files are not in tiktoken's cache")
+    assert result.stderr.startswith("note: no tokenizer files written: tiktoken could not load the 'gpt2' encoding")
     assert len(result.stderr.splitlines()) == 1
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
 
@@ -299,10 +286,10 @@ def test_finetune_from_local_hf_gpt2_on_a_gpt2_dataset(transformers, tmp_path):
     resumed = train(overrides={"training.max_iters": 8}, resume=str(tmp_path / "runs" / "tuned"))
     assert resumed.iterations == 8
     model = load_model(resumed.checkpoint_path).model
-    assert model.config.gelu_approx == "tanh"
+    assert model.config.gelu_approx == "tanh" and model.config.block_size == 32  # cropped to model.block_size
     export_hf(model, {"kind": "tiktoken", "name": "gpt2"}, tmp_path / "out")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    x = torch.randint(0, 50257, (1, 64))
+    x = torch.randint(0, 50257, (1, 32))
     assert max_diff(our_logits(model, x), hf_logits(hf, x)) <= 1e-4
 
 
