@@ -43,6 +43,7 @@ import hashlib
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 import urllib.error
@@ -402,7 +403,8 @@ def ordered_map(fn: Callable, items: Iterable, workers: int, initializer: Callab
         yield from ((done(item), fn(item)) for item in items)
         return
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=initializer, initargs=initargs) as pool:
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=start_pool_worker,
+                             initargs=(os.getpid(), initializer, initargs)) as pool:
         pending: deque = deque()
         try:
             for item in items:
@@ -416,6 +418,19 @@ def ordered_map(fn: Callable, items: Iterable, workers: int, initializer: Callab
         finally:
             for _, future in pending:
                 future.cancel()
+
+
+def start_pool_worker(parent: int, initializer: Callable | None, initargs: tuple) -> None:
+    """Die with the parent: a SIGKILLed prepare.py would otherwise leave its workers waiting forever on a queue
+    that every one of them holds open (Linux: the kernel sends SIGKILL when the parent goes)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+    if initializer is not None:
+        initializer(*initargs)
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None

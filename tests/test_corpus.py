@@ -171,6 +171,35 @@ def test_continuing_a_hub_stream_gives_the_same_files(corpus_files, tmp_path, mo
 
 
 @pytest.mark.slow
+def children(parent: int) -> list[int]:
+    """Live processes whose parent is `parent` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def still_running(pids: list[int], wait: float = 5.0) -> list[int]:
+    """Those of `pids` still alive (not gone, not zombies) after up to `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+            except OSError:
+                continue
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
 def test_restarts_after_sigkill_end_with_the_uninterrupted_files(tmp_path):
     """A dozen SIGKILLs of `python prepare.py`, each at a random moment after the run has moved on from where the
     previous one stopped, each followed by the same command: the last run ends with the files of a run never
@@ -198,9 +227,11 @@ def test_restarts_after_sigkill_end_with_the_uninterrupted_files(tmp_path):
         time.sleep(rng.uniform(0, 0.1))
         if proc.poll() is not None:
             break  # it finished first: nothing left to interrupt
+        workers = children(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         stopped_at.append(chunks_done())
+        assert workers and not still_running(workers), "the killed run's workers outlived it"
         with pytest.raises(UserError, match="incomplete"):
             load_dataset(tmp_path / "data" / "killed")
     final = subprocess.run([*cmd, "--dataset", "killed"], capture_output=True, text=True, timeout=300)
