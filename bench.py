@@ -53,7 +53,7 @@ from data import BatchSource, find_dataset
 from distributed import DistInfo
 from hf import export_hf
 from load import load_model
-from metrics import rss_mb
+from metrics import matmul_flops, rss_mb
 from model import GPT, GPTConfig
 from prepare import BPE_TRAIN_PIECE_CHARS
 from scoring import HellaSwagItem, hellaswag_items, score_hellaswag
@@ -254,20 +254,6 @@ def matmul_ceiling(tr: Trainer, repeats: int = 10) -> float:
     c = tr.raw_model.config
     return matmul_flops(c.n_embd, tr.cfg.training.batch_size * c.block_size, PRECISIONS[tr.rt.precision], tr.rt.device,
                         repeats)
-
-
-def matmul_flops(width: int, rows: int, dtype: torch.dtype, device: torch.device, repeats: int = 10) -> float:
-    """FLOP/s of (rows, width) @ (width, 4 * width): the MLP's shape, the best of `repeats` after two warm-ups."""
-    a = torch.randn(rows, width, dtype=dtype, device=device)
-    b = torch.randn(width, 4 * width, dtype=dtype, device=device)
-    best = float("inf")
-    for _ in range(repeats + 2):
-        synchronize(device)
-        t0 = time.perf_counter()
-        a @ b
-        synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * rows * width * 4 * width / best
 
 
 def print_ceiling(tr: Trainer, row: StepTiming) -> None:

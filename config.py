@@ -137,6 +137,8 @@ class TrainingConfig:
                           choices=("bin", "txt"))
     eval_interval: int = _f(250, "evaluate every this many steps (0: only at the end)")
     eval_iters: int = _f(200, "batches per split in each evaluation")
+    final_eval_iters: int = _f(0, "batches per split in the evaluation at max_iters (0: eval_iters); the in-run "
+                                  "batches are its first eval_iters")
     eval_only: bool = _f(False, "evaluate once and exit")
     log_interval: int = _f(10, "console/JSON log line every this many steps")
     save_interval: int = _f(250, "write ckpt_last.pt and a step checkpoint every this many steps (0: only at evals and the end)")
@@ -428,7 +430,8 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     t, o, m, d = cfg.training, cfg.optimizer, cfg.model, cfg.data
     for key in ("batch_size", "grad_accum_steps", "max_iters", "eval_iters", "max_nonfinite_steps"):
         need(getattr(t, key) > 0, f"training.{key} = {getattr(t, key)} must be positive")
-    for key in ("eval_interval", "log_interval", "save_interval", "keep_last", "early_stopping_patience"):
+    for key in ("eval_interval", "final_eval_iters", "log_interval", "save_interval", "keep_last",
+                "early_stopping_patience"):
         need(getattr(t, key) >= 0, f"training.{key} = {getattr(t, key)} must be >= 0")
     need(t.early_stopping_min_delta >= 0, f"training.early_stopping_min_delta = {t.early_stopping_min_delta} must be >= 0")
     need(t.best_metric != "hellaswag" or cfg.eval.hellaswag is not None,

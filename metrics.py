@@ -43,6 +43,35 @@ def default_peak_flops(device: torch.device, precision: str) -> float:
     return torch.get_num_threads() * 3.0e9 * flops_per_cycle
 
 
+def matmul_flops(width: int, rows: int, dtype: torch.dtype, device: torch.device, repeats: int = 10) -> float:
+    """FLOP/s of (rows, width) @ (width, 4 * width), a transformer MLP's shape: the best of `repeats` after two
+    warm-ups. Every FLOP a model counts is a matmul, so this bounds tokens/s from above."""
+    import time
+
+    import torch
+
+    a = torch.randn(rows, width, dtype=dtype, device=device)
+    b = torch.randn(width, 4 * width, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(repeats + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * rows * width * 4 * width / best
+
+
+def bf16_matmul_ceiling() -> float:
+    """This machine's bf16 matmul FLOP/s on the CPU at the GPU preset's MLP shape ((2048, 384) @ (384, 1536)), the
+    figure speed targets are scaled by."""
+    import torch
+
+    return max(matmul_flops(384, 2048, torch.bfloat16, torch.device("cpu")) for _ in range(3))
+
+
 def read_cpuinfo() -> str:
     try:
         return Path("/proc/cpuinfo").read_text(errors="replace")

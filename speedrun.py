@@ -1,16 +1,20 @@
-"""Time to a target validation loss on tiny Shakespeare: the GPT-2-style CPU preset vs the modern recipe.
+"""Wall time to validation-loss rungs on tiny Shakespeare (1.88, 1.70, 1.55, 1.47), per preset, variant and seed.
 
-    python speedrun.py                       # cpu.toml vs speedrun_cpu.toml, target val loss 1.88
-    python speedrun.py --target 1.9 --configs configs/shakespeare_char/speedrun_cpu.toml
+    python speedrun.py                        # cpu.toml, speedrun_cpu.toml and record_cpu.toml, seed 1337
+    python speedrun.py --configs configs/shakespeare_char/record_cpu.toml --seeds 1337 1338 1339   # the record
+    python speedrun.py --configs configs/shakespeare_char/record_cpu.toml --budget-minutes 4 \\
+        --variant "dropout 0=--model.dropout 0" --variant "dropout 0.2=--model.dropout 0.2"       # a sweep
 
-Each preset trains in its own train.py process: the real training loop, unchanged, evaluating
-every --eval-interval steps with the preset's eval_iters. The clock starts when train.py
-has finished its start-up (the `run:` line, just before the first evaluation) and stops at the
-first evaluation whose val loss is <= --target, so it counts compilation, every training step
-and every evaluation up to that point; the run is then stopped (SIGTERM: train.py saves and
-exits). Checkpoints are written only at the end and the loss plot is off, so neither run pays
-for them. Timings are wall-clock on a possibly shared machine: run it when the machine is quiet,
-or --repeats N and read the medians.
+Each run is its own train.py process: the real training loop, unchanged. The clock starts when the process
+is launched, so it counts start-up, compilation, every step and every evaluation. A rung's time is that of
+the first in-run evaluation (the preset's eval_iters batches, or --eval-interval) at or below it. The run
+goes on to max_iters, where train.py evaluates --final-batches fixed val batches (training.final_eval_iters):
+that final val loss is the figure that counts, and its wall time must fit the budget.
+
+The budget is --budget-minutes on a machine whose bf16 matmul runs at 800 GFLOP/s, scaled by the rate measured
+here just before each run (printed beside the times): a machine half as fast gets twice the time. A run
+still going at its budget is stopped (SIGTERM) and reported as over budget. Checkpoints are written only
+at the end and the loss plot is off. Run it on an otherwise idle machine; --seeds gives the spread.
 """
 
 from __future__ import annotations
@@ -24,108 +28,151 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import UserError, format_duration, load_average, run_main, with_shakespeare_input
+from common import UserError, load_average, run_main, with_shakespeare_input
+from metrics import bf16_matmul_ceiling
 
 REPO = Path(__file__).resolve().parent
-CONFIGS = ["configs/shakespeare_char/cpu.toml", "configs/shakespeare_char/speedrun_cpu.toml"]
+CONFIGS = ["configs/shakespeare_char/cpu.toml", "configs/shakespeare_char/speedrun_cpu.toml",
+           "configs/shakespeare_char/record_cpu.toml"]
+TARGETS = [1.88, 1.70, 1.55, 1.47]
+REFERENCE_GFLOPS = 800.0  # the machine the budget is stated for
 EVAL_LINE = re.compile(r"^eval (\d+): train [\d.]+ \| val ([\d.]+)")
 
 
 @dataclass
-class Crossing:
+class Run:
     config: str
-    seconds: float | None  # wall time to the first eval at or below the target; None if never reached
-    iters: int  # the step of that eval, or the last one evaluated
-    val_loss: float  # that eval's val loss, or the best one seen
-    total_seconds: float  # time of the last eval read
+    variant: str
+    seed: int
+    gflops: float  # bf16 matmul rate measured just before the run
+    budget: float  # seconds
+    rungs: dict[float, tuple[float, int]] = field(default_factory=dict)  # target -> (seconds, iter) of the first eval at or below it
+    final_val: float | None = None  # the evaluation at max_iters (over final_eval_iters batches)
+    final_iter: int = 0
+    seconds: float = 0.0  # wall time to the final evaluation, or to the last one read
+    best_val: float = float("inf")  # best val loss of any evaluation
+    over_budget: bool = False
 
 
-def time_to_target(config: str, target: float, eval_interval: int, extra: list[str], out_dir: str) -> Crossing:
-    """Run train.py on `config` and time the first evaluation with val loss <= target."""
-    name = Path(config).stem
+def run_once(config: str, variant: tuple[str, list[str]], seed: int, args: argparse.Namespace, extra: list[str],
+             out_dir: str) -> Run:
+    """One train.py run, timed from launch; its rungs, final val loss and wall time."""
+    gflops = bf16_matmul_ceiling() / 1e9
+    run = Run(config, variant[0], seed, gflops, args.budget_minutes * 60 * REFERENCE_GFLOPS / gflops)
+    name = f"{Path(config).stem}-{seed}"
     cmd = [sys.executable, "train.py", "--config", config, "--run.out_dir", out_dir, "--run.name", name, "--force",
-           "--training.eval_interval", str(eval_interval), "--training.save_interval", "0",
-           "--training.save_best", "false", "--logging.plot", "false", "--logging.json_log", "false", *extra]
+           "--run.seed", str(seed), "--training.final_eval_iters", str(args.final_batches),
+           "--training.save_interval", "0", "--training.save_best", "false", "--logging.plot", "false",
+           "--logging.json_log", "false", *(["--training.eval_interval", str(args.eval_interval)] if args.eval_interval else []),
+           *extra, *variant[1]]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    start, best, last_iter, last_time, tail = None, float("inf"), 0, 0.0, []
+    tail, last = [], None
     try:
         for line in proc.stdout:
-            now = time.perf_counter()
+            now = time.perf_counter() - start
             tail = (tail + [line.rstrip()])[-5:]
-            if start is None and line.startswith("run: "):
-                start = now
-            match = EVAL_LINE.match(line)
-            if match is None or start is None:
-                continue
-            last_iter, val, last_time = int(match[1]), float(match[2]), now - start
-            print(f"  {name}: {format_duration(last_time)} ({last_time:.1f}s) iter {last_iter} val {val:.4f}", flush=True)
-            if val <= target:
+            if now > run.budget and not run.over_budget:
+                run.over_budget = True
                 proc.send_signal(signal.SIGTERM)  # train.py finishes the step, saves and exits
-                proc.wait()
-                return Crossing(config, last_time, last_iter, val, last_time)
-            best = min(best, val)
+            if (m := EVAL_LINE.match(line)) is None:
+                continue
+            it, val = int(m[1]), float(m[2])
+            run.seconds, run.best_val, last = now, min(run.best_val, val), (val, it)
+            for target in args.targets:
+                if val <= target and target not in run.rungs:
+                    run.rungs[target] = (now, it)
+            print(f"  {run.variant or name}: {now:.1f}s iter {it} val {val:.4f}", flush=True)
+        proc.wait()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    if proc.returncode:
+    if proc.returncode and not run.over_budget:
         raise UserError(f"train.py --config {config} failed (exit {proc.returncode}):\n" + "\n".join(tail))
-    return Crossing(config, None, last_iter, best, last_time)
+    if not run.over_budget and last is not None:  # train.py ended at max_iters: its last evaluation is the final one
+        run.final_val, run.final_iter = last
+    return run
 
 
-def print_table(results: dict[str, list[Crossing]], target: float) -> None:
-    print(f"| config | time to val loss <= {target} | at iter | val loss |")
-    print("| --- | ---: | ---: | ---: |")
-    for config, runs in results.items():
-        times = [r.seconds for r in runs if r.seconds is not None]
-        if len(times) < len(runs):
-            last = runs[-1]
-            print(f"| {config} | not reached in {last.total_seconds:.1f}s | {last.iters} | best {last.val_loss:.4f} |")
-            continue
-        spread = f" (runs: {', '.join(f'{t:.1f}' for t in times)})" if len(times) > 1 else ""
-        print(f"| {config} | {statistics.median(times):.1f}s{spread} | {runs[-1].iters} | {runs[-1].val_loss:.4f} |")
+def cell(run: Run, target: float) -> str:
+    if target in run.rungs:
+        seconds, it = run.rungs[target]
+        return f"{seconds:.1f}s @{it}"
+    return "—"
 
 
-def ratio_line(results: dict[str, list[Crossing]]) -> str:
-    (base, base_runs), (fast, fast_runs) = list(results.items())[:2]
-    fast_times = [r.seconds for r in fast_runs]
-    if None in fast_times:
-        return f"{fast} did not reach the target"
-    fast_t = statistics.median(fast_times)
-    base_times = [r.seconds for r in base_runs]
-    if None in base_times:  # the baseline's whole run bounds its time to the target from below
-        bound = min(r.total_seconds for r in base_runs)
-        return f"{fast} / {base}: < {fast_t / bound:.2f} ({base} never reached the target; its full run took {bound:.1f}s)"
-    base_t = statistics.median(base_times)
-    return f"{fast} / {base}: {fast_t:.1f}s / {base_t:.1f}s = {fast_t / base_t:.2f} of the wall time ({base_t / fast_t:.2f}x faster)"
+def print_runs(runs: list[Run], targets: list[float], final_batches: int) -> None:
+    print(f"| config | variant | seed | {' | '.join(f'to {t}' for t in targets)} | final val ({final_batches} batches) "
+          f"| wall | budget (bf16 matmul) |")
+    print("| --- | --- | ---: |" + " ---: |" * len(targets) + " ---: | ---: | ---: |")
+    for r in runs:
+        final = f"{r.final_val:.4f} @{r.final_iter}" if r.final_val is not None else \
+            f"over budget (best {r.best_val:.4f})"
+        print(f"| {Path(r.config).name} | {r.variant or '-'} | {r.seed} | {' | '.join(cell(r, t) for t in targets)} | "
+              f"{final} | {r.seconds:.1f}s | {r.budget:.0f}s ({r.gflops:,.0f} GFLOP/s) |")
+
+
+def median_rung(runs: list[Run], target: float) -> float | None:
+    times = [r.rungs[target][0] for r in runs if target in r.rungs]
+    return statistics.median(times) if len(times) == len(runs) else None
+
+
+def ratio_line(runs: list[Run], target: float) -> str:
+    """The second config against the first (both over their seeds) at `target`."""
+    configs = list(dict.fromkeys(r.config for r in runs))[:2]
+    base, fast = ([r for r in runs if r.config == c] for c in configs)
+    fast_t, base_t = median_rung(fast, target), median_rung(base, target)
+    if fast_t is None:
+        return f"{configs[1]} did not reach {target}"
+    if base_t is None:  # the baseline's whole run bounds its time to the target from below
+        bound = min(r.seconds for r in base)
+        return (f"{configs[1]} / {configs[0]} to {target}: < {fast_t / bound:.2f} ({configs[0]} never reached it; "
+                f"its full run took {bound:.1f}s)")
+    return (f"{configs[1]} / {configs[0]} to {target}: {fast_t:.1f}s / {base_t:.1f}s = {fast_t / base_t:.2f} of the "
+            f"wall time ({base_t / fast_t:.2f}x faster)")
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    name, sep, overrides = text.partition("=")
+    if not sep or not name.strip():
+        raise UserError(f"--variant {text!r}: expected NAME=--section.key value ...")
+    return name.strip(), overrides.split()
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Any other --section.key value pair is passed to every train.py run.")
     p.add_argument("--configs", nargs="+", default=CONFIGS, help="presets to time; the ratio compares the second to the first")
-    p.add_argument("--target", type=float, default=1.88, help="val loss to reach")
-    p.add_argument("--eval-interval", type=int, default=50, help="evaluate every this many steps (both runs)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per preset; medians are reported")
+    p.add_argument("--targets", "--target", nargs="+", type=float, default=TARGETS, help="val losses to time (rungs)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[1337], help="one run per seed (run.seed)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
+                   help="a sweep point: overrides applied to every config (repeatable; default: the presets as they are)")
+    p.add_argument("--eval-interval", type=int, default=None, help="evaluate every this many steps (default: the preset's)")
+    p.add_argument("--final-batches", type=int, default=200, help="val batches of the evaluation at max_iters")
+    p.add_argument("--budget-minutes", type=float, default=10.0,
+                   help="wall-time budget on an 800 GFLOP/s (bf16 matmul) machine, scaled by this one's rate")
     return p.parse_known_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(sys.argv[1:] if argv is None else argv)
+    variants = [parse_variant(v) for v in args.variant] or [("", [])]
     extra = with_shakespeare_input(extra)  # prepare tiny Shakespeare offline if needed
-    results: dict[str, list[Crossing]] = {}
+    runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="speedrun_") as out_dir:
-        for _ in range(args.repeats):
-            for config in args.configs:
-                print(f"{config}:", flush=True)
-                results.setdefault(config, []).append(time_to_target(config, args.target, args.eval_interval, extra, out_dir))
-    print_table(results, args.target)
-    if len(results) > 1:
-        print(ratio_line(results))
+        for seed in args.seeds:
+            for variant in variants:
+                for config in args.configs:
+                    print(f"{config} {variant[0]} seed {seed}:", flush=True)
+                    runs.append(run_once(config, variant, seed, args, extra, out_dir))
+    print_runs(runs, args.targets, args.final_batches)
+    if len(args.configs) > 1:
+        print(ratio_line(runs, args.targets[0]))
     print(load_average())
     return 0
 

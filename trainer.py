@@ -339,15 +339,15 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
 # ---- evaluation -----------------------------------------------------------------------------------
 
 @torch.no_grad()  # not inference_mode: FSDP's unsharded weights made here are reused by training
-def evaluate(tr: Trainer) -> dict[str, float]:
-    """Mean loss, perplexity, next-token accuracy and bits per byte over eval_iters batches per split (the same
-    batches every time), and HellaSwag when eval.hellaswag names it.
+def evaluate(tr: Trainer, batches: int | None = None) -> dict[str, float]:
+    """Mean loss, perplexity, next-token accuracy and bits per byte over `batches` (default eval_iters) batches per
+    split (the same batches every time), and HellaSwag when eval.hellaswag names it.
 
     The batches are dealt round-robin to the ranks, so the result does not depend on the world size.
     Every rank runs the same number of forwards (FSDP gathers weights collectively); padding batches count zero."""
     tr.model.eval()
     out = {}
-    n, rank, world, device = tr.cfg.training.eval_iters, tr.rt.dist.rank, tr.rt.dist.world_size, tr.rt.device
+    n, rank, world, device = batches or tr.cfg.training.eval_iters, tr.rt.dist.rank, tr.rt.dist.world_size, tr.rt.device
     for split in ("train", "val"):
         sums = torch.zeros(5, device=device)  # loss, correct, count, nats of tokens with bytes, their bytes
         for k in tqdm(range(rank, math.ceil(n / world) * world, world), desc=f"eval {split}", leave=False,
@@ -386,11 +386,11 @@ def hellaswag(tr: Trainer) -> dict[str, float]:
     return {"hellaswag_acc": (sums[0] / sums[2]).item(), "hellaswag_acc_norm": (sums[1] / sums[2]).item()}
 
 
-def evaluate_and_track(tr: Trainer, state: TrainState, log: MetricsLog | None) -> str:
-    """Evaluate, log it, keep the best checkpoint and count evaluations without improvement.
-    Returns why training should stop early, or ""."""
+def evaluate_and_track(tr: Trainer, state: TrainState, log: MetricsLog | None, final: bool = False) -> str:
+    """Evaluate (the final evaluation over final_eval_iters batches), log it, keep the best checkpoint and count
+    evaluations without improvement. Returns why training should stop early, or ""."""
     t = tr.cfg.training
-    metrics = evaluate(tr)
+    metrics = evaluate(tr, t.final_eval_iters if final else None)
     state.best_val_loss = min(state.best_val_loss, metrics["val_loss"])
     score = best_metric_score(metrics, t.best_metric)
     improved = score < state.best_score - t.early_stopping_min_delta
@@ -520,7 +520,7 @@ def fit(tr: Trainer, state: TrainState, log: MetricsLog | None, stop: StopReques
         signalled = distributed.any_rank(stop.requested)
         done = state.iter_num >= t.max_iters
         if not signalled and evaluation_due(state.iter_num, t, done):
-            reason = evaluate_and_track(tr, state, log) or reason
+            reason = evaluate_and_track(tr, state, log, final=done) or reason
         reason = reason or ("signal" if signalled else "")
         if save_due(state.iter_num, t, ending=done or bool(reason)):
             save(tr, state, "last", final=done or bool(reason))

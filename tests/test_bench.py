@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -173,25 +174,47 @@ def test_write_repeated(tmp_path):
 
 
 @pytest.mark.slow
-def test_speedrun_times_both_configs(tiny, tmp_path):
+def test_speedrun_times_rungs_seeds_and_variants(tiny, tmp_path):
+    """Two tiny configs, two seeds, a variant: a row each with the time to every rung reached, the final val loss
+    over --final-batches at max_iters, the wall time and the budget beside the measured matmul rate."""
     configs = []
     for name in ("slow", "fast"):
         path = tmp_path / f"{name}.toml"
-        path.write_text("[run]\ndevice = \"cpu\"\n[training]\nmax_iters = 4\neval_iters = 2\n")
+        path.write_text("[run]\ndevice = \"cpu\"\n[training]\nmax_iters = 4\neval_iters = 2\neval_interval = 2\n")
         configs.append(str(path))
-    result = subprocess.run([sys.executable, "speedrun.py", "--configs", *configs, "--target", "100",
-                             "--eval-interval", "2", *tiny], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "speedrun.py", "--configs", *configs, "--targets", "100", "0.01",
+                             "--seeds", "1", "2", "--variant", "a=--optimizer.learning_rate 1e-2", "--final-batches", "3", *tiny],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
-    rows = {row[0]: row for row in table_rows(result.stdout)}
-    for config in configs:
-        assert rows[config][1].endswith("s") and rows[config][2] == "0"  # the iter-0 eval is already below 100
-    assert re.search(r"fast.toml / .*slow.toml: [\d.]+s / [\d.]+s = [\d.]+ of the wall time", result.stdout)
+    rows = [r for r in table_rows(result.stdout) if r[0] != "config"]
+    assert sorted((r[0], r[1], r[2]) for r in rows) == sorted(
+        (Path(c).name, "a", s) for c in configs for s in "12")
+    for row in rows:
+        assert re.fullmatch(r"[\d.]+s @0", row[3])  # the iter-0 eval is already below 100
+        assert row[4] == "—"  # 0.01 is never reached
+        assert re.fullmatch(r"[\d.]+ @4", row[5])
+        assert re.fullmatch(r"\d+s \([\d,]+ GFLOP/s\)", row[7])
+    assert re.search(r"fast.toml / .*slow.toml to 100.0: [\d.]+s / [\d.]+s = [\d.]+ of the wall time", result.stdout)
+
+
+def test_speedrun_stops_a_run_at_its_budget(tiny, tmp_path):
+    config = tmp_path / "long.toml"
+    config.write_text("[run]\ndevice = \"cpu\"\n[training]\nmax_iters = 100000\neval_iters = 2\neval_interval = 5\n")
+    result = subprocess.run([sys.executable, "speedrun.py", "--configs", str(config), "--budget-minutes", "0.0001",
+                             *tiny], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "over budget (best" in table_rows(result.stdout)[1][-3]
 
 
 def test_speedrun_ratio_when_the_baseline_never_reaches_the_target():
-    base = speedrun.Crossing("a.toml", None, 2000, 1.9, 60.0)
-    fast = speedrun.Crossing("b.toml", 20.0, 600, 1.87, 20.0)
-    line = speedrun.ratio_line({"a.toml": [base], "b.toml": [fast]})
+    def run(config: str, seconds: float | None, total: float) -> speedrun.Run:
+        return speedrun.Run(config, "", 1, 400.0, 1200.0, {} if seconds is None else {1.88: (seconds, 100)},
+                            seconds=total)
+
+    base, fast = run("a.toml", None, 60.0), run("b.toml", 20.0, 20.0)
+    line = speedrun.ratio_line([base, fast], 1.88)
     assert "< 0.33" in line and "never reached" in line
-    assert "did not reach" in speedrun.ratio_line({"a.toml": [fast], "b.toml": [base]})
-    assert np.isclose(float(re.search(r"= ([\d.]+) of", speedrun.ratio_line({"a": [fast], "b": [fast]}))[1]), 1.0)
+    assert "did not reach" in speedrun.ratio_line([fast, base], 1.88)
+    assert np.isclose(float(re.search(r"= ([\d.]+) of", speedrun.ratio_line([fast, run("c", 20.0, 20.0)], 1.88))[1]), 1.0)
+
+

@@ -60,6 +60,20 @@ def test_same_seed_same_losses(tiny_data, tmp_path, compiled):
     assert losses(tmp_path / "a" / "t") == losses(tmp_path / "b" / "t")
 
 
+def test_final_evaluation_runs_over_final_eval_iters_batches(tiny_data, tmp_path):
+    """final_eval_iters = 12 with eval_iters = 2: the in-run evaluations are those of a run with eval_iters = 2, the
+    final one is exactly that of a run evaluating 12 batches every time (evaluation draws no random numbers)."""
+    def evals(name: str, **extra) -> list[float]:
+        train(None, overrides=tiny_overrides(tiny_data, tmp_path / name, **{"training.max_iters": 10,
+                                                                          "training.save_interval": 0, **extra}))
+        history = json.loads((tmp_path / name / "t" / "train_log.json").read_text())["history"]
+        return [p["val_loss"] for p in history if p["kind"] == "eval"]
+
+    few, many = evals("few", **{"training.eval_iters": 2}), evals("many", **{"training.eval_iters": 12})
+    final = evals("final", **{"training.eval_iters": 2, "training.final_eval_iters": 12})
+    assert final[:-1] == few[:-1] and final[-1] == many[-1] != few[-1]
+
+
 def test_train_gives_the_caller_its_determinism_settings_back(tiny_data, tmp_path):
     """train() runs with deterministic algorithms on the CPU, but a Python caller's own setting survives it."""
     before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
