@@ -7,7 +7,7 @@ Training runs the real trainer.train_step on the Trainer that train.py builds (t
     python bench.py --config configs/shakespeare_char/cpu.toml --profile      # + a chrome trace in bench_out/
     python bench.py --config configs/shakespeare_char/cpu.toml --against HEAD~1 --rounds 6  # this code vs a commit's
 Other modes:
-    python bench.py --sample             # generation tokens/s with and without the KV cache (GPU preset's model)
+    python bench.py --sample             # batch-1 decoding tokens/s: no cache, KV cache, compiled step; fp32, bf16
     python bench.py --hellaswag --training.precision bf16   # seconds per 1,000 HellaSwag items (GPU preset's model)
     python bench.py --prepare            # BPE training time; prepare.py on a 1 GB jsonl: MB/s with 1 and 2 workers, RSS
     python bench.py --memory             # training RSS on a 1 GB train.bin vs tiny Shakespeare's
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import signal
@@ -332,32 +333,59 @@ def checkout_commit(rev: str, into: Path) -> None:
 
 # ---- generation -----------------------------------------------------------------------------------
 
-def time_generation(model: GPT, new_tokens: int, use_cache: bool, repeats: int) -> float:
-    """Best seconds over `repeats` generations of new_tokens tokens from a one-token prompt."""
-    prompt = torch.zeros((1, 1), dtype=torch.long)
-    best = float("inf")
+PROMPT_TOKENS = 16
+
+
+def time_generation(model: GPT, new_tokens: int, use_cache: bool, repeats: int, compile: bool = False,
+                    prompt_tokens: int = 1) -> tuple[float, float]:
+    """(best seconds for new_tokens tokens, best seconds to the first of them) over `repeats` generations."""
+    prompt = torch.zeros((1, prompt_tokens), dtype=torch.long)
+    best, first = float("inf"), float("inf")
     for _ in range(repeats):
         generator = torch.Generator().manual_seed(0)
         t0 = time.perf_counter()
-        deque(model.generate_stream(prompt, new_tokens, use_cache=use_cache, generator=generator), maxlen=0)
+        stream = model.generate_stream(prompt, new_tokens, use_cache=use_cache, generator=generator, compile=compile)
+        next(stream)
+        first = min(first, time.perf_counter() - t0)
+        deque(stream, maxlen=0)
         best = min(best, time.perf_counter() - t0)
-    return best
+    return best, first
 
 
 def bench_sample(args: argparse.Namespace, overrides: list) -> None:
+    """Batch-1 decoding of the config's model (default: the GPU preset's 10.7M char model, random weights): no cache,
+    the KV cache with the eager one-token step, and the compiled step, in fp32 and bf16 weights; the time to the first
+    token; the bf16 matmul rate beside it."""
     cfg = build_config(load_toml(args.config or GPU_PRESET), overrides, source=str(args.config or GPU_PRESET))
     margs = GPTConfig.from_dict({**cfg.model_args(), "vocab_size": cfg.model.vocab_size or CHAR_VOCAB, "dropout": 0.0})
     torch.manual_seed(0)
-    model = GPT(margs).eval()  # random weights: the speed does not depend on them
-    print(f"generation: {model.num_params() / 1e6:.2f}M parameters, block {margs.block_size}, "
-          f"{args.new_tokens} new tokens, batch 1, fp32, {torch.get_num_threads()} threads, best of {args.repeats}")
-    time_generation(model, min(args.new_tokens, 8), True, 1)  # warm-up
-    seconds = {cache: time_generation(model, args.new_tokens, cache, args.repeats) for cache in (True, False)}
-    print("| KV cache | tokens/s | ms/token |")
-    print("| --- | ---: | ---: |")
-    for cache, s in seconds.items():
-        print(f"| {'on' if cache else 'off'} | {args.new_tokens / s:,.1f} | {s / args.new_tokens * 1e3:.2f} |")
-    print(f"KV cache speed-up: {seconds[False] / seconds[True]:.1f}x")
+    fp32 = GPT(margs).eval()  # random weights: the speed does not depend on them
+    models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16)}
+    n = args.new_tokens
+    print(f"generation: {fp32.num_params() / 1e6:.2f}M parameters, block {margs.block_size}, {n} new tokens after a "
+          f"{PROMPT_TOKENS}-token prompt, batch 1, {torch.get_num_threads()} threads, best of {args.repeats}", flush=True)
+    rows = []
+    paths = [("fp32", False, False), ("fp32", True, False), ("fp32", True, True), ("bf16", True, False),
+             ("bf16", True, True)]
+    for dtype, cache, compile in [p for p in paths if args.compile_decoding or not p[2]]:
+        model = models[dtype]
+        t0 = time.perf_counter()
+        time_generation(model, n, cache, 1, compile, PROMPT_TOKENS)  # warm-up, compiling for this cache length
+        warmup = time.perf_counter() - t0
+        seconds, first = time_generation(model, n, cache, args.repeats, compile, PROMPT_TOKENS)
+        rows.append((dtype, cache, compile, seconds, first, warmup))
+        print(f"  {dtype} cache {'on' if cache else 'off'} compile {'on' if compile else 'off'}: {n / seconds:,.0f} "
+              f"tokens/s", flush=True)
+    base = rows[1][3]  # the eager KV-cache path in fp32: what sample.py does by default
+    print("| weights | KV cache | compiled step | tokens/s | ms/token | vs eager cached fp32 | first token (ms) | "
+          "warm-up incl. compile (s) |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for dtype, cache, compile, seconds, first, warmup in rows:
+        print(f"| {dtype} | {'on' if cache else 'off'} | {'yes' if compile else 'no'} | {n / seconds:,.0f} | "
+              f"{seconds / n * 1e3:.2f} | {base / seconds:.2f}x | {first * 1e3:.1f} | {warmup:.1f} |")
+    flops = matmul_flops(margs.n_embd, 2048, torch.bfloat16, torch.device("cpu"))
+    print(f"bf16 matmul ceiling here: {flops / 1e9:,.0f} GFLOP/s (at 2,048 rows; one token's matmuls are vector-matrix "
+          f"products, bound by reading {fp32.num_params() * 4 / 1e6:.0f} MB of fp32 weights per token)")
     print(load_average())
 
 
@@ -434,7 +462,7 @@ def bench_finetune(args: argparse.Namespace, cli: list[str]) -> None:
     print("| decoding, batch 1, KV cache | tokens/s | ms/token |")
     print("| --- | ---: | ---: |")
     for name, dtype in (("fp32", torch.float32), ("bf16 weights", torch.bfloat16)):
-        seconds = time_generation(model.to(dtype), args.new_tokens, True, min(args.repeats, 2))
+        seconds, _ = time_generation(model.to(dtype), args.new_tokens, True, min(args.repeats, 2))
         print(f"| {name} | {args.new_tokens / seconds:,.1f} | {seconds / args.new_tokens * 1e3:.1f} |")
     print(load_average())
 
@@ -643,6 +671,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--against", metavar="REV", help="time this checkout's training step against git commit REV's")
     p.add_argument("--rounds", type=int, default=6, help="--against: rounds of one process per side")
     p.add_argument("--new-tokens", type=int, default=500, help="--sample: tokens generated per run")
+    p.add_argument("--compile-decoding", action=argparse.BooleanOptionalAction, default=True,
+                   help="--sample: include the compiled decoding step (a one-off compile per dtype)")
     p.add_argument("--input", default=str(SHAKESPEARE), help="--prepare: the text to train BPE on and repeat")
     p.add_argument("--vocab-size", type=int, default=4096, help="--prepare: BPE vocabulary size")
     p.add_argument("--workers", type=int, default=None, help="--prepare: worker processes of the parallel run (default: cores)")

@@ -84,14 +84,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Per-layer key/value buffers for generation (n_kv_head heads each): each new token costs one position."""
+    """Per-layer key/value buffers for generation (n_kv_head heads each), allocated once: each new token writes one
+    position. Zero-filled, because a decoding step attends over the whole buffer with the unfilled part masked
+    (a masked NaN would still poison the output: 0 * NaN)."""
 
     def __init__(self, n_layer: int, batch: int, n_head: int, length: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype):
         shape = (batch, n_head, length, head_dim)
         self.length = length
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
         self.pos = 0  # number of positions filled
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +102,12 @@ class KVCache:
         self.v[layer][:, :, self.pos:self.pos + T] = v
         end = self.pos + T
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def write(self, layer: int, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token's k, v (B, nkv, 1, hs) at `position` (a (1,) tensor); returns the whole buffers (B, nkv, L, hs)."""
+        self.k[layer].index_copy_(2, position, k)
+        self.v[layer].index_copy_(2, position, v)
+        return self.k[layer], self.v[layer]
 
 
 class CausalSelfAttention(nn.Module):
@@ -118,7 +126,8 @@ class CausalSelfAttention(nn.Module):
         self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: KVCache | None) -> torch.Tensor:
+                cache: KVCache | None, step: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """step = (position (1,), visible (1, 1, 1, L)) decodes one token against the whole cache (GPT.decode_one)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.widths, dim=2)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
@@ -128,11 +137,15 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        # with a cache, a single new query attends to every cached key: no mask needed
-        is_causal = cache is None or cache.pos == 0
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)
-        y = causal_attention(q, k, v, self.dropout if self.training else 0.0, is_causal and T > 1)
+        if step is not None:
+            k, v = cache.write(self.layer, step[0], k, v)  # (B, nkv, L, hs)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=step[1], enable_gqa=k.size(1) != q.size(1))
+        else:
+            # with a cache, a single new query attends to every cached key: no mask needed
+            is_causal = cache is None or cache.pos == 0
+            if cache is not None:
+                k, v = cache.update(self.layer, k, v)
+            y = causal_attention(q, k, v, self.dropout if self.training else 0.0, is_causal and T > 1)
         y = y.transpose(1, 2).contiguous().view(B, T, self.widths[0])  # (B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
 
@@ -172,8 +185,8 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, cache)
+    def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None, step=None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, cache, step)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -249,17 +262,36 @@ class GPT(nn.Module):
                 x = block(x, rope, cache)
         if cache is not None:
             cache.pos += T
-        x = self.transformer.ln_f(x)
         if last_only:
             x = x[:, [-1], :]  # (B, 1, C)
-        logits = self.lm_head(x)  # (B, T, V)
-        if self.config.logit_softcap:
-            cap = self.config.logit_softcap
-            logits = cap * torch.tanh(logits / cap)
+        logits = self.head(x)  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm, output projection and soft-cap: (B, T, C) -> (B, T, V)."""
+        logits = self.lm_head(self.transformer.ln_f(x))
+        if self.config.logit_softcap:
+            cap = self.config.logit_softcap
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    def decode_one(self, token: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The next-token logits (B, V) for token (B, 1) at `position` (a (1,) tensor), its k and v written into the
+        cache. Shapes never change with the position (the whole cache is attended over, the positions after this
+        one masked), so one compiled graph serves a whole generation: see GPT.generate_stream(compile=True)."""
+        x = self.transformer.wte(token)  # (B, 1, C)
+        rope = None
+        if self.config.pos_emb == "learned":
+            x = x + self.transformer.wpe(position)
+        else:
+            rope = (self.rope_cos.index_select(0, position), self.rope_sin.index_select(0, position))  # (1, hs/2)
+        visible = (torch.arange(cache.length, device=token.device) <= position).view(1, 1, 1, -1)  # (1, 1, 1, L)
+        for block in self.transformer.h:
+            x = block(x, rope, cache, (position, visible))
+        return self.head(x)[:, -1, :]
 
     # ---- accounting -------------------------------------------------------------------------
 
@@ -279,34 +311,47 @@ class GPT(nn.Module):
     @torch.inference_mode()
     def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                         top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
-                        generator: torch.Generator | None = None, vocab_limit: int | None = None) -> Iterator[torch.Tensor]:
+                        generator: torch.Generator | None = None, vocab_limit: int | None = None,
+                        compile: bool = False) -> Iterator[torch.Tensor]:
         """Yield (B, 1) new tokens one at a time. temperature 0 is greedy.
 
         vocab_limit masks ids the tokenizer can't decode (a vocabulary padded for speed).
-        The prompt is cropped to its last block_size tokens. With the KV cache, each step runs one
-        position; when the cache is full it is refilled from the last block_size/2 tokens (learned
-        positions make a sliding window impossible), so beyond block_size the two paths differ.
+        The prompt is cropped to its last block_size tokens. With the KV cache (allocated once, its length a power
+        of two that holds the prompt and the new tokens, at most block_size) the prompt runs in one forward pass,
+        then each token in one decode_one step; compile=True compiles that step once per cache length (a one-off
+        cost of seconds, the first token unaffected: the prompt's pass stays eager). When the cache is full it is
+        refilled from the last block_size/2 tokens (learned positions make a sliding window impossible), so beyond
+        block_size the cached and uncached paths differ.
         """
         block = self.config.block_size
         idx = idx[:, -block:]
-        cache = None
+        cache, step, next_token = None, self.decode_step(compile), None
         for _ in range(max_new_tokens):
             if not use_cache:
                 logits, _ = self(idx[:, -block:], last_only=True)
+                logits = logits[:, -1, :]
+            elif cache is None or cache.pos >= cache.length:
+                context = idx[:, -(block // 2):] if cache is not None else idx
+                cache = self.new_cache(idx.size(0), cache_length(context.size(1) + max_new_tokens, block))
+                logits, _ = self(context, cache=cache, last_only=True)
+                logits = logits[:, -1, :]
             else:
-                if cache is None or cache.pos >= cache.length:
-                    context = idx[:, -(block // 2):] if cache is not None else idx
-                    # room for what this call can produce: a long-context model needs no block_size-long cache
-                    cache = self.new_cache(idx.size(0), context.size(1) + max_new_tokens)
-                    logits, _ = self(context, cache=cache, last_only=True)
-                else:
-                    logits, _ = self(idx[:, -1:], cache=cache, last_only=True)
-            logits = logits[:, -1, :].float()
+                logits = step(next_token, torch.tensor([cache.pos], device=idx.device), cache)
+                cache.pos += 1
+            logits = logits.float()
             if vocab_limit is not None and vocab_limit < logits.size(-1):
                 logits[:, vocab_limit:] = -float("inf")
             next_token = sample_next(logits, temperature, top_k, top_p, generator)
             idx = torch.cat((idx, next_token), dim=1)
             yield next_token
+
+    def decode_step(self, compile: bool):
+        """decode_one, or its compiled form (kept on the model: a later generation reuses it)."""
+        if not compile:
+            return self.decode_one
+        if getattr(self, "_compiled_decode_one", None) is None:
+            self._compiled_decode_one = torch.compile(self.decode_one, dynamic=False, fullgraph=True)
+        return self._compiled_decode_one
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **kw) -> torch.Tensor:
         """(B, T) prompt -> (B, T + max_new_tokens), the prompt cropped to block_size as in generate_stream."""
@@ -328,6 +373,11 @@ class GPT(nn.Module):
         p = self.lm_head.weight
         length = min(length or cfg.block_size, cfg.block_size)
         return KVCache(cfg.n_layer, batch, cfg.kv_heads, length, cfg.head_width, p.device, p.dtype)
+
+
+def cache_length(needed: int, block_size: int) -> int:
+    """A power of two >= needed (and >= 64), at most block_size: few distinct lengths, so few compiled graphs."""
+    return min(block_size, max(64, 1 << (needed - 1).bit_length()))
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,

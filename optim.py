@@ -80,46 +80,59 @@ def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> float:
     return optimizers[-1].param_groups[0]["lr"]
 
 
-# ---- Muon ---------------------------------------------------------------------------------------
+# ---- Muon ----------------------------------------------------------------------------------------
 
 def make_muon(groups: list[dict], lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
-    """torch.optim.Muon where the installed torch has it, else our short implementation."""
-    if hasattr(torch.optim, "Muon"):
-        return torch.optim.Muon(groups, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                nesterov=True, adjust_lr_fn="match_rms_adamw")
     return Muon(groups, lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
-def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Approximately orthogonalise G (Keller Jordan's quintic Newton-Schulz iteration)."""
+def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Approximately orthogonalise each matrix of G (G, m, n) in bf16: Keller Jordan's quintic Newton-Schulz
+    iteration, as torch.optim.Muon runs it for one matrix, here for a batch of same-shape matrices at once."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    X = G.float()
-    transposed = X.size(0) > X.size(1)
-    if transposed:
-        X = X.T
-    X = X / (X.norm() + 1e-7)
+    X = G.bfloat16()
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT  # (G, n, m): the Gram matrix on the short side
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= 1
     for _ in range(steps):
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    return X.T if transposed else X
+        A = X @ X.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
+        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+    return X.mT if tall else X
 
 
 class Muon(torch.optim.Optimizer):
-    """Momentum + Newton-Schulz orthogonalised update for 2-D weights (fallback for torch < 2.9)."""
+    """torch.optim.Muon's update (Nesterov momentum, bf16 quintic Newton-Schulz, Moonshot's match_rms_adamw scale
+    0.2 * sqrt(max(m, n)) so AdamW's learning rates carry over, decoupled weight decay), with the Newton-Schulz
+    iterations of same-shape matrices batched: one chain of bmm per shape instead of one of mm per matrix (an
+    (m, n) matrix and an (n, m) one share a batch, transposed). State and checkpoints are torch.optim.Muon's
+    (a momentum_buffer per matrix), so either resumes the other's."""
 
-    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0, ns_steps: int = 5):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
+            batches: dict[tuple, list[torch.nn.Parameter]] = {}
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                update = zeropower_via_newtonschulz(p.grad.lerp(buf, group["momentum"]))
-                # match AdamW's update RMS so the same lr scale works (Moonshot's rule)
-                scale = 0.2 * math.sqrt(max(p.size(0), p.size(1)))
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update.to(p.dtype), alpha=-group["lr"] * scale)
+                if p.grad is not None:
+                    batches.setdefault((min(p.shape), max(p.shape), p.dtype), []).append(p)
+            for params in batches.values():
+                self.update(params, group)
+
+    def update(self, params: list[torch.nn.Parameter], group: dict) -> None:
+        lr, momentum = group["lr"], group["momentum"]
+        bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+        grads = [p.grad for p in params]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        # orient every matrix wide (m <= n) so tall and wide ones of the same size stack
+        wide = [t if t.size(0) <= t.size(1) else t.T for t in (*grads, *bufs)]
+        n = len(params)
+        update = torch.stack(wide[:n]).lerp_(torch.stack(wide[n:]), momentum)  # Nesterov: (G, m, n)
+        ortho = zeropower_via_newtonschulz(update, group["ns_steps"]).to(params[0].dtype)
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        scale = 0.2 * math.sqrt(max(params[0].shape))
+        for p, u in zip(params, ortho.unbind(0)):
+            p.add_(u if p.size(0) <= p.size(1) else u.T, alpha=-lr * scale)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import CPUCausalAttention, Dropout, cpu_keep_mask
-from model import GPT, GPTConfig, sample_next
+from model import cache_length, GPT, GPTConfig, sample_next
 
 MODERN = dict(pos_emb="rope", norm="rmsnorm", qk_norm=True, mlp="swiglu", tie_embeddings=False,
               logit_softcap=15.0, zero_init_proj=False)
@@ -73,6 +73,22 @@ def test_kv_cache_greedy_matches_no_cache(kw):
     without = model.generate(prompt, 20, temperature=0, use_cache=False)
     assert with_cache.shape == (2, 25)
     assert torch.equal(with_cache, without)
+
+
+def test_compiled_decoding_gives_the_eager_tokens():
+    """The compiled one-token step (a cache allocated once, attended over whole with the unfilled part masked)
+    gives exactly the eager path's greedy tokens, for a modern model with grouped-query attention and past
+    block_size (the cache is refilled); within block_size both equal the uncached path."""
+    model = tiny(**MODERN, n_head=4, n_kv_head=2).eval()
+    prompt = torch.randint(0, 50, (2, 5))
+    eager = model.generate(prompt, 40, temperature=0)
+    assert torch.equal(model.generate(prompt, 40, temperature=0, compile=True), eager)
+    assert torch.equal(model.generate(prompt, 20, temperature=0, use_cache=False), eager[:, :25])
+
+
+def test_decoding_allocates_one_cache_per_length_bucket():
+    assert [cache_length(n, 1024) for n in (1, 64, 65, 300, 600, 5000)] == [64, 64, 128, 512, 1024, 1024]
+    assert cache_length(100, 96) == 96
 
 
 def test_generate_crops_long_prompts_and_runs_past_block_size():

@@ -1,10 +1,12 @@
 """optim.py: parameter groups, AdamW and Muon, the learning-rate schedule."""
 
+import copy
+
 import pytest
 import torch
 
 from config import OptimizerConfig, build_config
-from optim import lr_multiplier, make_optimizers
+from optim import Muon, lr_multiplier, make_optimizers
 from test_model import MODERN, tiny
 
 
@@ -34,6 +36,33 @@ def test_muon_takes_hidden_matrices_only():
             opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5
+
+
+def test_batched_muon_equals_torch_muon_and_resumes_its_state():
+    """Same-shape (and transposed) matrices orthogonalised in one batch give torch.optim.Muon's weights exactly, and
+    each optimizer loads the other's state_dict (checkpoints written before the batching resume)."""
+    torch.manual_seed(0)
+    shapes = [(128, 384), (384, 128), (128, 128), (320, 128), (128, 320), (320, 128), (7, 5)]
+    ours = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    kw = dict(lr=2.5e-3, momentum=0.95, weight_decay=0.1)
+    a = Muon([{"params": ours}], **kw)
+    b = torch.optim.Muon([{"params": theirs}], nesterov=True, adjust_lr_fn="match_rms_adamw", **kw)
+
+    def step(steps: int) -> None:
+        for _ in range(steps):
+            for p, q in zip(ours, theirs):
+                p.grad = torch.randn(p.shape)
+                q.grad = p.grad.clone()
+            a.step()
+            b.step()
+
+    step(4)
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
+    a.load_state_dict(copy.deepcopy(b.state_dict()))  # as from a checkpoint file: buffers of its own
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    step(2)
+    assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
 
 
 def test_lr_schedule():

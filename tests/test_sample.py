@@ -54,6 +54,13 @@ def greedy(loaded, prompt: str, n: int = 40, **kw) -> str:
     return texts[0]
 
 
+def test_bf16_sampling_casts_the_weights_and_decodes(ckpt):
+    model, tokenizer, _ = load_for_sampling(ckpt, "cpu", "bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    text = greedy((model, tokenizer), "the ", 30)
+    assert len(text) > 0 and set(text) <= set(CHARS)
+
+
 def test_seed_makes_a_session_deterministic(ckpt):
     args = ["--ckpt", str(ckpt), "--interactive", "--num-samples", "2", "--max-new-tokens", "30",
             "--temperature", "1.0", "--seed", "7"]
