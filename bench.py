@@ -7,7 +7,7 @@ Training runs the real trainer.train_step on the Trainer that train.py builds (t
     python bench.py --config configs/shakespeare_char/cpu.toml --profile      # + a chrome trace in bench_out/
     python bench.py --config configs/shakespeare_char/cpu.toml --against HEAD~1 --rounds 6  # this code vs a commit's
 Other modes:
-    python bench.py --sample             # batch-1 decoding tokens/s: no cache, KV cache, compiled step; fp32, bf16
+    python bench.py --sample             # batch-1 decoding tokens/s: no cache, KV cache, compiled step; fp32, bf16, int8
     python bench.py --hellaswag --training.precision bf16   # seconds per 1,000 HellaSwag items (GPU preset's model)
     python bench.py --prepare            # BPE training time; prepare.py on a 1 GB jsonl: MB/s with 1 and 2 workers, RSS
     python bench.py --memory             # training RSS on a 1 GB train.bin vs tiny Shakespeare's
@@ -55,7 +55,7 @@ from distributed import DistInfo
 from hf import export_hf
 from load import load_model
 from metrics import matmul_flops, rss_mb
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, quantize_int8
 from prepare import BPE_TRAIN_PIECE_CHARS
 from scoring import HellaSwagItem, hellaswag_items, score_hellaswag
 from tokenizer import cache_gpt2_files_from_package, get_tiktoken, split_text, train_tokenizer
@@ -354,19 +354,19 @@ def time_generation(model: GPT, new_tokens: int, use_cache: bool, repeats: int, 
 
 def bench_sample(args: argparse.Namespace, overrides: list) -> None:
     """Batch-1 decoding of the config's model (default: the GPU preset's 10.7M char model, random weights): no cache,
-    the KV cache with the eager one-token step, and the compiled step, in fp32 and bf16 weights; the time to the first
-    token; the bf16 matmul rate beside it."""
+    the KV cache with the eager one-token step, and the compiled step, with fp32, bf16 and int8 (weight-only)
+    weights; the time to the first token; the bf16 matmul rate beside it."""
     cfg = build_config(load_toml(args.config or GPU_PRESET), overrides, source=str(args.config or GPU_PRESET))
     margs = GPTConfig.from_dict({**cfg.model_args(), "vocab_size": cfg.model.vocab_size or CHAR_VOCAB, "dropout": 0.0})
     torch.manual_seed(0)
     fp32 = GPT(margs).eval()  # random weights: the speed does not depend on them
-    models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16)}
+    models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16), "int8": quantize_int8(copy.deepcopy(fp32))}
     n = args.new_tokens
     print(f"generation: {fp32.num_params() / 1e6:.2f}M parameters, block {margs.block_size}, {n} new tokens after a "
           f"{PROMPT_TOKENS}-token prompt, batch 1, {torch.get_num_threads()} threads, best of {args.repeats}", flush=True)
     rows = []
     paths = [("fp32", False, False), ("fp32", True, False), ("fp32", True, True), ("bf16", True, False),
-             ("bf16", True, True)]
+             ("bf16", True, True), ("int8", True, False), ("int8", True, True)]
     for dtype, cache, compile in [p for p in paths if args.compile_decoding or not p[2]]:
         model = models[dtype]
         t0 = time.perf_counter()

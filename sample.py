@@ -8,7 +8,7 @@
     python sample.py --ckpt checkpoints/base --prompt-file prompt.txt --verbose   # tokens/s at the end
     python sample.py --ckpt exports/base.safetensors --prompt "import "          # a file from export.py --safetensors
     python sample.py --ckpt gpt2 --prompt "Hello, I'm a language model,"         # OpenAI's GPT-2 (transformers, network once)
-    python sample.py --ckpt checkpoints/base --compile --dtype bf16 --max-new-tokens 2000   # fast decoding (below)
+    python sample.py --ckpt checkpoints/base --compile --dtype int8 --max-new-tokens 2000   # fast decoding (below)
 
 --ckpt also takes a Hugging Face model directory (GPT-2, Llama, Qwen2, Qwen3; config.json,
 safetensors weights and tokenizer.json) or a hub name (downloaded once). A row ends at the
@@ -19,8 +19,9 @@ keeps its last block_size tokens, with a notice on stderr.
 
 Speed: the KV cache is allocated once and each new token is one decode step (model.GPT.decode_one). --compile
 compiles that step (seconds, once per process and cache length; the prompt's own pass stays eager, so the first
-token is as quick as without), and --dtype bf16 halves the bytes of weights each token reads: both pay for long
-samples at batch 1, where per-op overhead and memory bandwidth, not FLOPs, bound the speed.
+token is as quick as without), and --dtype bf16 halves the bytes of weights each token reads, --dtype int8
+(weight-only, one scale per output row; CPU) quarters them: at batch 1 the matmuls are vector-matrix products
+bound by reading the weights, not by FLOPs. bench.py --sample measures each.
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ import torch
 
 from common import UserError, run_main
 from load import load_model
-from model import GPT
+from model import GPT, quantize_int8
 from tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.bfloat16}
 
 
 def load_for_sampling(source: str | Path, device: str, dtype: str = "fp32") -> tuple[GPT, Tokenizer, str]:
@@ -57,8 +58,11 @@ def load_for_sampling(source: str | Path, device: str, dtype: str = "fp32") -> t
         raise UserError(f"{source} has {loaded.model.config.vocab_size} token ids, fewer than its "
                         f"{tokenizer_label(loaded.tokenizer)} tokenizer's {tokenizer.vocab_size}: sample from the "
                         "checkpoint it was exported from instead")
+    if dtype == "int8" and device != "cpu":
+        raise UserError(f"--dtype int8 is for the CPU (weight-only int8 matmuls); on {device} use bf16")
     loaded.model.eval().to(device=device, dtype=DTYPES[dtype])
-    return loaded.model, tokenizer, loaded.source
+    model = quantize_int8(loaded.model) if dtype == "int8" else loaded.model
+    return model, tokenizer, loaded.source
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> list[int]:
@@ -153,7 +157,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stop", action="append", default=[], help="stop a sample at this text (repeatable; \\n escapes work)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="weights' dtype while sampling (default: bf16 on a CUDA device that has it, else fp32)")
+                   help="weights' dtype while sampling; int8: weight-only int8 with bf16 activations, CPU "
+                        "(default: bf16 on a CUDA device that has it, else fp32)")
     p.add_argument("--compile", action="store_true", help="compile the one-token decoding step (pays for long samples)")
     p.add_argument("--interactive", action="store_true", help="read prompts in a loop (one per line; \\n escapes work)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None, help="stream the first sample")

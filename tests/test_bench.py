@@ -93,7 +93,7 @@ def test_sample_mode(capsys):
                 "--no-compile-decoding"])  # compiled decoding: test_model.py
     out = capsys.readouterr().out
     rows = {tuple(row[:3]): row for row in table_rows(out) if row[0] != "weights"}
-    assert set(rows) == {("fp32", "off", "no"), ("fp32", "on", "no"), ("bf16", "on", "no")}
+    assert set(rows) == {("fp32", "off", "no"), ("fp32", "on", "no"), ("bf16", "on", "no"), ("int8", "on", "no")}
     assert rows[("fp32", "on", "no")][5] == "1.00x"
     assert all(float(row[3].replace(",", "")) > 0 and float(row[6]) > 0 for row in rows.values())
     assert "bf16 matmul ceiling here" in out

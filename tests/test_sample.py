@@ -61,6 +61,21 @@ def test_bf16_sampling_casts_the_weights_and_decodes(ckpt):
     assert len(text) > 0 and set(text) <= set(CHARS)
 
 
+def test_int8_sampling_quantizes_every_linear_and_stays_close_to_fp32(ckpt):
+    model, tokenizer, _ = load_for_sampling(ckpt, "cpu", "int8")
+    reference, _, _ = load_for_sampling(ckpt, "cpu", "fp32")
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert model.lm_head.weight.dtype == torch.int8 and model.transformer.h[0].mlp.c_fc.weight.dtype == torch.int8
+    x = torch.tensor([tokenizer.encode("the quick brown fox")])
+    with torch.no_grad():
+        ours, theirs = model(x)[0].float(), reference(x)[0]
+    assert torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0) > 0.995
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9
+    assert set(greedy((model, tokenizer), "the ", 30)) <= set(CHARS)
+    result = run_sample("--ckpt", str(ckpt), "--dtype", "int8", "--device", "cuda")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+
+
 def test_seed_makes_a_session_deterministic(ckpt):
     args = ["--ckpt", str(ckpt), "--interactive", "--num-samples", "2", "--max-new-tokens", "30",
             "--temperature", "1.0", "--seed", "7"]
