@@ -12,6 +12,7 @@ Other modes:
     python bench.py --prepare            # BPE training time; prepare.py on a 1 GB jsonl: MB/s with 1 and 2 workers, RSS
     python bench.py --memory             # training RSS on a 1 GB train.bin vs tiny Shakespeare's
     python bench.py --precision-curves --training.batch_size 8   # val loss of fp32 vs bf16 training, 300 iters
+    python bench.py --muon               # Muon's step: a Newton-Schulz chain per matrix vs one per shape
     python bench.py --finetune           # SmolLM2-135M's shape (random): fine-tuning tokens/s and RSS vs --validate, decoding
 
 The baseline is the same model with every optimisation off: eager, for-loop AdamW (no fused or
@@ -56,6 +57,7 @@ from hf import export_hf
 from load import load_model
 from metrics import matmul_flops, rss_mb
 from model import GPT, GPTConfig, quantize_int8
+from optim import Muon
 from prepare import BPE_TRAIN_PIECE_CHARS
 from scoring import HellaSwagItem, hellaswag_items, score_hellaswag
 from tokenizer import cache_gpt2_files_from_package, get_tiktoken, split_text, train_tokenizer
@@ -64,6 +66,7 @@ from trainer import PRECISIONS, Trainer, build, setup, train_step
 REPO = Path(__file__).resolve().parent
 CPU_PRESET = REPO / "configs" / "shakespeare_char" / "cpu.toml"
 GPU_PRESET = REPO / "configs" / "shakespeare_char" / "gpu.toml"
+SPEEDRUN_PRESET = REPO / "configs" / "shakespeare_char" / "speedrun_cpu.toml"
 FINETUNE_PRESET = REPO / "configs" / "finetune" / "smollm2_135m.toml"
 CHAR_VOCAB = 65  # tiny Shakespeare's characters: the vocabulary of a model benchmarked without data
 # HuggingFaceTB/SmolLM2-135M's config.json, as model.py's switches
@@ -389,6 +392,44 @@ def bench_sample(args: argparse.Namespace, overrides: list) -> None:
     print(load_average())
 
 
+# ---- Muon ----------------------------------------------------------------------------------------
+
+def bench_muon(args: argparse.Namespace, overrides: list) -> None:
+    """Milliseconds per Muon step on the speedrun preset's real gradients: torch.optim.Muon (one Newton-Schulz chain
+    per matrix) against optim.Muon (one per shape), and each one's share of the measured training step."""
+    bench = make_bench(str(args.config or SPEEDRUN_PRESET), overrides, False)
+    tr = bench.tr
+    ours = tr.optimizers[0]
+    if not isinstance(ours, Muon):
+        raise UserError("--muon needs optimizer.name = 'muon' (the default config is the speedrun preset)")
+    (step,) = time_training({"training step": bench}, args.warmup, args.iters or 20, args.repeats)
+    x, y = tr.batches.get("train", 0)
+    with tr.rt.autocast:
+        _, loss = tr.model(x, y)
+    loss.backward()
+    params = [p for g in ours.param_groups for p in g["params"]]
+    group = ours.param_groups[0]
+    theirs = torch.optim.Muon(params, lr=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"],
+                              nesterov=True, adjust_lr_fn="match_rms_adamw")
+    shapes = {(min(p.shape), max(p.shape)) for p in params}
+    print(f"Muon on {len(params)} matrices of {len(shapes)} shapes (transposes shared); training step "
+          f"{step.ms_median:.1f} ms (median), {torch.get_num_threads()} threads")
+    print("| Muon | ms per step (median of 3 x 20) | share of the training step |")
+    print("| --- | ---: | ---: |")
+    for name, opt in (("torch.optim.Muon (a chain per matrix)", theirs), ("optim.Muon (a chain per shape)", ours)):
+        for _ in range(3):
+            opt.step()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                opt.step()
+            times.append((time.perf_counter() - t0) / 20 * 1e3)
+        ms = statistics.median(times)
+        print(f"| {name} | {ms:.2f} | {ms / step.ms_median:.1%} |")
+    print(load_average())
+
+
 # ---- evaluation -----------------------------------------------------------------------------------
 
 def bench_hellaswag(args: argparse.Namespace, overrides: list) -> None:
@@ -657,6 +698,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     mode.add_argument("--memory", action="store_true", help="training RSS with a --size-mb train.bin vs the real one")
     mode.add_argument("--precision-curves", action="store_true", help="val loss of fp32 vs bf16 training runs")
     mode.add_argument("--hellaswag", action="store_true", help="seconds per 1,000 HellaSwag items (GPU preset's model)")
+    mode.add_argument("--muon", action="store_true", help="Muon's step, per matrix vs batched per shape (speedrun preset)")
     mode.add_argument("--finetune", action="store_true",
                       help="SmolLM2-135M's shape: fine-tuning speed and RSS beside --validate's estimate; decoding speed")
     p.add_argument("--config", help="TOML config (training/--memory: the CPU preset; --sample/--precision-curves: the GPU preset)")
@@ -691,6 +733,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_sample(args, parse_overrides(cli))
     elif args.hellaswag:
         bench_hellaswag(args, parse_overrides(cli))
+    elif args.muon:
+        bench_muon(args, parse_overrides(cli))
     elif args.finetune:
         args.iters = args.iters or 3
         args.warmup = min(args.warmup, 2)

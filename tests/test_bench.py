@@ -99,6 +99,13 @@ def test_sample_mode(capsys):
     assert "bf16 matmul ceiling here" in out
 
 
+def test_muon_mode(tiny, capsys):
+    bench.main(["--muon", *tiny, "--optimizer.name", "muon", "--warmup", "1", "--iters", "2", "--repeats", "1"])
+    out = capsys.readouterr().out
+    rows = {row[0]: row for row in table_rows(out)}
+    assert float(rows["torch.optim.Muon (a chain per matrix)"][1]) > 0 and rows["optim.Muon (a chain per shape)"][2].endswith("%")
+
+
 def test_hellaswag_mode(capsys):
     bench.main(["--hellaswag", *TINY_MODEL, "--model.block_size", "64", "--items", "6"])
     out = capsys.readouterr().out
@@ -178,7 +185,7 @@ def test_write_repeated(tmp_path):
 
 @pytest.mark.slow
 def test_speedrun_times_rungs_seeds_and_variants(tiny, tmp_path):
-    """Two tiny configs, two seeds, a variant: a row each with the time to every rung reached, the final val loss
+    """Two tiny configs and a variant: a row each with the time to every rung reached, the final val loss
     over --final-batches at max_iters, the wall time and the budget beside the measured matmul rate."""
     configs = []
     for name in ("slow", "fast"):
@@ -186,12 +193,12 @@ def test_speedrun_times_rungs_seeds_and_variants(tiny, tmp_path):
         path.write_text("[run]\ndevice = \"cpu\"\n[training]\nmax_iters = 4\neval_iters = 2\neval_interval = 2\n")
         configs.append(str(path))
     result = subprocess.run([sys.executable, "speedrun.py", "--configs", *configs, "--targets", "100", "0.01",
-                             "--seeds", "1", "2", "--variant", "a=--optimizer.learning_rate 1e-2", "--final-batches", "3", *tiny],
+                             "--seeds", "1", "--variant", "a=--optimizer.learning_rate 1e-2", "--final-batches", "3", *tiny],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [r for r in table_rows(result.stdout) if r[0] != "config"]
     assert sorted((r[0], r[1], r[2]) for r in rows) == sorted(
-        (Path(c).name, "a", s) for c in configs for s in "12")
+        (Path(c).name, "a", "1") for c in configs)
     for row in rows:
         assert re.fullmatch(r"[\d.]+s @0", row[3])  # the iter-0 eval is already below 100
         assert row[4] == "—"  # 0.01 is never reached
@@ -200,13 +207,14 @@ def test_speedrun_times_rungs_seeds_and_variants(tiny, tmp_path):
     assert re.search(r"fast.toml / .*slow.toml to 100.0: [\d.]+s / [\d.]+s = [\d.]+ of the wall time", result.stdout)
 
 
-def test_speedrun_stops_a_run_at_its_budget(tiny, tmp_path):
+def test_speedrun_stops_a_run_at_its_budget_once_per_seed(tiny, tmp_path):
     config = tmp_path / "long.toml"
     config.write_text("[run]\ndevice = \"cpu\"\n[training]\nmax_iters = 100000\neval_iters = 2\neval_interval = 5\n")
     result = subprocess.run([sys.executable, "speedrun.py", "--configs", str(config), "--budget-minutes", "0.0001",
-                             *tiny], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+                             "--seeds", "5", "6", *tiny], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "over budget (best" in table_rows(result.stdout)[1][-3]
+    rows = [r for r in table_rows(result.stdout) if r[0] != "config"]
+    assert [r[2] for r in rows] == ["5", "6"] and all("over budget (best" in r[-3] for r in rows)
 
 
 def test_speedrun_ratio_when_the_baseline_never_reaches_the_target():

@@ -179,7 +179,7 @@ def test_every_torch_load_is_weights_only():
                     f"{path.name}:{node.lineno} torch.load without weights_only=True"
 
 
-KILL_TRIALS = 20
+KILL_TRIALS = 12
 KILL_WINDOW_S = 0.6  # kill after a seeded random delay in [0, KILL_WINDOW_S) once a new checkpoint exists
 
 
