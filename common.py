@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import hashlib
 import os
 import socket
 import sys
@@ -163,3 +164,12 @@ def with_shakespeare_input(cli: list[str]) -> list[str]:
     shakespeare_char presets prepare their dataset offline."""
     given = any(a.split("=")[0] == "--data.input" for a in cli)
     return cli if given or not SHAKESPEARE.is_file() else ["--data.input", str(SHAKESPEARE), *cli]
+
+
+def sha256_file(path: Path) -> str:
+    """The file's SHA-256, read in 4 MB blocks (memory stays flat for a multi-GB checkpoint or corpus)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(2**22):
+            digest.update(block)
+    return digest.hexdigest()

@@ -32,7 +32,7 @@ import torch
 
 import corpus
 from checkpoint import load_checkpoint
-from common import UserError, atomic_write, atomic_write_json, run_main
+from common import UserError, atomic_write, atomic_write_json, run_main, sha256_file
 from data import check_vocab_compatible, load_dataset
 from load import load_model
 from model import GPT
@@ -45,14 +45,6 @@ HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/
 HELLASWAG_BLOB_SHA1 = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
 HELLASWAG_PATH = Path("data") / "hellaswag" / "hellaswag_val.jsonl"
 DEFAULT_CONTEXT = 2048
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(2**22):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---- what to score ------------------------------------------------------------------------------

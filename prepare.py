@@ -61,7 +61,7 @@ import numpy as np
 from tqdm import tqdm
 
 import corpus
-from common import UserError, atomic_write, atomic_write_json, fsync_dir, read_json, run_main, usable_cpus
+from common import UserError, atomic_write, atomic_write_json, fsync_dir, read_json, run_main, sha256_file, usable_cpus
 from corpus import Budget, Chunk, Source, TextSpan
 from tokenizer import (
     Tokenizer,
@@ -336,14 +336,6 @@ def download_shakespeare(path: Path, verbose: bool) -> None:
         raise UserError(f"downloaded tiny Shakespeare has sha256 {digest}, expected {SHAKESPEARE_SHA256}: {offline_hint}")
     with atomic_write(path) as f:
         f.write(data)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(2**20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def chunk_stream(request: Request, sources: list[Source], spans: list[Span] | None, chunk_bytes: int,
