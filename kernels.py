@@ -1,8 +1,10 @@
-"""Hand-written CPU training paths for attention and dropout, which model.py switches to in eager CPU training.
+"""Hand-written CPU training paths for attention and dropout, which model.py switches to in CPU training (eager or compiled).
 
-PyTorch's own ops are the reference and the path everywhere else (CUDA, inference, torch.compile):
+PyTorch's own ops are the reference and the path everywhere else (CUDA, inference):
 - dropout: F.dropout draws one random number per element with bernoulli_ (~90M/s on 2 cores);
-  cpu_keep_mask takes four 16-bit draws out of each 64-bit word, several times faster.
+  cpu_keep_mask takes four 16-bit draws out of each 64-bit word, several times faster. It is a custom op
+  (quill::keep_mask), so torch.compile calls it as it is and fuses the multiplies around it: inductor's own
+  random numbers made the compiled step slower than eager (552 vs 392 ms/iter; now 366, context 128).
 - attention with dropout: written out as SDPA's CPU math path computes it, with that mask.
 - bf16 causal attention without dropout: the CPU flash kernel's forward, and a backward from bf16
   batched matmuls (the flash backward is ~3x slower in bf16 than in fp32 at T = 64).
@@ -11,36 +13,48 @@ Tests check each against its PyTorch definition (gradients included).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
 
-def cpu_keep_mask(shape: torch.Size, p: float, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, float]:
-    """A dropout keep-mask of 0s and 1s in `dtype`, drawn 16 bits per element, and the scale that keeps
-    expectations unchanged.
+def cpu_keep_mask(like: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
+    """A dropout keep-mask of 0s and 1s shaped and typed like `like`, drawn 16 bits per element, and the
+    scale that keeps expectations unchanged.
 
     On the CPU, F.dropout's bernoulli_ draws one random number per element (~90M/s on 2 cores);
     taking four 16-bit draws out of each 64-bit word is several times faster. p is rounded to a
     multiple of 1/65536 and the scale uses the rounded value, so E[mask * scale] = 1. The mask is
     0/1 rather than 0/scale because a bf16 scale (1/0.9 -> 1.109) would bias every activation."""
-    n = math.prod(shape)
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-2**63, 2**63 - 1)
-    bits = words.view(torch.int16)[:n].view(shape)  # uniform over [-32768, 32767]
     dropped = round(p * 65536)
+    return keep_mask(like.detach(), dropped), 65536 / (65536 - dropped)
+
+
+# Taking the tensor (not its shape) makes each call its own graph node: torch.compile's common-subexpression
+# pass would merge two calls with equal arguments into one mask for every layer, as it would rand_like's
+# were it not on its list of random ops.
+@torch.library.custom_op("quill::keep_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def keep_mask(like: torch.Tensor, dropped: int) -> torch.Tensor:
+    """0/1 shaped and typed like `like`, 0 with probability dropped / 65536: the kernel of cpu_keep_mask."""
+    n = like.numel()
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=like.device).random_(-2**63, 2**63 - 1)
+    bits = words.view(torch.int16)[:n].view(like.shape)  # uniform over [-32768, 32767]
     # one conversion here: multiplying by a bool mask converts it again in forward and backward
-    return (bits >= dropped - 32768).to(dtype), 65536 / (65536 - dropped)
+    return (bits >= dropped - 32768).to(like.dtype)
+
+
+@keep_mask.register_fake
+def _(like: torch.Tensor, dropped: int) -> torch.Tensor:
+    return torch.empty_like(like, memory_format=torch.contiguous_format)
 
 
 class Dropout(nn.Dropout):
-    """nn.Dropout, with the faster mask of cpu_keep_mask in eager CPU training."""
+    """nn.Dropout, with the faster mask of cpu_keep_mask in CPU training (eager or compiled)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0 or x.device.type != "cpu" or torch.compiler.is_compiling():
+        if not self.training or self.p == 0 or x.device.type != "cpu":
             return super().forward(x)
-        keep, scale = cpu_keep_mask(x.shape, self.p, x.dtype, x.device)
+        keep, scale = cpu_keep_mask(x, self.p)
         return x * keep * scale
 
 
@@ -58,7 +72,7 @@ def cpu_dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: 
     The softmax stays in the input dtype: in fp32 its backward (with the casts around it) was the
     slowest op of the bf16 step, 16 ms per layer against 0.6 ms in bf16 at (8, 6, 256, 256)."""
     att = causal_scores(q, k).softmax(-1)
-    keep, scale = cpu_keep_mask(att.shape, p, att.dtype, att.device)
+    keep, scale = cpu_keep_mask(att, p)
     return (att * keep) @ v * scale  # (B, nh, T, hs): the scale goes on the smaller tensor
 
 
@@ -92,10 +106,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout:
     """Attention as the model computes it: q (B, nh, T, hs), k and v (B, nkv, S, hs) -> (B, nh, T, hs), where
     nh is a multiple of nkv (grouped-query attention: each key/value head serves nh / nkv query heads).
 
-    SDPA, except in eager CPU training (autograd on, no cache): dropout through our mask, and
-    bf16 without dropout through CPUCausalAttention. Under torch.compile inductor fuses its own mask."""
+    SDPA, except in CPU training (autograd on, no cache): dropout through our mask, and bf16 without
+    dropout through CPUCausalAttention."""
     cpu_training = q.requires_grad and q.device.type == "cpu" and is_causal
-    custom = cpu_training and ((dropout and not torch.compiler.is_compiling()) or (not dropout and q.dtype == torch.bfloat16))
+    custom = cpu_training and (dropout or q.dtype == torch.bfloat16)
     grouped = k.size(1) != q.size(1)
     if custom:
         if grouped:

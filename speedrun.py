@@ -1,7 +1,7 @@
 """Wall time to validation-loss rungs on tiny Shakespeare (1.88, 1.70, 1.55, 1.47), per preset, variant and seed.
 
     python speedrun.py                        # cpu.toml, speedrun_cpu.toml and record_cpu.toml, seed 1337
-    python speedrun.py --configs configs/shakespeare_char/record_cpu.toml --seeds 1337 1338 1339   # the record
+    python speedrun.py --configs configs/shakespeare_char/record_cpu.toml --seeds 1337 1338 1339 --keep checkpoints/record
     python speedrun.py --configs configs/shakespeare_char/record_cpu.toml --budget-minutes 4 \\
         --variant "dropout 0=--model.dropout 0" --variant "dropout 0.2=--model.dropout 0.2"       # a sweep
 
@@ -20,6 +20,7 @@ at the end and the loss plot is off. Run it on an otherwise idle machine; --seed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -62,7 +63,7 @@ def run_once(config: str, variant: tuple[str, list[str]], seed: int, args: argpa
     """One train.py run, timed from launch; its rungs, final val loss and wall time."""
     gflops = bf16_matmul_ceiling() / 1e9
     run = Run(config, variant[0], seed, gflops, args.budget_minutes * 60 * REFERENCE_GFLOPS / gflops)
-    name = f"{Path(config).stem}-{seed}"
+    name = "-".join([Path(config).stem, str(seed), *re.findall(r"[\w.]+", variant[0])])
     cmd = [sys.executable, "train.py", "--config", config, "--run.out_dir", out_dir, "--run.name", name, "--force",
            "--run.seed", str(seed), "--training.final_eval_iters", str(args.final_batches),
            "--training.save_interval", "0", "--training.save_best", "false", "--logging.plot", "false",
@@ -154,6 +155,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="a sweep point: overrides applied to every config (repeatable; default: the presets as they are)")
     p.add_argument("--eval-interval", type=int, default=None, help="evaluate every this many steps (default: the preset's)")
     p.add_argument("--final-batches", type=int, default=200, help="val batches of the evaluation at max_iters")
+    p.add_argument("--keep", metavar="DIR", default=None,
+                   help="keep each run's directory (final checkpoint) under DIR, named <preset>-<seed>[-<variant>] "
+                        "(default: a temporary directory, removed)")
     p.add_argument("--budget-minutes", type=float, default=10.0,
                    help="wall-time budget on an 800 GFLOP/s (bf16 matmul) machine, scaled by this one's rate")
     return p.parse_known_args(argv)
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = [parse_variant(v) for v in args.variant] or [("", [])]
     extra = with_shakespeare_input(extra)  # prepare tiny Shakespeare offline if needed
     runs: list[Run] = []
-    with tempfile.TemporaryDirectory(prefix="speedrun_") as out_dir:
+    with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="speedrun_")) as out_dir:
         for seed in args.seeds:
             for variant in variants:
                 for config in args.configs:

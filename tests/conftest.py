@@ -6,6 +6,8 @@ import functools
 import os
 import random
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -72,6 +74,22 @@ def tiny_overrides(data_dir: Path, out_dir: Path, **extra) -> dict:
     }
     base.update(extra)
     return base
+
+
+def train_until_sigterm(overrides: dict, iter_lines: int, timeout: float = 60) -> str:
+    """Run train.py with these overrides, SIGTERM it once it has printed `iter_lines` iter lines, and return
+    its output after it exits 0 (the step in flight finishes and ckpt_last is saved)."""
+    proc = subprocess.Popen([sys.executable, "train.py", *[f"--{k}={v}" for k, v in overrides.items()]],
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = 0
+    for line in proc.stdout:
+        seen += line.startswith("iter ")
+        if seen == iter_lines:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = proc.communicate(timeout=timeout)[0]
+    assert proc.returncode == 0, out
+    return out
 
 
 # ---- Hugging Face models, written by transformers itself --------------------------------------------

@@ -12,6 +12,7 @@ import torch
 
 import bench
 import speedrun
+from checkpoint import RunDir, load_checkpoint
 from common import UserError
 from conftest import REPO_ROOT
 from data import BatchSource, load_dataset
@@ -193,7 +194,8 @@ def test_speedrun_times_rungs_seeds_and_variants(tiny, tmp_path):
         path.write_text("[run]\ndevice = \"cpu\"\n[training]\nmax_iters = 4\neval_iters = 2\neval_interval = 2\n")
         configs.append(str(path))
     result = subprocess.run([sys.executable, "speedrun.py", "--configs", *configs, "--targets", "100", "0.01",
-                             "--seeds", "1", "--variant", "a=--optimizer.learning_rate 1e-2", "--final-batches", "3", *tiny],
+                             "--seeds", "1", "--variant", "a=--optimizer.learning_rate 1e-2", "--final-batches", "3",
+                             "--keep", str(tmp_path / "kept"), *tiny],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [r for r in table_rows(result.stdout) if r[0] != "config"]
@@ -205,6 +207,8 @@ def test_speedrun_times_rungs_seeds_and_variants(tiny, tmp_path):
         assert re.fullmatch(r"[\d.]+ @4", row[5])
         assert re.fullmatch(r"\d+s \([\d,]+ GFLOP/s\)", row[7])
     assert re.search(r"fast.toml / .*slow.toml to 100.0: [\d.]+s / [\d.]+s = [\d.]+ of the wall time", result.stdout)
+    for name in ("slow", "fast"):  # --keep: each run's final model stays, to sample from
+        assert load_checkpoint(RunDir(tmp_path / "kept" / f"{name}-1-a").latest())["iter_num"] == 4
 
 
 def test_speedrun_stops_a_run_at_its_budget_once_per_seed(tiny, tmp_path):

@@ -458,24 +458,32 @@ DATA_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def data_case_results(tiny_data, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    """Every case in its own damaged copy of the dataset, all run concurrently (torch import dominates)."""
-    root = tmp_path_factory.mktemp("data_cases")
-    commands = {}
-    for name, (damage, extra, _) in DATA_CASES.items():
-        data_dir = root / name
-        shutil.copytree(tiny_data / "tiny", data_dir / "tiny")
-        damage(data_dir / "tiny")
-        over = tiny_overrides(data_dir, root / "out" / name, **{"training.max_iters": 1})
-        commands[name] = ["train.py", *cli_args(over), *[a.replace("{dir}", str(data_dir / "tiny")) for a in extra]]
-    return run_scripts(commands)
+def damaged_copy(tiny_data: Path, root: Path, case: str) -> tuple[Path, list[str]]:
+    """data/tiny copied under root/case and damaged as DATA_CASES says; returns it and train.py's arguments."""
+    damage, extra, _ = DATA_CASES[case]
+    data_dir = root / case
+    shutil.copytree(tiny_data / "tiny", data_dir / "tiny")
+    damage(data_dir / "tiny")
+    over = tiny_overrides(data_dir, root / "out" / case, **{"training.max_iters": 1})
+    return data_dir, [*cli_args(over), *[a.replace("{dir}", str(data_dir / "tiny")) for a in extra]]
 
 
 @pytest.mark.parametrize("case", sorted(DATA_CASES))
+def test_bad_data_is_a_user_error_naming_the_fault(case, tiny_data, tmp_path):
+    """train() refuses each damaged dataset with a UserError (one line, exit 2 from the scripts) that names it."""
+    _, args = damaged_copy(tiny_data, tmp_path, case)
+    with pytest.raises(UserError) as err:
+        train(None, overrides=args)
+    message = str(err.value)
+    assert "\n" not in message and all(needle in message for needle in DATA_CASES[case][2]), message
+
+
 @pytest.mark.slow
-def test_bad_data_is_one_line_and_exit_2(case, data_case_results):
-    assert_user_error(data_case_results[case], *DATA_CASES[case][2])
+def test_bad_data_from_train_py_is_one_line_and_exit_2(tiny_data, tmp_path):
+    commands = {case: ["train.py", *damaged_copy(tiny_data, tmp_path, case)[1]]
+                for case in ("token_id_beyond_vocab", "meta_not_json")}
+    for case, proc in run_scripts(commands).items():
+        assert_user_error(proc, *DATA_CASES[case][2])
 
 
 # ---- 4. disk full -----------------------------------------------------------------------------------

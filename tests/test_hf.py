@@ -4,7 +4,6 @@ Every model here is a tiny random one built and saved by transformers itself; lo
 compared with transformers' own implementations."""
 
 import json
-import signal
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import export
 import sample
 from checkpoint import RunDir, load_checkpoint
 from common import UserError, run_main
-from conftest import REPO_ROOT, save_hf_family, save_hf_tokenizer, word_salad
+from conftest import REPO_ROOT, save_hf_family, save_hf_tokenizer, train_until_sigterm, word_salad
 from hf import export_hf
 from load import load_model
 from model import GPT, GPTConfig
@@ -227,16 +226,7 @@ def test_finetuning_an_hf_llama_lowers_the_loss_and_resumes_bit_exact_after_sigt
             "training.batch_size": 4, "training.max_iters": 400, "training.eval_interval": 0, "training.log_interval": 1,
             "training.save_interval": 1000, "optimizer.learning_rate": 3e-3, "optimizer.warmup_iters": 2,
             "optimizer.lr_decay_iters": 400, "logging.plot": False}
-    proc = subprocess.Popen([sys.executable, "train.py", *[f"--{k}={v}" for k, v in over.items()]], cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = 0
-    for line in proc.stdout:
-        seen += line.startswith("iter ")
-        if seen == 20:
-            proc.send_signal(signal.SIGTERM)
-            break
-    out = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0, out
+    train_until_sigterm(over, 20, timeout=120)
     run = RunDir(tmp_path / "runs" / "ft")
     assert 20 <= load_checkpoint(run.latest())["iter_num"] < 400
     resumed = subprocess.run([sys.executable, "train.py", "--resume", str(run.path), "--training.max_iters", "40"],

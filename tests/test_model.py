@@ -190,18 +190,38 @@ def test_cpu_dropout_mask_has_the_asked_rate_and_keeps_expectations():
     """cpu_keep_mask, the fast dropout mask of CPU training: drops p of the elements, scale undoes it on average."""
     torch.manual_seed(0)
     for p in (0.1, 0.2, 0.5):
-        keep, scale = cpu_keep_mask(torch.Size((4, 1000, 1001)), p, torch.bfloat16, torch.device("cpu"))  # odd count
+        keep, scale = cpu_keep_mask(torch.empty(4, 1000, 1001, dtype=torch.bfloat16), p)  # odd count
         assert keep.shape == (4, 1000, 1001) and keep.dtype == torch.bfloat16
         assert set(keep.unique().tolist()) == {0.0, 1.0}
         assert abs(1 - keep.float().mean().item() - p) < 0.002
         assert abs(scale - 1 / (1 - p)) < 1e-4
-    a, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.float32, torch.device("cpu"))
-    b, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.float32, torch.device("cpu"))
+    a, _ = cpu_keep_mask(torch.empty(64, 64), 0.2)
+    b, _ = cpu_keep_mask(torch.empty(64, 64), 0.2)
     assert not torch.equal(a, b)  # consecutive draws differ
     torch.manual_seed(1)
-    c, _ = cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.float32, torch.device("cpu"))
+    c, _ = cpu_keep_mask(torch.empty(64, 64), 0.2)
     torch.manual_seed(1)
-    assert torch.equal(c, cpu_keep_mask(torch.Size((64, 64)), 0.2, torch.float32, torch.device("cpu"))[0])  # seeded: reproducible
+    assert torch.equal(c, cpu_keep_mask(torch.empty(64, 64), 0.2)[0])  # seeded: reproducible
+
+
+def test_compiled_dropout_draws_a_mask_per_call_and_replays_eager():
+    """Under torch.compile our mask is an opaque op (quill::keep_mask): two dropouts of same-shape tensors
+    get two masks (the compiler's common-subexpression pass once merged them into one), drawn in eager's
+    order from the same generator, with eager's gradients."""
+    d1, d2 = Dropout(0.5), Dropout(0.5)
+
+    def f(x, y):
+        return d1(x) * 3, d2(y)
+
+    x, y = (torch.ones(16, 32, requires_grad=True) for _ in range(2))
+    torch.manual_seed(3)
+    a, b = torch.compile(f, backend="aot_eager")(x, y)
+    assert not torch.equal(a / 3, b)
+    torch.manual_seed(3)
+    ea, eb = f(x, y)
+    assert torch.equal(a, ea) and torch.equal(b, eb)
+    gx, gy = torch.autograd.grad((a + b).sum(), (x, y))
+    assert torch.equal(gx, a.detach()) and torch.equal(gy, b.detach())  # x * mask * scale: the gradient is the output
 
 
 def test_cpu_dropout_layer_and_attention_match_their_definitions():
@@ -212,7 +232,7 @@ def test_cpu_dropout_layer_and_attention_match_their_definitions():
     torch.manual_seed(5)
     y = drop(x)
     torch.manual_seed(5)
-    keep, scale = cpu_keep_mask(x.shape, 0.3, x.dtype, x.device)
+    keep, scale = cpu_keep_mask(x, 0.3)
     assert torch.equal(y, x * keep * scale) and 0.2 < (y == 0).float().mean() < 0.4
     (gx,) = torch.autograd.grad(y.sum(), x)
     assert torch.allclose(gx, keep * scale)
@@ -228,9 +248,9 @@ def test_cpu_dropout_layer_and_attention_match_their_definitions():
     q, k, v = attn.c_attn(h).split(8, dim=2)
     q, k, v = (t.view(2, 12, 2, 4).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
     probs = ((q @ k.transpose(-2, -1)) / 2.0).masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
-    keep, scale = cpu_keep_mask(probs.shape, 0.25, probs.dtype, probs.device)
+    keep, scale = cpu_keep_mask(probs, 0.25)
     out = ((probs * keep * scale) @ v).transpose(1, 2).reshape(2, 12, 8)
-    keep2, scale2 = cpu_keep_mask(out.shape, 0.25, out.dtype, out.device)
+    keep2, scale2 = cpu_keep_mask(out, 0.25)
     want = attn.c_proj(out) * keep2 * scale2
     assert torch.allclose(got, want, atol=1e-6)
     g_got, g_want = (torch.autograd.grad(t.square().sum(), h)[0] for t in (got, want))

@@ -4,7 +4,6 @@ import json
 import math
 import random
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from checkpoint import RunDir, load_checkpoint
-from conftest import REPO_ROOT, tiny_overrides
+from conftest import REPO_ROOT, tiny_overrides, train_until_sigterm
 from prepare import prepare_dataset
 from config import build_config
 from train import train
@@ -215,17 +214,7 @@ def test_sigterm_saves_and_resumes_exactly(tiny_data, tmp_path):
     """SIGTERM mid-run: the step finishes, ckpt_last is saved, exit 0, and --resume matches a straight run."""
     over = tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 400, "training.save_interval": 1000,
                                                   "training.eval_interval": 0, "optimizer.lr_decay_iters": 400})
-    args = [x for k, v in over.items() for x in (f"--{k}", str(v))]
-    cmd = [sys.executable, "train.py", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = 0
-    for line in proc.stdout:
-        seen += line.startswith("iter ")
-        if seen == 30:
-            proc.send_signal(signal.SIGTERM)
-            break
-    out = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 0, out
+    out = train_until_sigterm(over, 30)
     assert "resume with" in out
     run = RunDir(tmp_path / "t")
     stopped_at = load_checkpoint(run.latest())["iter_num"]
