@@ -138,11 +138,16 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"{directory} has config.json but no model.safetensors")
     state = {}
     for name in files:
-        try:
-            state.update(load_file(directory / name))
-        except (SafetensorError, OSError) as e:
-            raise UserError(f"cannot read {directory / name}: {e}") from None
+        state.update(read_safetensors_file(directory / name))
     return state
+
+
+def read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file; a file safetensors can't read is a UserError naming it."""
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
 
 
 def family_of(hf: dict, source: str) -> str:

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 
 import hf
 from checkpoint import load_checkpoint, resolve_checkpoint
@@ -112,7 +111,7 @@ def load_model_weights(model: GPT, state: dict, path: str | Path = "checkpoint")
 def read_safetensors(path: Path) -> Loaded:
     """A file written by export.export_safetensors: weights, with the model arguments and tokenizer in its metadata."""
     config, tokenizer = read_safetensors_metadata(path)
-    state = read_safetensors_file(path)
+    state = hf.read_safetensors_file(path)
     if config.tie_embeddings and "lm_head.weight" in state:
         state["transformer.wte.weight"] = state["lm_head.weight"]
     model = GPT(config)
@@ -136,10 +135,3 @@ def read_safetensors_metadata(path: Path) -> tuple[GPTConfig, dict | None]:
                 json.loads(metadata["tokenizer"]) if "tokenizer" in metadata else None)
     except (TypeError, ValueError) as e:
         raise UserError(f"{path}: malformed metadata: {e}") from None
-
-
-def read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(path)
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import subprocess
+import time
 import uuid
 import sys
 from pathlib import Path
@@ -46,8 +47,6 @@ def default_peak_flops(device: torch.device, precision: str) -> float:
 def matmul_flops(width: int, rows: int, dtype: torch.dtype, device: torch.device, repeats: int = 10) -> float:
     """FLOP/s of (rows, width) @ (width, 4 * width), a transformer MLP's shape: the best of `repeats` after two
     warm-ups. Every FLOP a model counts is a matmul, so this bounds tokens/s from above."""
-    import time
-
     import torch
 
     a = torch.randn(rows, width, dtype=dtype, device=device)

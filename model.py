@@ -148,7 +148,6 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, self.widths[0])  # (B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
 
-
     def attend_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """One query per head against the whole cache: q (B, nh, 1, hs), k and v (B, nkv, L, hs) -> (B, nh, 1, hs).
         Written out rather than SDPA so that torch.compile fuses it (the CPU flash kernel cost ~0.1 ms a layer here)."""
