@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -162,6 +163,7 @@ class StepTiming:
     peak_mb: float
     first_step_s: float
     rss_end_mb: float
+    round_ms: list[float]  # each round's ms/iter, in order
 
 
 def run_steps(b: Bench, start: int, n: int) -> int:
@@ -193,15 +195,20 @@ def timed_round(b: Bench, it: int, iters: int) -> tuple[int, float, float]:
     return it, (time.perf_counter() - t0) / iters, peak_memory_mb(device)
 
 
-def time_training(benches: dict[str, Bench], warmup: int, iters: int, repeats: int) -> list[StepTiming]:
+def time_training(benches: dict[str, Bench], warmup: int, iters: int, repeats: int,
+                  ceiling: Callable[[], float] | None = None) -> tuple[list[StepTiming], list[float]]:
     """Warm each trainer up, then `repeats` rounds in which each runs `iters` timed steps in turn.
 
     Taking turns puts every trainer through the same moments of a shared machine's load, so their
-    ratio holds even when the machine's speed drifts during the benchmark."""
+    ratio holds even when the machine's speed drifts during the benchmark. `ceiling`, if given, is
+    measured just before each round (a few milliseconds of matmuls), for the same reason: returned beside the rows."""
     steps, firsts, times, peaks = {}, {}, {n: [] for n in benches}, {n: 0.0 for n in benches}
+    ceilings = []
     for name, b in benches.items():
         steps[name], firsts[name] = warm_up(b, warmup)
     for _ in range(repeats):
+        if ceiling is not None:
+            ceilings.append(ceiling())
         for name, b in benches.items():
             steps[name], seconds, peak = timed_round(b, steps[name], iters)
             times[name].append(seconds)
@@ -211,8 +218,9 @@ def time_training(benches: dict[str, Bench], warmup: int, iters: int, repeats: i
         median = statistics.median(times[name])
         tps = b.tr.tokens_per_step / median
         rows.append(StepTiming(name, median * 1e3, min(times[name]) * 1e3, tps,
-                               b.tr.raw_model.estimate_mfu(tps, b.tr.rt.peak_flops), peaks[name], firsts[name], rss_mb()))
-    return rows
+                               b.tr.raw_model.estimate_mfu(tps, b.tr.rt.peak_flops), peaks[name], firsts[name], rss_mb(),
+                               [t * 1e3 for t in times[name]]))
+    return rows, ceilings
 
 
 def profile_training(b: Bench, out_dir: Path, steps: int, start: int) -> Path:
@@ -260,13 +268,16 @@ def matmul_ceiling(tr: Trainer, repeats: int = 10) -> float:
                         repeats)
 
 
-def print_ceiling(tr: Trainer, row: StepTiming) -> None:
-    flops = matmul_ceiling(tr)
+def print_ceiling(tr: Trainer, row: StepTiming, ceilings: list[float]) -> None:
+    """The share of the matmul ceiling the step reaches: each round's tokens/s over the ceiling measured just before
+    it (the machine drifts between rounds), the median of those shares."""
     per_token = tr.raw_model.flops_per_token()
-    ceiling = flops / per_token
-    print(f"matmul ceiling here: {flops / 1e9:,.0f} GFLOP/s ({tr.rt.precision}, MLP shape) -> at most "
-          f"{ceiling:,.0f} tokens/s at {per_token / 1e6:.1f} MFLOP/token; optimised runs at "
-          f"{row.tokens_per_s / ceiling:.0%} of it")
+    shares = [tr.tokens_per_step / (ms / 1e3) / (flops / per_token) for ms, flops in zip(row.round_ms, ceilings)]
+    flops = statistics.median(ceilings)
+    print(f"matmul ceiling here: {flops / 1e9:,.0f} GFLOP/s ({tr.rt.precision}, MLP shape; median of "
+          f"{len(ceilings)}, {min(ceilings) / 1e9:,.0f}-{max(ceilings) / 1e9:,.0f}, one before each round) -> at most "
+          f"{flops / per_token:,.0f} tokens/s at {per_token / 1e6:.1f} MFLOP/token; optimised runs at "
+          f"{statistics.median(shares):.0%} of it (median over rounds; {min(shares):.0%}-{max(shares):.0%})")
 
 
 def bench_training(args: argparse.Namespace, overrides: list) -> None:
@@ -275,8 +286,8 @@ def bench_training(args: argparse.Namespace, overrides: list) -> None:
         name = "baseline (all off)" if baseline else "optimised"
         benches[name] = make_bench(args.config, overrides, baseline)
         print(f"{name}: {describe(benches[name].tr)}", flush=True)
-    rows = time_training(benches, args.warmup, args.iters, args.repeats)
     optimised = benches["optimised"]
+    rows, ceilings = time_training(benches, args.warmup, args.iters, args.repeats, lambda: matmul_ceiling(optimised.tr))
     if args.profile:
         path = profile_training(optimised, Path(args.profile), args.profile_steps, args.warmup + args.iters * args.repeats)
         print(f"profiler trace: {path}")
@@ -284,7 +295,7 @@ def bench_training(args: argparse.Namespace, overrides: list) -> None:
         print(json.dumps([asdict(r) for r in rows]))
         return
     print_training_table(rows, optimised.tr.rt.device)
-    print_ceiling(optimised.tr, rows[0])
+    print_ceiling(optimised.tr, rows[0], ceilings)
     if args.baseline:
         print(f"speed-up over the baseline: {rows[1].ms_median / rows[0].ms_median:.2f}x (median ms/iter)")
     print(load_average())
@@ -402,7 +413,7 @@ def bench_muon(args: argparse.Namespace, overrides: list) -> None:
     ours = tr.optimizers[0]
     if not isinstance(ours, Muon):
         raise UserError("--muon needs optimizer.name = 'muon' (the default config is the speedrun preset)")
-    (step,) = time_training({"training step": bench}, args.warmup, args.iters or 20, args.repeats)
+    (step,), _ = time_training({"training step": bench}, args.warmup, args.iters or 20, args.repeats)
     x, y = tr.batches.get("train", 0)
     with tr.rt.autocast:
         _, loss = tr.model(x, y)

@@ -54,6 +54,8 @@ def test_training_table_and_baseline_ratio(tiny, capsys):
         assert 0 < ms_best <= ms_median and tokens_per_s > 0
         assert float(rows[name][5].replace(",", "")) > 0  # peak RSS
     assert number_after("speed-up over the baseline:", out) > 0
+    assert "median of 2," in out  # one ceiling per round
+    assert 0 < number_after("optimised runs at", out) < 1000  # percent of the ceiling
     assert "load average" in out
 
 
