@@ -54,7 +54,7 @@ class Runtime:
     precision: str  # fp32 / fp16 / bf16 ("auto" resolved)
     dist: DistInfo
     compile: bool  # model.compile resolved (None: on for CUDA)
-    peak_flops: float  # the device's peak FLOP/s, for MFU
+    peak_flops: float  # the peak FLOP/s of all ranks' devices together, for MFU (tokens/s are counted over all ranks)
     autocast: object  # the autocast context of the precision (a null context for fp32)
 
 
@@ -77,6 +77,7 @@ def setup(cfg: Config, dist: DistInfo) -> Runtime:
         torch.utils.deterministic.fill_uninitialized_memory = False  # we never read torch.empty's contents
     torch.manual_seed(cfg.run.seed + dist.rank)
     peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else default_peak_flops(device, precision)
+    peak *= dist.world_size
     autocast = nullcontext() if precision == "fp32" else torch.autocast(device.type, dtype=PRECISIONS[precision])
     return Runtime(device, precision, dist, compile, peak, autocast)
 

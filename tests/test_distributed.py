@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -61,6 +62,7 @@ warmup_iters = 2
 lr_decay_iters = {iters}
 [logging]
 plot = false
+peak_tflops = 1.0
 """
 
 
@@ -199,6 +201,17 @@ def test_two_ranks_equal_one_rank_with_accumulation(ddp_plain, single_accum2):
     """Same micro-batches, same averaged gradient: 2 ranks x accum 1 == 1 rank x accum 2, losses and evals."""
     assert_same(log(ddp_plain), log(single_accum2), tol=1e-5)
     assert_same(log(ddp_plain, "eval", "val_loss"), log(single_accum2, "eval", "val_loss"), tol=1e-5)
+
+
+@pytest.mark.slow
+def test_mfu_is_over_the_peak_of_every_rank(ddp_plain, single_accum2):
+    """tokens/s count all ranks' tokens, so MFU divides by all ranks' peak: at the same logging.peak_tflops per
+    device, 2 ranks report half the MFU of 1 process for the same tokens/s (it once reported 2x the truth)."""
+    def mfu_per_token_per_s(run: Path) -> float:
+        points = [p for p in json.loads((run / "train_log.json").read_text())["history"] if p["kind"] == "train"]
+        return statistics.median(p["mfu"] / p["tokens_per_s"] for p in points)
+
+    assert mfu_per_token_per_s(ddp_plain) == pytest.approx(mfu_per_token_per_s(single_accum2) / 2, rel=1e-6)
 
 
 @pytest.mark.slow
