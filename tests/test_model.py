@@ -7,7 +7,7 @@ import torch
 
 import torch.nn.functional as F
 
-from kernels import CPUCausalAttention, Dropout, cpu_keep_mask
+from kernels import CPUCausalAttention, Dropout, causal_softmax, cpu_keep_mask
 from model import cache_length, GPT, GPTConfig, sample_next
 
 MODERN = dict(pos_emb="rope", norm="rmsnorm", qk_norm=True, mlp="swiglu", tie_embeddings=False,
@@ -222,6 +222,20 @@ def test_compiled_dropout_draws_a_mask_per_call_and_replays_eager():
     assert torch.equal(a, ea) and torch.equal(b, eb)
     gx, gy = torch.autograd.grad((a + b).sum(), (x, y))
     assert torch.equal(gx, a.detach()) and torch.equal(gy, b.detach())  # x * mask * scale: the gradient is the output
+
+
+def test_causal_softmax_op_is_masked_softmax_with_its_gradients():
+    """quill::causal_softmax (PyTorch's matmul and softmax kernels, kept whole under torch.compile) gives the
+    masked softmax of the scaled scores and its gradients; opcheck checks its fake and autograd registrations."""
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 3, 7, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    got = causal_softmax(q, k)
+    want = ((q @ k.transpose(-2, -1)) / 2.0).masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    assert torch.allclose(got, want) and (got.triu(1) == 0).all()
+    w = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), (q, k)), torch.autograd.grad((want * w).sum(), (q, k))):
+        assert torch.allclose(a, b)
+    torch.library.opcheck(causal_softmax, (q, k))
 
 
 def test_cpu_dropout_layer_and_attention_match_their_definitions():
