@@ -44,7 +44,8 @@ def table_rows(out: str) -> list[list[str]]:
 
 
 def test_training_table_and_baseline_ratio(tiny, capsys):
-    bench.main([*tiny, "--warmup", "2", "--iters", "3", "--repeats", "2", "--baseline"])
+    # eager: bench builds the step with trainer.build, whose compiled path test_train.py runs (a cold compile here: ~20 s)
+    bench.main([*tiny, "--warmup", "2", "--iters", "3", "--repeats", "2", "--baseline", "--model.compile", "false"])
     out = capsys.readouterr().out
     rows = {row[0]: row for row in table_rows(out)}
     assert set(rows) >= {"run", "optimised", "baseline (all off)"}
@@ -73,7 +74,7 @@ def test_against_a_commit_alternates_both_codes(tiny, capsys):
 def test_json_output_and_profile_trace(tiny, tmp_path, capsys):
     trace_dir = tmp_path / "prof"
     bench.main([*tiny, "--warmup", "1", "--iters", "2", "--repeats", "1", "--json", "--profile", str(trace_dir),
-                "--profile-steps", "1"])
+                "--profile-steps", "1", "--model.compile", "false"])  # eager, as in the table test above
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(result) == 1 and result[0]["name"] == "optimised"
     assert result[0]["tokens_per_s"] > 0 and result[0]["peak_mb"] > 0 and result[0]["first_step_s"] > 0
@@ -131,7 +132,7 @@ def test_prepare_mode(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_memory_mode(tiny, capsys):
-    bench.main(["--memory", *tiny, "--model.compile", "false", "--size-mb", "2", "--iters", "3"])  # compile: tested above
+    bench.main(["--memory", *tiny, "--model.compile", "false", "--size-mb", "2", "--iters", "3"])
     out = capsys.readouterr().out
     rows = table_rows(out)
     assert rows[0][0] == "train.bin" and len(rows) == 3
