@@ -272,7 +272,7 @@ def print_ceiling(tr: Trainer, row: StepTiming, ceilings: list[float]) -> None:
     """The share of the matmul ceiling the step reaches: each round's tokens/s over the ceiling measured just before
     it (the machine drifts between rounds), the median of those shares."""
     per_token = tr.raw_model.flops_per_token()
-    shares = [tr.tokens_per_step / (ms / 1e3) / (flops / per_token) for ms, flops in zip(row.round_ms, ceilings)]
+    shares = [tr.tokens_per_step / (ms / 1e3) / (ceiling / per_token) for ms, ceiling in zip(row.round_ms, ceilings)]
     flops = statistics.median(ceilings)
     print(f"matmul ceiling here: {flops / 1e9:,.0f} GFLOP/s ({tr.rt.precision}, MLP shape; median of "
           f"{len(ceilings)}, {min(ceilings) / 1e9:,.0f}-{max(ceilings) / 1e9:,.0f}, one before each round) -> at most "
