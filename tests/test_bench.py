@@ -236,3 +236,33 @@ def test_speedrun_ratio_when_the_baseline_never_reaches_the_target():
     assert np.isclose(float(re.search(r"= ([\d.]+) of", speedrun.ratio_line([fast, run("c", 20.0, 20.0)], 1.88))[1]), 1.0)
 
 
+
+
+def test_vs_nanogpt_reads_both_trainers_iteration_lines_and_gives_nanogpt_our_data(tiny_data, tmp_path, capsys):
+    """scripts/vs_nanogpt.py times each trainer by the lines it prints: ours from a real run (log_interval 1), and
+    nanoGPT's in the format of its train.py; nanoGPT's scratch directory links our train.bin and names the vocab."""
+    import pickle
+
+    from conftest import tiny_overrides
+    from train import train
+
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import vs_nanogpt
+
+    train(None, overrides=tiny_overrides(tiny_data, tmp_path / "run", **{"training.max_iters": 6}))
+    out = capsys.readouterr().out
+    assert len(vs_nanogpt.OUR_ITER.findall(out)) == 6
+    assert vs_nanogpt.iteration_ms(out, vs_nanogpt.OUR_ITER, skip=1) > 0
+    nano_out = "step 0: train loss 4.2\niter 0: loss 4.2, time 900.00ms, mfu -100.00%\n" + "".join(
+        f"iter {i}: loss 3.{i}000, time {30 + i}.50ms, mfu 1.20%\n" for i in range(1, 6))
+    assert vs_nanogpt.iteration_ms(nano_out, vs_nanogpt.NANOGPT_ITER, skip=1) == 34.0  # iters 2-5: 32.5, 33.5, 34.5, 35.5
+
+    nanogpt = tmp_path / "nanoGPT"
+    (nanogpt / "config").mkdir(parents=True)
+    (nanogpt / "configurator.py").write_text("")
+    (tmp_path / "scratch").mkdir()
+    work = vs_nanogpt.nanogpt_workdir(nanogpt, tiny_data / "tiny", 77, tmp_path / "scratch")
+    data = work / "data" / "shakespeare_char"
+    assert (data / "train.bin").read_bytes() == (tiny_data / "tiny" / "train.bin").read_bytes()
+    assert pickle.loads((data / "meta.pkl").read_bytes()) == {"vocab_size": 77}
+    assert (work / "configurator.py").resolve() == (nanogpt / "configurator.py").resolve()

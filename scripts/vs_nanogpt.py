@@ -1,0 +1,138 @@
+"""The CPU preset against nanoGPT's own train.py, side by side: the same model, settings and data.
+
+    git clone https://github.com/karpathy/nanoGPT ~/nanoGPT
+    python scripts/vs_nanogpt.py --nanogpt ~/nanoGPT                       # 3 rounds of 150 iterations per arm
+    python scripts/vs_nanogpt.py --nanogpt ~/nanoGPT --iters 300 --rounds 4
+
+Three arms, each a fresh process, the order turning each round (drift hits every arm alike):
+- nanoGPT as its README trains the "baby GPT" on a CPU: `python train.py config/train_shakespeare_char.py
+  --device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4
+  --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0` (fp32: nanoGPT autocasts on CUDA only);
+- the same with --compile=True, nanoGPT's default elsewhere;
+- ours: `python train.py --config configs/shakespeare_char/cpu.toml` with log_interval 1 (a host sync each step,
+  as nanoGPT's log line makes).
+All read our prepared shakespeare_char train.bin (byte for byte nanoGPT's 90/10 character split); nanoGPT gets
+it through a scratch directory holding links to its configurator and config and a meta.pkl with the vocabulary
+size. An arm's ms/iter is the median of the per-iteration times its trainer prints, leaving out the first
+--skip iterations (compile, warm-up). The bf16 matmul ceiling is measured before each round and printed beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from common import SHAKESPEARE, load_average  # noqa: E402
+from metrics import bf16_matmul_ceiling  # noqa: E402
+
+BABY_GPT = ["--device=cpu", "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12",
+            "--n_layer=4", "--n_head=4", "--n_embd=128", "--lr_decay_iters=2000", "--dropout=0.0"]
+TOKENS_PER_ITER = 12 * 64
+NANOGPT_ITER = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", re.M)
+OUR_ITER = re.compile(r"^iter +(\d+)/\d+ \| loss [\d.]+ \|.*?\| ([\d.]+) ms \|", re.M)
+ARMS = ("nanoGPT, eager (its README's CPU command)", "nanoGPT, compiled", "ours, cpu.toml")
+
+
+def iteration_ms(output: str, pattern: re.Pattern, skip: int) -> float:
+    """The median per-iteration time a trainer printed, its first `skip` iterations left out."""
+    times = [float(ms) for it, ms in pattern.findall(output) if int(it) > skip]
+    if not times:
+        raise SystemExit(f"no iteration lines after iteration {skip} in:\n{output[-2000:]}")
+    return statistics.median(times)
+
+
+def nanogpt_workdir(nanogpt: Path, data_dir: Path, vocab_size: int, root: Path) -> Path:
+    """nanoGPT reads its configurator, config/ and data/<dataset>/ from the working directory: a scratch one."""
+    for name in ("configurator.py", "config"):
+        (root / name).symlink_to(nanogpt / name)
+    data = root / "data" / "shakespeare_char"
+    data.mkdir(parents=True)
+    for split in ("train.bin", "val.bin"):
+        (data / split).symlink_to(data_dir / split)
+    with open(data / "meta.pkl", "wb") as f:  # nanoGPT takes the vocabulary size from here (50304 without it)
+        pickle.dump({"vocab_size": vocab_size}, f)
+    return root
+
+
+def run(cmd: list[str], cwd: Path) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return proc.stdout
+
+
+def arm_commands(nanogpt: Path, workdir: Path, iters: int) -> dict[str, tuple[list[str], Path, re.Pattern]]:
+    nano = [sys.executable, str(nanogpt / "train.py"), "config/train_shakespeare_char.py", *BABY_GPT,
+            f"--max_iters={iters}", f"--eval_interval={iters + 1000}", f"--out_dir={workdir / 'out'}"]
+    ours = [sys.executable, "train.py", "--config", "configs/shakespeare_char/cpu.toml", "--max-iters", str(iters),
+            "--training.log_interval", "1", "--training.eval_interval", "0", "--training.save_interval", "0",
+            "--run.out_dir", str(workdir / "ours"), "--force", "--logging.plot", "false", "--data.input", str(SHAKESPEARE)]
+    return {ARMS[0]: ([*nano, "--compile=False"], workdir, NANOGPT_ITER),
+            ARMS[1]: ([*nano, "--compile=True"], workdir, NANOGPT_ITER),
+            ARMS[2]: (ours, REPO_ROOT, OUR_ITER)}
+
+
+def ensure_dataset() -> Path:
+    """Our shakespeare_char dataset, prepared from the local tiny Shakespeare when missing."""
+    from prepare import prepare_dataset
+
+    data_dir = REPO_ROOT / "data"
+    if not (data_dir / "shakespeare_char" / "train.bin").is_file():
+        if not SHAKESPEARE.is_file():
+            raise SystemExit(f"tiny Shakespeare not found at {SHAKESPEARE}")
+        prepare_dataset("shakespeare_char", input_path=str(SHAKESPEARE), tokenizer="char", data_dir=data_dir)
+    return data_dir / "shakespeare_char"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nanogpt", type=Path, required=True, help="a clone of github.com/karpathy/nanoGPT")
+    p.add_argument("--iters", type=int, default=150, help="iterations per arm and round")
+    p.add_argument("--skip", type=int, default=20, help="first iterations left out of the median (compile, warm-up)")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    if not (args.nanogpt / "train.py").is_file() or not (args.nanogpt / "configurator.py").is_file():
+        raise SystemExit(f"--nanogpt {args.nanogpt}: not a nanoGPT clone (no train.py and configurator.py)")
+    data = ensure_dataset()
+    ms: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    ceilings = []
+    with tempfile.TemporaryDirectory(prefix="vs_nanogpt_") as tmp:
+        vocab_size = json.loads((data / "meta.json").read_text())["vocab_size"]
+        workdir = nanogpt_workdir(args.nanogpt.resolve(), data, vocab_size, Path(tmp))
+        commands = arm_commands(args.nanogpt.resolve(), workdir, args.iters)
+        for r in range(args.rounds):
+            ceilings.append(bf16_matmul_ceiling())
+            order = ARMS[r % 3:] + ARMS[:r % 3]
+            for arm in order:
+                cmd, cwd, pattern = commands[arm]
+                ms[arm].append(iteration_ms(run(cmd, cwd), pattern, args.skip))
+                print(f"round {r + 1}, {arm}: {ms[arm][-1]:.1f} ms/iter", flush=True)
+    print_table(ms, ceilings)
+
+
+def print_table(ms: dict[str, list[float]], ceilings: list[float]) -> None:
+    ours = ms[ARMS[2]]
+    print("\n| arm | ms/iter (median of rounds) | tokens/s | ours faster by (median of rounds, range) |")
+    print("| --- | ---: | ---: | ---: |")
+    for arm, times in ms.items():
+        median = statistics.median(times)
+        ratios = [t / o for t, o in zip(times, ours)]
+        ratio = "—" if arm == ARMS[2] else (f"{statistics.median(ratios):.2f}x "
+                                           f"({min(ratios):.2f}-{max(ratios):.2f})")
+        print(f"| {arm} | {median:.1f} | {TOKENS_PER_ITER / median * 1e3:,.0f} | {ratio} |")
+    print(f"bf16 matmul ceiling: {statistics.median(ceilings) / 1e9:,.0f} GFLOP/s (median of {len(ceilings)}, "
+          f"{min(ceilings) / 1e9:,.0f}-{max(ceilings) / 1e9:,.0f}, one before each round); {load_average()}")
+
+
+if __name__ == "__main__":
+    main()
