@@ -32,7 +32,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from common import SHAKESPEARE, load_average  # noqa: E402
+from common import SHAKESPEARE, UserError, load_average, run_main  # noqa: E402
 from metrics import bf16_matmul_ceiling  # noqa: E402
 
 BABY_GPT = ["--device=cpu", "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12",
@@ -89,7 +89,7 @@ def ensure_dataset() -> Path:
     data_dir = REPO_ROOT / "data"
     if not (data_dir / "shakespeare_char" / "train.bin").is_file():
         if not SHAKESPEARE.is_file():
-            raise SystemExit(f"tiny Shakespeare not found at {SHAKESPEARE}")
+            raise UserError(f"tiny Shakespeare not found at {SHAKESPEARE}")
         prepare_dataset("shakespeare_char", input_path=str(SHAKESPEARE), tokenizer="char", data_dir=data_dir)
     return data_dir / "shakespeare_char"
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     if not (args.nanogpt / "train.py").is_file() or not (args.nanogpt / "configurator.py").is_file():
-        raise SystemExit(f"--nanogpt {args.nanogpt}: not a nanoGPT clone (no train.py and configurator.py)")
+        raise UserError(f"--nanogpt {args.nanogpt}: not a nanoGPT clone (no train.py and configurator.py)")
     data = ensure_dataset()
     ms: dict[str, list[float]] = {arm: [] for arm in ARMS}
     ceilings = []
@@ -135,4 +135,4 @@ def print_table(ms: dict[str, list[float]], ceilings: list[float]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
