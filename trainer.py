@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 import distributed
 from checkpoint import RunDir, TrainingCheckpoint, TrainState, rng_state, set_rng_state
-from common import UserError, atomic_write_text
+from common import UserError, atomic_write_text, keep_freed_memory
 from config import Config, GPTConfig, TrainingConfig, resolved, summary, to_toml
 from data import BatchSource, Dataset, check_fits, check_vocab_compatible, micro_batch_index
 from distributed import DistInfo
@@ -75,6 +75,7 @@ def setup(cfg: Config, dist: DistInfo) -> Runtime:
         # atomics in thread order. No slower on the CPU preset (measured); warn_only: never an error.
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = False  # we never read torch.empty's contents
+        keep_freed_memory()
     torch.manual_seed(cfg.run.seed + dist.rank)
     peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else default_peak_flops(device, precision)
     peak *= dist.world_size
