@@ -4,11 +4,13 @@
     python scripts/vs_nanogpt.py --nanogpt ~/nanoGPT                       # 3 rounds of 150 iterations per arm
     python scripts/vs_nanogpt.py --nanogpt ~/nanoGPT --iters 300 --rounds 4
 
-Three arms, each a fresh process, the order turning each round (drift hits every arm alike):
+Four arms, each a fresh process, the order turning each round (drift hits every arm alike):
 - nanoGPT as its README trains the "baby GPT" on a CPU: `python train.py config/train_shakespeare_char.py
   --device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4
   --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0` (fp32: nanoGPT autocasts on CUDA only);
 - the same with --compile=True, nanoGPT's default elsewhere;
+- the eager one again with glibc's malloc keeping freed memory (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_),
+  as our trainer sets it for itself (common.keep_freed_memory): the gap without the allocator's share;
 - ours: `python train.py --config configs/shakespeare_char/cpu.toml` with log_interval 1 (a host sync each step,
   as nanoGPT's log line makes).
 All read our prepared shakespeare_char train.bin (byte for byte nanoGPT's 90/10 character split); nanoGPT gets
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import re
 import statistics
@@ -40,7 +43,11 @@ BABY_GPT = ["--device=cpu", "--eval_iters=20", "--log_interval=1", "--block_size
 TOKENS_PER_ITER = 12 * 64
 NANOGPT_ITER = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", re.M)
 OUR_ITER = re.compile(r"^iter +(\d+)/\d+ \| loss [\d.]+ \|.*?\| ([\d.]+) ms \|", re.M)
-ARMS = ("nanoGPT, eager (its README's CPU command)", "nanoGPT, compiled", "ours, cpu.toml")
+ARMS = ("nanoGPT, eager (its README's CPU command)", "nanoGPT, compiled", "nanoGPT, eager, glibc keeping freed memory",
+        "ours, cpu.toml")
+OURS = ARMS[-1]
+# what common.keep_freed_memory sets in our process, given to nanoGPT's through glibc's environment variables
+KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
 def iteration_ms(output: str, pattern: re.Pattern, skip: int) -> float:
@@ -64,22 +71,23 @@ def nanogpt_workdir(nanogpt: Path, data_dir: Path, vocab_size: int, root: Path) 
     return root
 
 
-def run(cmd: list[str], cwd: Path) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env={**os.environ, **env}, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return proc.stdout
 
 
-def arm_commands(nanogpt: Path, workdir: Path, iters: int) -> dict[str, tuple[list[str], Path, re.Pattern]]:
+def arm_commands(nanogpt: Path, workdir: Path, iters: int) -> dict[str, tuple[list[str], Path, dict, re.Pattern]]:
     nano = [sys.executable, str(nanogpt / "train.py"), "config/train_shakespeare_char.py", *BABY_GPT,
             f"--max_iters={iters}", f"--eval_interval={iters + 1000}", f"--out_dir={workdir / 'out'}"]
     ours = [sys.executable, "train.py", "--config", "configs/shakespeare_char/cpu.toml", "--max-iters", str(iters),
             "--training.log_interval", "1", "--training.eval_interval", "0", "--training.save_interval", "0",
             "--run.out_dir", str(workdir / "ours"), "--force", "--logging.plot", "false", "--data.input", str(SHAKESPEARE)]
-    return {ARMS[0]: ([*nano, "--compile=False"], workdir, NANOGPT_ITER),
-            ARMS[1]: ([*nano, "--compile=True"], workdir, NANOGPT_ITER),
-            ARMS[2]: (ours, REPO_ROOT, OUR_ITER)}
+    return {ARMS[0]: ([*nano, "--compile=False"], workdir, {}, NANOGPT_ITER),
+            ARMS[1]: ([*nano, "--compile=True"], workdir, {}, NANOGPT_ITER),
+            ARMS[2]: ([*nano, "--compile=False"], workdir, KEEP_FREED, NANOGPT_ITER),
+            OURS: (ours, REPO_ROOT, {}, OUR_ITER)}
 
 
 def ensure_dataset() -> Path:
@@ -112,22 +120,22 @@ def main(argv: list[str] | None = None) -> None:
         commands = arm_commands(args.nanogpt.resolve(), workdir, args.iters)
         for r in range(args.rounds):
             ceilings.append(bf16_matmul_ceiling())
-            order = ARMS[r % 3:] + ARMS[:r % 3]
+            order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]
             for arm in order:
-                cmd, cwd, pattern = commands[arm]
-                ms[arm].append(iteration_ms(run(cmd, cwd), pattern, args.skip))
+                cmd, cwd, env, pattern = commands[arm]
+                ms[arm].append(iteration_ms(run(cmd, cwd, env), pattern, args.skip))
                 print(f"round {r + 1}, {arm}: {ms[arm][-1]:.1f} ms/iter", flush=True)
     print_table(ms, ceilings)
 
 
 def print_table(ms: dict[str, list[float]], ceilings: list[float]) -> None:
-    ours = ms[ARMS[2]]
+    ours = ms[OURS]
     print("\n| arm | ms/iter (median of rounds) | tokens/s | ours faster by (median of rounds, range) |")
     print("| --- | ---: | ---: | ---: |")
     for arm, times in ms.items():
         median = statistics.median(times)
         ratios = [t / o for t, o in zip(times, ours)]
-        ratio = "—" if arm == ARMS[2] else (f"{statistics.median(ratios):.2f}x "
+        ratio = "—" if arm == OURS else (f"{statistics.median(ratios):.2f}x "
                                            f"({min(ratios):.2f}-{max(ratios):.2f})")
         print(f"| {arm} | {median:.1f} | {TOKENS_PER_ITER / median * 1e3:,.0f} | {ratio} |")
     print(f"bf16 matmul ceiling: {statistics.median(ceilings) / 1e9:,.0f} GFLOP/s (median of {len(ceilings)}, "
