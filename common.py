@@ -148,27 +148,29 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
+# glibc's malloc settings CPU training runs with (see keep_freed_memory), in bytes
+MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks below it come from the heap, not fresh mmaps
+MALLOC_TRIM_THRESHOLD = 1 << 30  # free memory the heap keeps at its top before handing it back
+
+
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep freed memory for reuse instead of handing it back to the OS (Linux; False elsewhere).
 
     A CPU training step frees and re-allocates the same multi-MB tensors every step. By default glibc serves
     such blocks with fresh mmaps (above a threshold that only rises with what was freed) and trims the heap's
     top, so every step faults the same pages in again, zero-filled by the kernel: writing a (8, 6, 256, 256)
-    bf16 dropout mask into a new tensor took 2.5 ms against 0.34 with these settings. Blocks under 32 MB (glibc's
-    largest mmap threshold) then come from the heap, and the heap keeps up to 1 GB free at its top. Process-wide and
-    for good: glibc cannot go back to its dynamic threshold once one is set."""
+    bf16 dropout mask into a new tensor took 2.5 ms against 0.34 with these settings. Process-wide and for good:
+    glibc cannot go back to its dynamic threshold once one is set."""
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c") if sys.platform == "linux" else None
-    if not name:
+    if sys.platform != "linux":
         return False
     try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on
+    except AttributeError:  # not glibc (musl has no mallopt)
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20) and mallopt(M_TRIM_THRESHOLD, 1 << 30))
+    return bool(mallopt(M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD))
 
 
 def usable_cpus() -> int:

@@ -22,7 +22,6 @@ size. An arm's ms/iter is the median of the per-iteration times its trainer prin
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pickle
 import re
@@ -35,19 +34,22 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from common import SHAKESPEARE, UserError, load_average, run_main  # noqa: E402
+from common import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD, SHAKESPEARE, UserError, load_average, run_main  # noqa: E402
+from config import build_config, load_toml  # noqa: E402
+from data import Dataset, find_dataset  # noqa: E402
+from distributed import DistInfo  # noqa: E402
 from metrics import bf16_matmul_ceiling  # noqa: E402
 
 BABY_GPT = ["--device=cpu", "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12",
             "--n_layer=4", "--n_head=4", "--n_embd=128", "--lr_decay_iters=2000", "--dropout=0.0"]
-TOKENS_PER_ITER = 12 * 64
 NANOGPT_ITER = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", re.M)
 OUR_ITER = re.compile(r"^iter +(\d+)/\d+ \| loss [\d.]+ \|.*?\| ([\d.]+) ms \|", re.M)
 ARMS = ("nanoGPT, eager (its README's CPU command)", "nanoGPT, compiled", "nanoGPT, eager, glibc keeping freed memory",
         "ours, cpu.toml")
 OURS = ARMS[-1]
 # what common.keep_freed_memory sets in our process, given to nanoGPT's through glibc's environment variables
-KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_THRESHOLD)}
+CPU_PRESET = REPO_ROOT / "configs" / "shakespeare_char" / "cpu.toml"
 
 
 def iteration_ms(output: str, pattern: re.Pattern, skip: int) -> float:
@@ -58,16 +60,16 @@ def iteration_ms(output: str, pattern: re.Pattern, skip: int) -> float:
     return statistics.median(times)
 
 
-def nanogpt_workdir(nanogpt: Path, data_dir: Path, vocab_size: int, root: Path) -> Path:
+def nanogpt_workdir(nanogpt: Path, dataset: Dataset, root: Path) -> Path:
     """nanoGPT reads its configurator, config/ and data/<dataset>/ from the working directory: a scratch one."""
     for name in ("configurator.py", "config"):
         (root / name).symlink_to(nanogpt / name)
     data = root / "data" / "shakespeare_char"
     data.mkdir(parents=True)
-    for split in ("train.bin", "val.bin"):
-        (data / split).symlink_to(data_dir / split)
+    for split in ("train", "val"):
+        (data / f"{split}.bin").symlink_to(dataset.path(split).resolve())
     with open(data / "meta.pkl", "wb") as f:  # nanoGPT takes the vocabulary size from here (50304 without it)
-        pickle.dump({"vocab_size": vocab_size}, f)
+        pickle.dump({"vocab_size": dataset.vocab_size}, f)
     return root
 
 
@@ -81,25 +83,13 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
 def arm_commands(nanogpt: Path, workdir: Path, iters: int) -> dict[str, tuple[list[str], Path, dict, re.Pattern]]:
     nano = [sys.executable, str(nanogpt / "train.py"), "config/train_shakespeare_char.py", *BABY_GPT,
             f"--max_iters={iters}", f"--eval_interval={iters + 1000}", f"--out_dir={workdir / 'out'}"]
-    ours = [sys.executable, "train.py", "--config", "configs/shakespeare_char/cpu.toml", "--max-iters", str(iters),
+    ours = [sys.executable, "train.py", "--config", str(CPU_PRESET), "--max-iters", str(iters),
             "--training.log_interval", "1", "--training.eval_interval", "0", "--training.save_interval", "0",
             "--run.out_dir", str(workdir / "ours"), "--force", "--logging.plot", "false", "--data.input", str(SHAKESPEARE)]
     return {ARMS[0]: ([*nano, "--compile=False"], workdir, {}, NANOGPT_ITER),
             ARMS[1]: ([*nano, "--compile=True"], workdir, {}, NANOGPT_ITER),
             ARMS[2]: ([*nano, "--compile=False"], workdir, KEEP_FREED, NANOGPT_ITER),
             OURS: (ours, REPO_ROOT, {}, OUR_ITER)}
-
-
-def ensure_dataset() -> Path:
-    """Our shakespeare_char dataset, prepared from the local tiny Shakespeare when missing."""
-    from prepare import prepare_dataset
-
-    data_dir = REPO_ROOT / "data"
-    if not (data_dir / "shakespeare_char" / "train.bin").is_file():
-        if not SHAKESPEARE.is_file():
-            raise UserError(f"tiny Shakespeare not found at {SHAKESPEARE}")
-        prepare_dataset("shakespeare_char", input_path=str(SHAKESPEARE), tokenizer="char", data_dir=data_dir)
-    return data_dir / "shakespeare_char"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,12 +101,16 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if not (args.nanogpt / "train.py").is_file() or not (args.nanogpt / "configurator.py").is_file():
         raise UserError(f"--nanogpt {args.nanogpt}: not a nanoGPT clone (no train.py and configurator.py)")
-    data = ensure_dataset()
+    if not SHAKESPEARE.is_file():
+        raise UserError(f"tiny Shakespeare not found at {SHAKESPEARE}")
+    # the preset's dataset, located (or prepared) as train.py does from the repository root
+    cfg = build_config(load_toml(CPU_PRESET), [("data.input", str(SHAKESPEARE)),
+                                               ("data.data_dir", str(REPO_ROOT / "data"))], source=str(CPU_PRESET))
+    dataset = find_dataset(cfg, DistInfo())
     ms: dict[str, list[float]] = {arm: [] for arm in ARMS}
     ceilings = []
     with tempfile.TemporaryDirectory(prefix="vs_nanogpt_") as tmp:
-        vocab_size = json.loads((data / "meta.json").read_text())["vocab_size"]
-        workdir = nanogpt_workdir(args.nanogpt.resolve(), data, vocab_size, Path(tmp))
+        workdir = nanogpt_workdir(args.nanogpt.resolve(), dataset, Path(tmp))
         commands = arm_commands(args.nanogpt.resolve(), workdir, args.iters)
         for r in range(args.rounds):
             ceilings.append(bf16_matmul_ceiling())
@@ -125,10 +119,10 @@ def main(argv: list[str] | None = None) -> None:
                 cmd, cwd, env, pattern = commands[arm]
                 ms[arm].append(iteration_ms(run(cmd, cwd, env), pattern, args.skip))
                 print(f"round {r + 1}, {arm}: {ms[arm][-1]:.1f} ms/iter", flush=True)
-    print_table(ms, ceilings)
+    print_table(ms, ceilings, cfg.training.batch_size * cfg.model.block_size)
 
 
-def print_table(ms: dict[str, list[float]], ceilings: list[float]) -> None:
+def print_table(ms: dict[str, list[float]], ceilings: list[float], tokens_per_iter: int) -> None:
     ours = ms[OURS]
     print("\n| arm | ms/iter (median of rounds) | tokens/s | ours faster by (median of rounds, range) |")
     print("| --- | ---: | ---: | ---: |")
@@ -137,7 +131,7 @@ def print_table(ms: dict[str, list[float]], ceilings: list[float]) -> None:
         ratios = [t / o for t, o in zip(times, ours)]
         ratio = "—" if arm == OURS else (f"{statistics.median(ratios):.2f}x "
                                            f"({min(ratios):.2f}-{max(ratios):.2f})")
-        print(f"| {arm} | {median:.1f} | {TOKENS_PER_ITER / median * 1e3:,.0f} | {ratio} |")
+        print(f"| {arm} | {median:.1f} | {tokens_per_iter / median * 1e3:,.0f} | {ratio} |")
     print(f"bf16 matmul ceiling: {statistics.median(ceilings) / 1e9:,.0f} GFLOP/s (median of {len(ceilings)}, "
           f"{min(ceilings) / 1e9:,.0f}-{max(ceilings) / 1e9:,.0f}, one before each round); {load_average()}")
 

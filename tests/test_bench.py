@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -236,8 +237,6 @@ def test_speedrun_ratio_when_the_baseline_never_reaches_the_target():
     assert np.isclose(float(re.search(r"= ([\d.]+) of", speedrun.ratio_line([fast, run("c", 20.0, 20.0)], 1.88))[1]), 1.0)
 
 
-
-
 def test_vs_nanogpt_reads_both_trainers_iteration_lines_and_gives_nanogpt_our_data(tiny_data, tmp_path, capsys):
     """scripts/vs_nanogpt.py times each trainer by the lines it prints: ours from a real run (log_interval 1), and
     nanoGPT's in the format of its train.py; nanoGPT's scratch directory links our train.bin and names the vocab."""
@@ -261,7 +260,8 @@ def test_vs_nanogpt_reads_both_trainers_iteration_lines_and_gives_nanogpt_our_da
     (nanogpt / "config").mkdir(parents=True)
     (nanogpt / "configurator.py").write_text("")
     (tmp_path / "scratch").mkdir()
-    work = vs_nanogpt.nanogpt_workdir(nanogpt, tiny_data / "tiny", 77, tmp_path / "scratch")
+    work = vs_nanogpt.nanogpt_workdir(nanogpt, replace(load_dataset(tiny_data / "tiny"), meta={"vocab_size": 77}),
+                                      tmp_path / "scratch")
     data = work / "data" / "shakespeare_char"
     assert (data / "train.bin").read_bytes() == (tiny_data / "tiny" / "train.bin").read_bytes()
     assert pickle.loads((data / "meta.pkl").read_bytes()) == {"vocab_size": 77}
