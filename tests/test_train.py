@@ -276,7 +276,8 @@ def fixture_text() -> str:
 def test_a_checkpoint_written_before_the_engine_refactor_resumes_exactly(tmp_path):
     """tests/fixtures/run_14e5811 holds the checkpoint that the code at commit 14e5811 (before trainer.py existed)
     wrote after 4 of 8 steps of a tiny char run with dropout. Resumed by today's code, steps 5-8 give the losses
-    that the old code's uninterrupted 8-step run logged: same format, same optimizer, RNG and data position."""
+    that the old code logs resuming it (with today's dropout-mask generator patched in: expected.json says how):
+    same format, same optimizer, RNG and data position."""
     (tmp_path / "text.txt").write_text(fixture_text())
     prepare_dataset("fixture", input_path=str(tmp_path / "text.txt"), tokenizer="char", data_dir=tmp_path / "data",
                     verbose=False)
