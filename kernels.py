@@ -34,6 +34,10 @@ def cpu_keep_mask(like: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
     return keep_mask(like.detach(), dropped), 65536 / (65536 - dropped)
 
 
+# 1.0 in the 16-bit float types, as the int16 with the same bits
+ONE_AS_INT16 = {dtype: int(torch.ones((), dtype=dtype).view(torch.int16)) for dtype in (torch.bfloat16, torch.float16)}
+
+
 def random_words(count: int) -> np.ndarray:
     """`count` random 64-bit words from numpy's SFC64, seeded by one draw from torch's default generator, so
     torch.manual_seed and a checkpoint's saved RNG state replay the same words. SFC64 fills 3-4x faster than
@@ -50,8 +54,13 @@ def keep_mask(like: torch.Tensor, dropped: int) -> torch.Tensor:
     """0/1 shaped and typed like `like`, 0 with probability dropped / 65536: the kernel of cpu_keep_mask."""
     n = like.numel()
     bits = torch.from_numpy(random_words((n + 3) // 4).view(np.int16)[:n]).view(like.shape)  # uniform over [-32768, 32767]
+    if like.dtype in ONE_AS_INT16:
+        # 0/1 in int16 times the bit pattern of 1.0, read as like's dtype: a compare into bf16 converts through a
+        # temporary (0.4 vs 0.25 ms at (8, 6, 256, 256) alone, ~1.7 ms in the training step)
+        keep = torch.ge(bits, dropped - 32768, out=torch.empty(like.shape, dtype=torch.int16))
+        return keep.mul_(ONE_AS_INT16[like.dtype]).view(like.dtype)
     # compared straight into like's dtype: 0.35 ms at (8, 6, 256, 256) against 3.1 for a bool mask converted after
-    return torch.ge(bits, dropped - 32768, out=torch.empty(like.shape, dtype=like.dtype, device=like.device))
+    return torch.ge(bits, dropped - 32768, out=torch.empty(like.shape, dtype=like.dtype))
 
 
 @keep_mask.register_fake

@@ -202,6 +202,12 @@ def test_cpu_dropout_mask_has_the_asked_rate_and_keeps_expectations():
     c, _ = cpu_keep_mask(torch.empty(64, 64), 0.2)
     torch.manual_seed(1)
     assert torch.equal(c, cpu_keep_mask(torch.empty(64, 64), 0.2)[0])  # seeded: reproducible
+    for dtype in (torch.bfloat16, torch.float16):  # built from 1.0's bit pattern in int16: float32's mask, exactly
+        torch.manual_seed(2)
+        want, _ = cpu_keep_mask(torch.empty(3, 777), 0.2)
+        torch.manual_seed(2)
+        got, _ = cpu_keep_mask(torch.empty(3, 777, dtype=dtype), 0.2)
+        assert got.dtype == dtype and torch.equal(got.float(), want)
 
 
 def test_compiled_dropout_draws_a_mask_per_call_and_replays_eager():
