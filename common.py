@@ -1,5 +1,5 @@
 """Small pieces every script shares: the user-error convention, atomic file writes, a few machine facts, and the
-malloc setting CPU training runs with.
+malloc setting CPU training and evaluation run with.
 
 A user's mistake (bad config, missing data, corrupt checkpoint) raises UserError; the entry
 scripts wrap main() in `run_main`, which prints one line to stderr and exits 2, no traceback.
