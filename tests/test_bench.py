@@ -225,6 +225,13 @@ def test_speedrun_stops_a_run_at_its_budget_once_per_seed(tiny, tmp_path):
     assert [r[2] for r in rows] == ["5", "6"] and all("over budget (best" in r[-3] for r in rows)
 
 
+def test_speedrun_budget_scales_up_on_slower_machines_only():
+    """The record's budget: 10 minutes at 800 GFLOP/s (bf16 matmul) or more, twice that at 400; an AMX machine
+    measuring 3,600 gets the 10 minutes, not 2.2."""
+    assert speedrun.budget_seconds(10, 800) == 600 and speedrun.budget_seconds(10, 400) == 1200
+    assert speedrun.budget_seconds(10, 3600) == 600
+
+
 def test_speedrun_ratio_when_the_baseline_never_reaches_the_target():
     def run(config: str, seconds: float | None, total: float) -> speedrun.Run:
         return speedrun.Run(config, "", 1, 400.0, 1200.0, {} if seconds is None else {1.88: (seconds, 100)},

@@ -151,19 +151,24 @@ def test_gradient_checkpointing_gives_the_same_gradients(dropout):
         torch.testing.assert_close(a, b)
 
 
-def test_default_cpu_peak_knows_zen4_runs_avx512_at_half_width():
-    """MFU's default CPU peak: Zen 4 (AMD family 25) executes AVX-512 on 256-bit units, so half of Intel's."""
-    from metrics import default_peak_flops, is_amd_zen4, read_cpuinfo
+def test_default_cpu_peak_knows_zen4_half_width_avx512_and_intel_amx():
+    """MFU's default CPU peak: Zen 4 (AMD family 25) executes AVX-512 on 256-bit units, so half of Intel's; with AMX
+    tiles (flag amx_bf16), bf16 runs at 1,024 FLOPs per cycle and core, where the vector units' 128 would make a
+    step's MFU read several times the truth."""
+    from metrics import default_peak_flops, has_amx_bf16, is_amd_zen4, read_cpuinfo
 
     zen4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: avx512f avx512_bf16\n"
     zen5 = zen4.replace(": 25", ": 26")
     intel = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n"
+    sapphire_rapids = intel + "flags\t\t: avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
     assert is_amd_zen4(zen4) and not is_amd_zen4(zen5) and not is_amd_zen4(intel) and not is_amd_zen4("")
-    cpu = torch.device("cpu")
+    assert has_amx_bf16(sapphire_rapids) and not has_amx_bf16(zen4) and not has_amx_bf16(intel + "flags\t: amx_tile\n")
+    cpu, here = torch.device("cpu"), read_cpuinfo()
     per_cycle = default_peak_flops(cpu, "fp32") / torch.get_num_threads() / 3.0e9
     avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-    assert per_cycle == (64 if avx512 and not is_amd_zen4(read_cpuinfo()) else 32)
-    assert default_peak_flops(cpu, "bf16") == 2 * default_peak_flops(cpu, "fp32")
+    assert per_cycle == (64 if avx512 and not is_amd_zen4(here) else 32)
+    bf16_per_cycle = default_peak_flops(cpu, "bf16") / torch.get_num_threads() / 3.0e9
+    assert bf16_per_cycle == (1024 if has_amx_bf16(here) else 2 * per_cycle)
 
 
 def test_cpu_bf16_attention_matches_flash_gradients():
