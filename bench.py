@@ -423,8 +423,8 @@ def bench_muon(args: argparse.Namespace, overrides: list) -> None:
     group = ours.param_groups[0]
     theirs = torch.optim.Muon(params, lr=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"],
                               nesterov=True, adjust_lr_fn="match_rms_adamw")
-    shapes = {(min(p.shape), max(p.shape)) for p in params}
-    print(f"Muon on {len(params)} matrices of {len(shapes)} shapes (transposes shared); training step "
+    shapes = {tuple(p.shape) for p in params}
+    print(f"Muon on {len(params)} matrices of {len(shapes)} shapes; training step "
           f"{step.ms_median:.1f} ms (median), {torch.get_num_threads()} threads")
     print("| Muon | ms per step (median of 3 x 20) | share of the training step |")
     print("| --- | ---: | ---: |")

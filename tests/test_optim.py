@@ -39,7 +39,7 @@ def test_muon_takes_hidden_matrices_only():
 
 
 def test_batched_muon_equals_torch_muon_and_resumes_its_state():
-    """Same-shape (and transposed) matrices orthogonalised in one batch give torch.optim.Muon's weights exactly, and
+    """Same-shape matrices orthogonalised in one batch (transposed ones in their own) give torch.optim.Muon's weights exactly, and
     each optimizer loads the other's state_dict (checkpoints written before the batching resume)."""
     torch.manual_seed(0)
     shapes = [(128, 384), (384, 128), (128, 128), (320, 128), (128, 320), (320, 128), (7, 5)]
