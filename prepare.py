@@ -322,7 +322,7 @@ def char_start_at_or_before(path: str, pos: int) -> int:
 def download_shakespeare(path: Path, verbose: bool) -> None:
     if path.is_file() and sha256_file(path) == SHAKESPEARE_SHA256:
         return
-    offline_hint = "pass --input /path/to/tinyshakespeare.txt"
+    offline_hint = "pass --input /path/to/tinyshakespeare.txt (train.py, bench.py: --data.input)"
     if verbose:
         print(f"downloading tiny Shakespeare to {path}")
     try:

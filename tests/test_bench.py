@@ -111,6 +111,34 @@ def test_muon_mode(tiny, capsys):
     assert float(rows["torch.optim.Muon (a chain per matrix)"][1]) > 0 and rows["optim.Muon (a chain per shape)"][2].endswith("%")
 
 
+def test_kernels_mode_clocks_each_kernel_of_the_compiled_step_and_puts_them_back(tiny, capsys):
+    """--kernels: the compiled step's matmuls (with FLOP/s), fused kernels, ops called by name and optimizer, each
+    timed once (the parts add up to no more than the step), and the generated code unwrapped afterwards."""
+    from torch._inductor.codecache import PyCodeCache
+
+    bench.main(["--kernels", *tiny, "--model.compile", "true", "--training.precision", "bf16", "--warmup", "2",
+                "--iters", "3", "--top", "100"])
+    out = capsys.readouterr().out
+    rows = {row[0]: row for row in table_rows(out) if row[0] != "kernel"}
+    matmuls = [row for name, row in rows.items() if name.startswith(("mm ", "bmm ", "addmm ", "baddbmm "))]
+    assert matmuls and sum(float(row[4].replace(",", "")) for row in matmuls) > 0  # GFLOP/s (tiny ones read 0)
+    assert len(set(re.findall(r"\(graph (\d+)\)", " ".join(rows)))) == 2  # the forward's kernels and the backward's
+    assert rows["(AdamW step)"][1] == "1" and rows["(batches)"][1] == "1"
+    assert any(name.startswith("aten::_scaled_dot_product_flash_attention") for name in rows)  # bf16, no dropout
+    rest = re.search(r"the rest \(autograd, dynamo's guards, Python\) (-?[\d.]+) ms", out)
+    assert rest and float(rest[1]) >= 0, out
+    assert "of the matmul ceiling measured just before" in out
+    modules = [m for m in PyCodeCache.modules if hasattr(m, "call")]
+    assert all(type(m.extern_kernels).__name__ != "_TimedMatmuls" for m in modules)
+    assert all(getattr(fn, "__name__", "") != "wrapper" for m in modules for n, fn in vars(m).items() if n.startswith("cpp_fused"))
+    assert type(torch.ops.quill.keep_mask.default).__name__ == "OpOverload"
+
+
+def test_kernels_mode_needs_a_compiled_step(tiny):
+    with pytest.raises(UserError, match="--kernels times the kernels torch.compile generates"):
+        bench.main(["--kernels", *tiny, "--model.compile", "false", "--warmup", "1"])
+
+
 def test_hellaswag_mode(capsys):
     bench.main(["--hellaswag", *TINY_MODEL, "--model.block_size", "64", "--items", "6"])
     out = capsys.readouterr().out

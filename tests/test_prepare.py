@@ -279,11 +279,19 @@ def test_shakespeare_download_is_verified_and_kept(tmp_path, shakespeare_path, m
 
 
 def test_cli_shakespeare_download_offline(tmp_path):
+    """Offline, prepare.py and train.py (which prepares a missing preset dataset) each name the flag that gives a
+    local copy, and leave nothing behind."""
     result = run_cli("--dataset", "shakespeare_char", cwd=tmp_path, timeout=30)
     if result.returncode == 0:
         pytest.skip("network available: the download worked")
     assert_one_line_error(result, "cannot download tiny Shakespeare", "--input")
     assert not (tmp_path / "data" / "shakespeare_char" / "input.txt").exists()
+    train_py = Path(prepare.__file__).with_name("train.py")
+    result = subprocess.run([sys.executable, str(train_py), "--config", str(train_py.parent / "configs/shakespeare_char/cpu.toml"),
+                             "--data.data_dir", str(tmp_path / "data")], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60)
+    assert_one_line_error(result, "cannot download tiny Shakespeare", "--data.input")
+    assert not (tmp_path / "data" / "shakespeare_char").exists()
 
 
 def test_cli_gpt2_offline(tmp_path, text_file):
