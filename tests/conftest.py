@@ -76,6 +76,12 @@ def tiny_overrides(data_dir: Path, out_dir: Path, **extra) -> dict:
     return base
 
 
+# The compiled bf16 run of the tests that compile a training step (test_train's determinism, bench's --kernels): the
+# same model and batch shapes, so the second to run reuses inductor's cache (both are in xdist group "compiled_step")
+TINY_COMPILED = {"model.compile": True, "training.precision": "bf16", "model.dropout": 0.0, "model.n_embd": 64,
+                 "training.batch_size": 12}
+
+
 def train_until_sigterm(overrides: dict, iter_lines: int, timeout: float = 60) -> str:
     """Run train.py with these overrides, SIGTERM it once it has printed `iter_lines` iter lines, and return
     its output after it exits 0 (the step in flight finishes and ckpt_last is saved)."""

@@ -15,7 +15,7 @@ import bench
 import speedrun
 from checkpoint import RunDir, load_checkpoint
 from common import UserError
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, TINY_COMPILED, tiny_overrides
 from data import BatchSource, load_dataset
 from prepare import prepare_dataset
 
@@ -111,13 +111,17 @@ def test_muon_mode(tiny, capsys):
     assert float(rows["torch.optim.Muon (a chain per matrix)"][1]) > 0 and rows["optim.Muon (a chain per shape)"][2].endswith("%")
 
 
-def test_kernels_mode_clocks_each_kernel_of_the_compiled_step_and_puts_them_back(tiny, capsys):
+@pytest.mark.xdist_group("compiled_step")
+def test_kernels_mode_clocks_each_kernel_of_the_compiled_step_and_puts_them_back(tiny_data, tmp_path, capsys):
     """--kernels: the compiled step's matmuls (with FLOP/s), fused kernels, ops called by name and optimizer, each
     timed once (the parts add up to no more than the step), and the generated code unwrapped afterwards."""
     from torch._inductor.codecache import PyCodeCache
 
-    bench.main(["--kernels", *tiny, "--model.compile", "true", "--training.precision", "bf16", "--warmup", "2",
-                "--iters", "3", "--top", "100"])
+    # test_train's compiled run (the defaults and these overrides, no preset), so inductor's cache has its code
+    overrides = tiny_overrides(tiny_data, tmp_path, **TINY_COMPILED, **{"data.input": tiny_data / "tiny.txt"})
+    (tmp_path / "defaults.toml").write_text("")
+    bench.main(["--kernels", "--config", str(tmp_path / "defaults.toml"), "--warmup", "2", "--iters", "3", "--top", "100",
+                *[a for k, v in overrides.items() for a in (f"--{k}", str(v))]])
     out = capsys.readouterr().out
     rows = {row[0]: row for row in table_rows(out) if row[0] != "kernel"}
     matmuls = [row for name, row in rows.items() if name.startswith(("mm ", "bmm ", "addmm ", "baddbmm "))]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from checkpoint import RunDir, load_checkpoint
-from conftest import REPO_ROOT, tiny_overrides, train_until_sigterm
+from conftest import REPO_ROOT, TINY_COMPILED, tiny_overrides, train_until_sigterm
 from prepare import prepare_dataset
 from config import build_config
 from train import train
@@ -47,14 +47,13 @@ def test_end_to_end_python_api(tiny_data, tmp_path):
     assert all(0 <= p["val_acc"] <= 1 and p["val_ppl"] == pytest.approx(math.exp(p["val_loss"])) for p in evals)
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.xdist_group("compiled_step")])])
 def test_same_seed_same_losses(tiny_data, tmp_path, compiled):
     """Bit for bit, also compiled in bf16 as the CPU preset runs (inductor's embedding backward
     was nondeterministic there until train.py switched on deterministic algorithms on the CPU)."""
     extra = {"training.max_iters": 16 if compiled else 8}
     if compiled:
-        extra.update({"model.compile": True, "training.precision": "bf16", "model.dropout": 0.0, "model.n_embd": 64,
-                      "training.batch_size": 12})
+        extra.update(TINY_COMPILED)
     train(None, overrides=tiny_overrides(tiny_data, tmp_path / "a", **extra))
     train(None, overrides=tiny_overrides(tiny_data, tmp_path / "b", **extra))
     assert losses(tmp_path / "a" / "t") == losses(tmp_path / "b" / "t")
