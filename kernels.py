@@ -16,10 +16,26 @@ Tests check each against its PyTorch definition (gradients included).
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+
+
+def tag_compile_caches_with_this_file() -> None:
+    """torch.compile's on-disk caches key a graph by the ops in it, not by the Python of a custom op's registered
+    backward (pytorch/pytorch#144344): after an edit to a backward below, or between two checkouts (bench.py
+    --against), a cached graph would go on running the old one. Tagging every cache key with this file's hash makes
+    such an edit a cache miss; an unchanged file still hits."""
+    tag = f"quill-kernels-{hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}"
+    if tag not in torch.compiler.config.cache_key_tag:
+        torch.compiler.config.cache_key_tag = "+".join(filter(None, [torch.compiler.config.cache_key_tag, tag]))
+
+
+tag_compile_caches_with_this_file()
 
 
 def cpu_keep_mask(like: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:

@@ -1,12 +1,15 @@
 """model.py and kernels.py: shapes, causality, initialisation, KV-cache generation, sampling filters, and the CPU attention and dropout paths against their PyTorch definitions."""
 
+import hashlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 import torch.nn.functional as F
 
+import kernels
 from kernels import CPUCausalAttention, Dropout, causal_softmax, cpu_keep_mask
 from model import cache_length, GPT, GPTConfig, sample_next
 
@@ -247,6 +250,16 @@ def test_causal_softmax_op_is_masked_softmax_with_its_gradients():
     for a, b in zip(torch.autograd.grad((got * w).sum(), (q, k)), torch.autograd.grad((want * w).sum(), (q, k))):
         assert torch.allclose(a, b)
     torch.library.opcheck(causal_softmax, (q, k))
+
+
+def test_compile_caches_are_keyed_by_the_kernels_source():
+    """torch.compile's on-disk caches do not see a custom op's registered backward (pytorch/pytorch#144344: an edited
+    backward kept running the old compiled one, from another process's cache); importing kernels.py tags every cache
+    key with the file's hash, once however often it is called."""
+    digest = hashlib.sha256(Path(kernels.__file__).read_bytes()).hexdigest()[:16]
+    assert f"quill-kernels-{digest}" in torch.compiler.config.cache_key_tag.split("+")
+    kernels.tag_compile_caches_with_this_file()
+    assert torch.compiler.config.cache_key_tag.count("quill-kernels-") == 1
 
 
 def test_cpu_dropout_layer_and_attention_match_their_definitions():
