@@ -4,7 +4,6 @@ import json
 import math
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -313,12 +312,12 @@ for it in range(12):  # the heap grows to its steady size over the first few ste
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_cpu_training_steps_reuse_freed_memory_instead_of_faulting_it_in_again(tiny_data, tmp_path):
     """A CPU step frees and re-allocates the same multi-MB tensors; trainer.setup has glibc keep freed memory, so
-    steps after the first few take (almost) no page faults, where glibc's defaults fault hundreds in every step."""
+    steps after the first few take few page faults, where glibc's defaults fault thousands (its adaptive threshold
+    settles after a varying number of steps, and a step of ours now and then faults a few hundred: compare sums)."""
     overrides = tiny_overrides(tiny_data, tmp_path, **{"model.n_embd": 256, "model.n_head": 4, "model.block_size": 128,
                                                         "training.batch_size": 8, "model.dropout": 0.1})
     script = FAULTS_SCRIPT.format(repo=str(REPO_ROOT), overrides=overrides)
-    faults = {arm: statistics.median(map(int, subprocess.run([sys.executable, "-c", script, arm], cwd=REPO_ROOT,
-                                                             capture_output=True, text=True,
-                                                             check=True).stdout.split()[-6:]))
-              for arm in ("glibc-default", "ours")}  # page faults per step, median of the last 6 steps
-    assert faults["glibc-default"] > 200 and faults["ours"] < 20, faults
+    faults = {arm: sum(map(int, subprocess.run([sys.executable, "-c", script, arm], cwd=REPO_ROOT, capture_output=True,
+                                               text=True, check=True).stdout.split()[-9:]))
+              for arm in ("glibc-default", "ours")}  # page faults in steps 3-11
+    assert faults["glibc-default"] > 4 * faults["ours"] and faults["glibc-default"] > 2000, faults
