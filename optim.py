@@ -127,7 +127,7 @@ class Muon(torch.optim.Optimizer):
         grads = [p.grad for p in params]
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
         # Nesterov, written straight into the batch: stacking an (m, n) matrix with transposed (n, m) ones (to share a
-        # chain) took a transposing copy that cost more than the chain it saved (10 of ~40 ms of Muon, record preset)
+        # chain) took a transposing copy that cost more than the chain it saved (an AMX box: 10 of ~40 ms of Muon, record preset)
         update = grads[0].new_empty((len(params), *params[0].shape))  # (G, m, n)
         for grad, buf, out in zip(grads, bufs, update.unbind(0)):
             torch.lerp(grad, buf, momentum, out=out)
