@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
+from common import UserError
 from data import BatchSource, batch_rng, gather_rows, load_dataset, micro_batch_index
 from train import train
 
@@ -25,13 +26,22 @@ def test_batches_are_a_pure_function_of_seed_split_index(tiny_data):
     assert torch.equal(y1[:, :-1], x1[:, 1:])  # targets are inputs shifted by one
 
 
-def test_vectorised_gather_equals_row_by_row(tiny_data):
+def test_gathered_rows_are_the_file_slices(tiny_data):
     ds = load_dataset(tiny_data / "tiny")
     starts = batch_rng(0, "train", 3).integers(0, ds.lengths["train"] - 33, size=6)
     rows = gather_rows(ds.path("train"), ds.dtype, starts, 32)
     data = np.memmap(ds.path("train"), dtype=ds.dtype, mode="r")
+    assert rows.dtype == np.int64 and rows.shape == (6, 33)
     for row, s in zip(rows, starts):
         assert np.array_equal(row, data[s:s + 33])
+
+
+def test_a_train_bin_cut_short_after_loading_is_a_user_error(tmp_path, tiny_data):
+    ds = load_dataset(tiny_data / "tiny")
+    short = tmp_path / "train.bin"
+    short.write_bytes(ds.path("train").read_bytes()[:100])  # 50 tokens
+    with pytest.raises(UserError, match="ended before token 61"):
+        gather_rows(short, ds.dtype, np.array([0, 28]), 32)
 
 
 def test_two_ranks_accum_one_see_one_rank_accum_two(tiny_data):
