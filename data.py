@@ -188,7 +188,7 @@ class BatchSource:
 
     def _load(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = gather_rows(self.dataset.path(split), self.dataset.dtype, self.starts(split, index), self.block_size)
-        x, y = torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())  # (B, T) each
+        x, y = (torch.from_numpy(np.ascontiguousarray(r)) for r in (rows[:, :-1], rows[:, 1:]))  # (B, T) each
         if self.pin:
             x, y = x.pin_memory(), y.pin_memory()
         return x, y
