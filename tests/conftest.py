@@ -22,7 +22,7 @@ from common import SHAKESPEARE  # noqa: E402  (importable only once the root is 
 
 # Under pytest-xdist the workers already keep every core busy (-n 2 on 2 cores, -n auto elsewhere): a second OpenMP
 # thread in each worker, and in each process a test starts, only oversubscribes the cores and spins. One thread
-# each took the cold suite from 6:23 to 4:57 on 2 cores (10.8 -> 8.2 CPU-minutes); `-n 0` keeps torch's default.
+# each took the cold suite from 6:23 to 4:40 on 2 cores (10.8 -> 7.7 user CPU-minutes); `-n 0` keeps torch's default.
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_overrides
 from common import UserError
+from conftest import tiny_overrides
 from data import BatchSource, batch_rng, gather_rows, load_dataset, micro_batch_index
 from train import train
 
