@@ -44,7 +44,6 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -52,20 +51,23 @@ import numpy as np
 import psutil
 import torch
 
-from common import (SHAKESPEARE, UserError, atomic_write, keep_freed_memory, load_average, run_main, usable_cpus,
-                    with_shakespeare_input)
-from config import build_config, load_toml, parse_overrides
-from data import BatchSource, find_dataset
-from distributed import DistInfo
-from hf import export_hf
-from load import load_model
-from metrics import matmul_flops, rss_mb
 from model import GPT, GPTConfig, quantize_int8
-from optim import Muon
-from prepare import BPE_TRAIN_PIECE_CHARS
-from scoring import HellaSwagItem, hellaswag_items, score_hellaswag
-from tokenizer import cache_gpt2_files_from_package, get_tiktoken, split_text, train_tokenizer
-from trainer import PRECISIONS, Trainer, build, setup, train_step
+from quillgpt.config import build_config, load_toml, parse_overrides
+from quillgpt.data import BatchSource, find_dataset
+from quillgpt.distributed import DistInfo
+from quillgpt.errors import UserError, run_main
+from quillgpt.files import atomic_write
+from quillgpt.hf import export_hf
+from quillgpt.loading import load_model
+from quillgpt.machine import SHAKESPEARE, keep_freed_memory, load_average, usable_cpus, with_shakespeare_input
+from quillgpt.metrics import matmul_flops, rss_mb
+from quillgpt.optim import Muon
+from quillgpt.precision import PRECISIONS
+from quillgpt.precision import autocast as precision_autocast
+from quillgpt.prepare import BPE_TRAIN_PIECE_CHARS
+from quillgpt.scoring import HellaSwagItem, hellaswag_items, score_hellaswag
+from quillgpt.tokenizer import cache_gpt2_files_from_package, get_tiktoken, split_text, train_tokenizer
+from quillgpt.trainer import Trainer, build, setup, train_step
 
 REPO = Path(__file__).resolve().parent
 CPU_PRESET = REPO / "configs" / "shakespeare_char" / "cpu.toml"
@@ -271,7 +273,7 @@ class KernelClock:
             return out
         return wrapper
 
-    def __enter__(self) -> "KernelClock":
+    def __enter__(self) -> KernelClock:
         try:
             self._wrap_generated_code()
         except BaseException:
@@ -299,7 +301,7 @@ class KernelClock:
 
     def time_outside(self, tr: Trainer) -> None:
         """Also time the parts of a step outside the compiled graphs: batches, gradient clipping, optimizer steps."""
-        import trainer
+        from quillgpt import trainer
 
         self._swap(tr.batches, "get", self.timed("(batches)", tr.batches.get))
         self._swap(trainer, "clip_gradients", self.timed("(gradient clipping)", trainer.clip_gradients))
@@ -596,7 +598,7 @@ def bench_hellaswag(args: argparse.Namespace, overrides: list) -> None:
     model = GPT(margs).eval()  # random weights: the speed does not depend on them
     keep_freed_memory()  # as eval.py on the CPU
     precision = "fp32" if cfg.training.precision == "auto" else cfg.training.precision
-    autocast = nullcontext() if precision == "fp32" else torch.autocast("cpu", dtype=PRECISIONS[precision])
+    autocast = precision_autocast("cpu", precision)
     score_hellaswag(model, tokenizer, items[:4], autocast)  # warm-up
     t0 = time.perf_counter()
     score = score_hellaswag(model, tokenizer, items, autocast, progress=True)

@@ -11,8 +11,8 @@
 --ckpt takes a checkpoint file, a run directory (its best checkpoint), a .safetensors file from
 export.py, or a Hugging Face model directory (GPT-2, Llama, Qwen2, Qwen3) or hub name. A model with
 a long context scores windows of at most --context tokens (default 2048). Text is read as prepare.py reads it (a text file,
-.jsonl(.gz/.zst), .parquet, a directory; --text-field). How each figure is computed: scoring.py
-(bits per byte, HellaSwag) and harness.py (lm-evaluation-harness). --json writes every figure with
+.jsonl(.gz/.zst), .parquet, a directory; --text-field). How each figure is computed: quillgpt/scoring.py
+(bits per byte, HellaSwag) and quillgpt/lm_harness.py (lm-evaluation-harness). --json writes every figure with
 the checkpoint, the sha256 of each file scored and the settings, so that a number in a README can be
 traced to its run.
 """
@@ -20,172 +20,12 @@ traced to its run.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import time
-import urllib.error
-import urllib.request
-from contextlib import nullcontext
-from pathlib import Path
 
-import numpy as np
 import torch
 
-import corpus
-from checkpoint import load_checkpoint
-from common import UserError, atomic_write, atomic_write_json, keep_freed_memory, run_main, sha256_file
-from data import check_vocab_compatible, load_dataset
-from load import load_model
-from model import GPT
-from scoring import TextScore, document_streams, hellaswag_items, map_unknown, score_hellaswag, score_text
-from tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
-from trainer import PRECISIONS
-
-HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
-# git's blob id of data/hellaswag_val.jsonl in rowanz/hellaswag: SHA-1 of "blob <size>\0" + the file's bytes
-HELLASWAG_BLOB_SHA1 = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
-HELLASWAG_PATH = Path("data") / "hellaswag" / "hellaswag_val.jsonl"
-DEFAULT_CONTEXT = 2048
-
-
-# ---- what to score ------------------------------------------------------------------------------
-
-def text_documents(paths: list[str], text_field: str) -> list[tuple[str, list[str]]]:
-    """(path, its documents) for each --text input: read as prepare.py reads its inputs."""
-    out = []
-    for path in paths:
-        for source in corpus.local_sources([path], None):
-            how = corpus.Reading(text_field)
-            docs = [d for chunk in corpus.chunks_of(source, how, corpus.Budget(None)) for d in corpus.read(chunk).texts]
-            out.append((source.path, docs))
-    return out
-
-
-def split_stream(data_dir: Path, split: str, model: GPT, tokenizer: dict | None, source: str) -> np.ndarray:
-    """A prepared split's tokens, checked against the model's tokenizer and vocabulary."""
-    dataset = load_dataset(data_dir)
-    check_vocab_compatible(model.config.vocab_size, tokenizer, dataset, source)
-    return np.memmap(dataset.path(split), dtype=dataset.dtype, mode="r").astype(np.int64)
-
-
-def checkpoint_dataset(ckpt_file: str) -> Path | None:
-    """The prepared dataset a checkpoint was trained on (its config's data section), if it records one."""
-    if not ckpt_file.endswith(".pt"):
-        return None
-    data = load_checkpoint(ckpt_file).get("config", {}).get("data", {})
-    if not isinstance(data, dict):
-        return None
-    if data.get("processed_dir"):
-        return Path(data["processed_dir"])
-    return Path(data.get("data_dir", "data")) / str(data.get("dataset", ""))
-
-
-def hellaswag_file(given: str | None) -> Path:
-    """--hellaswag FILE, or (no FILE) HellaSwag's validation set, downloaded once into data/hellaswag/."""
-    if given:
-        return Path(given)
-    if HELLASWAG_PATH.is_file():
-        return HELLASWAG_PATH
-    try:
-        with urllib.request.urlopen(HELLASWAG_URL, timeout=20) as response:
-            data = response.read()
-    except (urllib.error.URLError, OSError) as e:
-        raise UserError(f"cannot download HellaSwag ({getattr(e, 'reason', e)}): offline, give its validation file "
-                        "with --hellaswag FILE (hellaswag_val.jsonl from github.com/rowanz/hellaswag)") from None
-    blob = hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
-    if blob != HELLASWAG_BLOB_SHA1:
-        raise UserError(f"the downloaded HellaSwag file is not rowanz/hellaswag's (git blob {blob}, expected "
-                        f"{HELLASWAG_BLOB_SHA1}): give a copy with --hellaswag FILE")
-    with atomic_write(HELLASWAG_PATH) as f:
-        f.write(data)
-    return HELLASWAG_PATH
-
-
-# ---- running it ---------------------------------------------------------------------------------
-
-def evaluate(args: argparse.Namespace) -> dict:
-    loaded = load_model(args.ckpt)
-    if loaded.tokenizer is None:
-        raise UserError(f"{loaded.source} records no tokenizer, so no text can be encoded for it")
-    tokenizer = tokenizer_from_dict(loaded.tokenizer)
-    model = loaded.model
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise UserError(f"{loaded.source} has {model.config.vocab_size} token ids, fewer than its "
-                        f"{tokenizer_label(loaded.tokenizer)} tokenizer's {tokenizer.vocab_size}")
-    if args.context < model.config.block_size:  # a 32k-token window's logits alone would not fit in memory
-        model.crop_block_size(args.context)
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        keep_freed_memory()  # batches re-allocate the same activations: 1.15x the HellaSwag items per second
-    model.to(device).eval()
-    autocast = nullcontext() if args.precision == "fp32" else torch.autocast(device.type, dtype=PRECISIONS[args.precision])
-    report = {"checkpoint": loaded.source, "model_args": model.config.to_dict(), "parameters": model.num_params(),
-              "tokenizer": tokenizer_label(loaded.tokenizer),
-              "settings": {"stride": args.stride or model.config.block_size // 2, "precision": args.precision,
-                           "device": args.device, "limit": args.limit, "map_unknown": args.map_unknown},
-              "text": [], "hellaswag": None, "harness": None}
-    if Path(loaded.source).is_file():
-        report["checkpoint_sha256"] = sha256_file(Path(loaded.source))
-    for name, path, streams, note in text_inputs(args, model, tokenizer, loaded):
-        t0 = time.perf_counter()
-        score = score_text(model, streams, tokenizer.token_bytes(), args.stride, autocast, progress=True)
-        report["text"].append({"name": name, "path": str(path), "sha256": sha256_file(path), **figures(score),
-                               "seconds": time.perf_counter() - t0, **({"note": note} if note else {})})
-    if args.hellaswag is not None:
-        report["hellaswag"] = run_hellaswag(args, model, tokenizer, autocast)
-    if args.tasks:
-        from harness import run_tasks
-
-        report["harness"] = run_tasks(model, tokenizer, args.tasks.split(","), args.task_dir, args.limit,
-                                      args.num_fewshot, autocast)
-    return report
-
-
-def text_inputs(args: argparse.Namespace, model: GPT, tokenizer: Tokenizer, loaded) -> list[tuple]:
-    """(name, file, token streams, note) of each text to score: the --text inputs and the --split."""
-    out = []
-    for path, docs in text_documents(args.text or [], args.text_field):
-        docs, note = map_unknown(tokenizer, docs, args.map_unknown, path)
-        out.append((Path(path).name, Path(path), document_streams(tokenizer, docs), note))
-    if args.split:
-        data_dir = Path(args.data) if args.data else checkpoint_dataset(loaded.source)
-        if data_dir is None:
-            raise UserError(f"{loaded.source} records no dataset: give the prepared dataset with --data DIR")
-        stream = split_stream(data_dir, args.split, model, loaded.tokenizer, loaded.source)
-        out.append((f"{args.split} split of {data_dir}", data_dir / f"{args.split}.bin", [stream], ""))
-    return out
-
-
-def figures(score: TextScore) -> dict:
-    return {"bpb": score.bpb, "loss": score.loss, "ppl": score.ppl, "tokens": score.tokens, "bytes": score.bytes}
-
-
-def run_hellaswag(args: argparse.Namespace, model: GPT, tokenizer: Tokenizer, autocast) -> dict:
-    path = hellaswag_file(args.hellaswag or None)
-    items, note = hellaswag_items(path, tokenizer, args.limit, args.map_unknown)
-    t0 = time.perf_counter()
-    score = score_hellaswag(model, tokenizer, items, autocast, progress=True)
-    seconds = time.perf_counter() - t0
-    return {"path": str(path), "sha256": sha256_file(path), "items": score.items, "acc": score.acc,
-            "acc_norm": score.acc_norm, "seconds": seconds, "seconds_per_1000_items": seconds / score.items * 1000,
-            **({"note": note} if note else {})}
-
-
-def print_report(report: dict) -> None:
-    print(f"{report['checkpoint']}: {report['parameters'] / 1e6:.2f}M parameters, {report['tokenizer']} tokenizer, "
-          f"context {report['model_args']['block_size']}, {report['settings']['precision']} on {report['settings']['device']}")
-    if report["text"]:
-        print(f"| text | bits per byte | loss (nats/token) | perplexity | tokens | bytes |  (stride {report['settings']['stride']})")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
-        for t in report["text"]:
-            print(f"| {t['name']} | {t['bpb']:.4f} | {t['loss']:.4f} | {t['ppl']:.2f} | {t['tokens']:,} | {t['bytes']:,} |")
-            if t.get("note"):
-                print(f"  note: {t['note']}")
-    if report["hellaswag"]:
-        h = report["hellaswag"]
-        print(f"hellaswag (0-shot, completion): acc {h['acc']:.4f} | acc_norm {h['acc_norm']:.4f} | {h['items']:,} items "
-              f"in {h['seconds']:.1f}s ({h['seconds_per_1000_items']:.0f}s per 1,000)")
-    for task, metrics in (report["harness"] or {}).items():
-        print(f"{task}: " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+from quillgpt.errors import run_main
+from quillgpt.evaluate import DEFAULT_CONTEXT, evaluate, print_report
+from quillgpt.files import atomic_write_json
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -193,7 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ckpt", required=True, help="checkpoint, run directory, .safetensors file, or HF model directory or hub name")
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
                    help=f"score with at most this many tokens of context (default {DEFAULT_CONTEXT}, or the model's if shorter)")
-    p.add_argument("--text", nargs="+", metavar="PATH", help="text files, .jsonl/.parquet documents or directories")
+    p.add_argument("--text", nargs="+", action="extend", metavar="PATH", help="text files, .jsonl/.parquet documents or directories")
     p.add_argument("--text-field", default="text", help="the records' text field (default: text)")
     p.add_argument("--split", choices=("train", "val"), help="a prepared split (default: val, when nothing else is asked)")
     p.add_argument("--data", metavar="DIR", help="the prepared dataset of --split (default: the checkpoint's)")

@@ -15,8 +15,8 @@ model arguments and the tokenizer as JSON in its metadata (sample.py --ckpt read
 From Python:
 
     from export import export_safetensors
-    from hf import export_hf
-    from load import load_model
+    from quillgpt.hf import export_hf
+    from quillgpt.loading import load_model
     loaded = load_model("checkpoints/base")
     export_safetensors(loaded.model, loaded.tokenizer, "exports/base.safetensors")
 """
@@ -30,10 +30,11 @@ from pathlib import Path
 
 from safetensors.torch import save
 
-import hf
-from common import atomic_write, run_main
-from load import load_model
 from model import GPT
+from quillgpt import hf
+from quillgpt.errors import run_main
+from quillgpt.files import atomic_write
+from quillgpt.loading import load_model
 
 # ---- export: safetensors ----------------------------------------------------------------------------
 

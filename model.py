@@ -13,16 +13,16 @@ modded-nanogpt for QK-norm, ReLU^2, soft-capping and Muon.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import Iterator
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from config import GPTConfig
-from kernels import Dropout, causal_attention
+from quillgpt.config import GPTConfig
+from quillgpt.kernels import Dropout, causal_attention
 
 
 class RMSNorm(nn.Module):

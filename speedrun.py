@@ -34,8 +34,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import UserError, load_average, run_main, with_shakespeare_input
-from metrics import bf16_matmul_ceiling
+from quillgpt.errors import UserError, run_main
+from quillgpt.machine import load_average, with_shakespeare_input
+from quillgpt.metrics import bf16_matmul_ceiling
 
 REPO = Path(__file__).resolve().parent
 CONFIGS = ["configs/shakespeare_char/cpu.toml", "configs/shakespeare_char/speedrun_cpu.toml",

@@ -34,14 +34,24 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import distributed
-from checkpoint import TrainState, resolve_run
-from common import run_main
-from config import build_config, load_toml, parse_overrides
-from data import find_dataset
-from metrics import MetricsLog
-from trainer import Outcome, StopRequest, Trainer, build, callers_determinism_restored, fit, restore, setup, start_run
-from validate import check_memory, report_feasibility
+from quillgpt import distributed
+from quillgpt.checkpoint import TrainState, resolve_run
+from quillgpt.config import build_config, load_toml, parse_overrides
+from quillgpt.data import find_dataset
+from quillgpt.errors import run_main
+from quillgpt.feasibility import check_memory, report_feasibility
+from quillgpt.metrics import MetricsLog
+from quillgpt.trainer import (
+    Outcome,
+    StopRequest,
+    Trainer,
+    build,
+    callers_determinism_restored,
+    fit,
+    restore,
+    setup,
+    start_run,
+)
 
 
 @dataclass

@@ -1,13 +1,15 @@
-"""The import graph of the repository's top-level modules, and the rules it keeps.
+"""The import graph of the repository's modules, and the rules it keeps.
 
     python scripts/import_graph.py
 
-Every import of one of our modules counts, also one inside a function (a lazy import hides a cycle
-from Python, not from this). Prints each module with what it imports, in layers (a module imports
-only from layers below its own), then checks the rules, which tests/test_layout.py checks too:
+Modules are the root's scripts (train, sample, prepare, eval, export, bench, speedrun), `model`, and the package's
+modules (quillgpt.config, ...). Every import of one of them counts, also one inside a function (a lazy import hides a
+cycle from Python, not from this). Prints each module with what it imports, in layers (a module imports only from
+layers below its own), then checks the rules, which tests/test_layout.py checks too:
 - no import cycle;
-- no module imports an entry script: train.py, sample.py, eval.py, bench.py, speedrun.py and export.py are
-  built from the modules and never from each other.
+- no module imports an entry script (a root module other than `model`): the scripts are built from the package and
+  never from each other;
+- the package imports nothing from the root but `model`.
 Exits 1 when a rule is broken.
 """
 
@@ -18,22 +20,44 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ENTRY_SCRIPTS = {"train", "sample", "bench", "speedrun", "export", "eval"}
+PACKAGE = "quillgpt"
+MODEL = "model"
+
+
+def module_files(root: Path = REPO_ROOT) -> dict[str, Path]:
+    """Module name (train, model, quillgpt.trainer, ...) -> its file."""
+    files = {p.stem: p for p in root.glob("*.py")}
+    files |= {f"{PACKAGE}.{p.stem}": p for p in (root / PACKAGE).glob("*.py") if p.stem != "__init__"}
+    for sub in (root / PACKAGE).glob("*/__init__.py"):
+        files[f"{PACKAGE}.{sub.parent.name}"] = sub
+        files |= {f"{PACKAGE}.{sub.parent.name}.{p.stem}": p for p in sub.parent.glob("*.py") if p.stem != "__init__"}
+    return files
+
+
+def imported_names(tree: ast.AST) -> set[str]:
+    """Every dotted name an import statement could bind a module to: `from a.b import c` gives a.b and a.b.c."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return names
 
 
 def import_graph(root: Path = REPO_ROOT) -> dict[str, set[str]]:
     """module name -> the names of the repository's modules it imports."""
-    modules = {p.stem: p for p in root.glob("*.py")}
+    files = module_files(root)
     graph = {}
-    for name, path in modules.items():
-        imported = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Import):
-                imported |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                imported.add(node.module.split(".")[0])
-        graph[name] = {m for m in imported if m in modules and m != name}
+    for name, path in files.items():
+        imported = imported_names(ast.parse(path.read_text(encoding="utf-8")))
+        graph[name] = {m for m in imported if m in files and m != name}
     return graph
+
+
+def entry_scripts(graph: dict[str, set[str]]) -> set[str]:
+    return {m for m in graph if "." not in m and m != MODEL}
 
 
 def layers(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -58,7 +82,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[m] = 1
         for dep in sorted(graph[m]):
             if state.get(dep) == 1:
-                return path[path.index(dep):] + [dep]
+                return path[path.index(dep) :] + [dep]
             if dep not in state and (cycle := visit(dep, path + [dep])):
                 return cycle
         state[m] = 2
@@ -72,18 +96,31 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def script_imports(graph: dict[str, set[str]]) -> list[str]:
     """'a -> b' for every module a that imports an entry script b."""
-    return [f"{m} -> {dep}" for m, deps in sorted(graph.items()) for dep in sorted(deps & ENTRY_SCRIPTS)]
+    scripts = entry_scripts(graph)
+    return [f"{m} -> {dep}" for m, deps in sorted(graph.items()) for dep in sorted(deps & scripts)]
+
+
+def package_root_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b' for every package module a that imports a root module b other than `model`."""
+    return [
+        f"{m} -> {dep}"
+        for m, deps in sorted(graph.items())
+        if m.startswith(f"{PACKAGE}.")
+        for dep in sorted(deps)
+        if "." not in dep and dep != MODEL
+    ]
 
 
 def main() -> int:
     graph = import_graph()
     for i, group in enumerate(layers(graph)):
         for m in group:
-            print(f"layer {i}  {m:<12} imports {', '.join(sorted(graph[m])) or '-'}")
-    cycle, wrong = find_cycle(graph), script_imports(graph)
+            print(f"layer {i}  {m:<22} imports {', '.join(sorted(graph[m])) or '-'}")
+    cycle, wrong, upward = find_cycle(graph), script_imports(graph), package_root_imports(graph)
     print(f"import cycle: {' -> '.join(cycle)}" if cycle else "no import cycle")
     print(f"imports of entry scripts: {'; '.join(wrong)}" if wrong else "no module imports an entry script")
-    return 1 if cycle or wrong else 0
+    print(f"package imports from the root: {'; '.join(upward)}" if upward else "the package imports only `model` from the root")
+    return 1 if cycle or wrong or upward else 0
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ import psutil
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-from common import SHAKESPEARE, atomic_write_text  # noqa: E402  (the repo's scripts run from its root, not as a package)
+from quillgpt.files import atomic_write_text  # noqa: E402  (the repo's scripts run from its root, not as a package)
+from quillgpt.machine import SHAKESPEARE
 
 MAX_RSS_GROWTH = 0.05
 STEP_LINE = re.compile(r"^(?:iter\s+|eval )(\d+)")

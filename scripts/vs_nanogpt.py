@@ -34,11 +34,12 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from common import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD, SHAKESPEARE, UserError, load_average, run_main  # noqa: E402
-from config import build_config, load_toml  # noqa: E402
-from data import Dataset, find_dataset  # noqa: E402
-from distributed import DistInfo  # noqa: E402
-from metrics import bf16_matmul_ceiling  # noqa: E402
+from quillgpt.config import build_config, load_toml  # noqa: E402
+from quillgpt.data import Dataset, find_dataset  # noqa: E402
+from quillgpt.distributed import DistInfo  # noqa: E402
+from quillgpt.errors import UserError, run_main  # noqa: E402
+from quillgpt.machine import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD, SHAKESPEARE, load_average
+from quillgpt.metrics import bf16_matmul_ceiling  # noqa: E402
 
 BABY_GPT = ["--device=cpu", "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12",
             "--n_layer=4", "--n_head=4", "--n_embd=128", "--lr_decay_iters=2000", "--dropout=0.0"]

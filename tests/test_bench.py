@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO_ROOT, TINY_COMPILED, tiny_overrides
 
 import bench
 import speedrun
-from checkpoint import RunDir, load_checkpoint
-from common import UserError
-from conftest import REPO_ROOT, TINY_COMPILED, tiny_overrides
-from data import BatchSource, load_dataset
-from prepare import prepare_dataset
+from quillgpt.checkpoint import RunDir, load_checkpoint
+from quillgpt.data import BatchSource, load_dataset
+from quillgpt.errors import UserError
+from quillgpt.prepare import prepare_dataset
 
 TEXT = "".join(f"Line {i}: the quick brown fox jumps over {i * 7} lazy dogs, said the king.\n" for i in range(600))
 TINY_MODEL = ["--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "16", "--model.block_size", "16",
@@ -281,11 +281,10 @@ def test_vs_nanogpt_reads_both_trainers_iteration_lines_and_gives_nanogpt_our_da
     nanoGPT's in the format of its train.py; nanoGPT's scratch directory links our train.bin and names the vocab."""
     import pickle
 
-    from conftest import tiny_overrides
-    from train import train
-
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
     import vs_nanogpt
+    from conftest import tiny_overrides
+
+    from train import train
 
     train(None, overrides=tiny_overrides(tiny_data, tmp_path / "run", **{"training.max_iters": 6}))
     out = capsys.readouterr().out

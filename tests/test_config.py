@@ -5,11 +5,11 @@ import subprocess
 import sys
 
 import pytest
-
-import config as config_mod
-from common import run_main
-from config import ConfigError, build_config, load_config, markdown_reference, parse_overrides, to_toml
 from conftest import REPO_ROOT, tiny_overrides
+
+from quillgpt import config as config_mod
+from quillgpt.config import ConfigError, build_config, load_config, markdown_reference, parse_overrides, to_toml
+from quillgpt.errors import run_main
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -146,7 +146,7 @@ def test_override_parsing_for_every_type(arg, key, expected):
 
 def test_list_fields_parse():
     """No field is a list yet; the coercion for list types still works for when one is added."""
-    from config import coerce
+    from quillgpt.config import coerce
     assert coerce([1, 2], list[int]) == [1, 2]
     with pytest.raises(TypeError):
         coerce([1, "x"], list[int])
@@ -205,7 +205,7 @@ def test_readme_config_reference_is_generated_from_the_schema():
     start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
     assert start in readme and end in readme
     assert readme.split(start)[1].split(end)[0] == markdown_reference(), \
-        "README config reference is stale: python config.py --markdown, paste between the markers"
+        "README config reference is stale: python -m quillgpt.config --markdown, paste between the markers"
 
 
 def test_validate_reports_feasibility(tiny_data, tmp_path, capsys):

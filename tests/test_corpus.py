@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-import prepare
-from common import UserError
 from conftest import REPO_ROOT, word_salad
-from data import BatchSource, gather_rows, load_dataset
-from prepare import in_validation, prepare_dataset
-from tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+
+from quillgpt import prepare
+from quillgpt.data import BatchSource, gather_rows, load_dataset
+from quillgpt.errors import UserError
+from quillgpt.prepare import in_validation, prepare_dataset
+from quillgpt.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -345,7 +345,7 @@ def test_skip_bad_records_counts_and_skips(bad_inputs, tmp_path):
 @pytest.mark.slow
 def test_zst_without_zstandard_names_the_extra(bad_inputs, tmp_path):
     code = ("import sys; sys.modules['zstandard'] = None; sys.argv[0] = 'prepare.py'; sys.path.insert(0, '.'); "
-            "import prepare, common; common.run_main(prepare.main)")
+            "import prepare; from quillgpt.errors import run_main; run_main(prepare.main)")
     proc = run_prepare("--dataset", "z", "--input", str(bad_inputs / "c.jsonl.zst"), "--data-dir", str(tmp_path), code=code)
     assert_one_line_error(proc, "c.jsonl.zst needs the zstandard package: pip install '.[data]'")
 

@@ -6,10 +6,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
-from common import UserError
 from conftest import tiny_overrides
-from data import BatchSource, batch_rng, gather_rows, load_dataset, micro_batch_index
+
+from quillgpt.data import BatchSource, batch_rng, gather_rows, load_dataset, micro_batch_index
+from quillgpt.errors import UserError
 from train import train
 
 
@@ -90,7 +90,7 @@ def test_txt_mode_tokenizes_once_and_caches(tmp_path):
 
 
 def test_tokenizer_mismatch_with_config_is_refused(tiny_data, tmp_path):
-    from common import UserError
+    from quillgpt.errors import UserError
     with pytest.raises(UserError, match="prepared with the char tokenizer but the config asks for bpe"):
         load_dataset(tiny_data / "tiny", expect_tokenizer="bpe")
 

@@ -20,12 +20,12 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
-import distributed
-from checkpoint import load_checkpoint
 from conftest import REPO_ROOT, word_salad
-from prepare import prepare_dataset
-from sample import load_for_sampling
+
+from quillgpt import distributed
+from quillgpt.checkpoint import load_checkpoint
+from quillgpt.prepare import prepare_dataset
+from quillgpt.generate import load_for_sampling
 from train import train
 
 ITERS = 12
@@ -342,7 +342,7 @@ COLLECTIVES_SCRIPT = """
 import sys
 import torch, torch.distributed as dist
 sys.path.insert(0, {repo!r})
-import distributed as du
+from quillgpt import distributed as du
 info = du.from_env()
 du.init_process_group(info, torch.device("cpu"), None, 60)
 held = 0

@@ -12,13 +12,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from checkpoint import load_checkpoint
 from conftest import REPO_ROOT, gpt2_encoding_error, needs_gpt2_encoding, save_hf_gpt2, tiny_overrides  # noqa: F401
-from load import load_model
-from scoring import (continuation_logprobs, document_streams, hellaswag_pairs, load_hellaswag, score_hellaswag,
-                     score_text, windows)
-from tokenizer import get_tiktoken
+
+from quillgpt.checkpoint import load_checkpoint
+from quillgpt.loading import load_model
+from quillgpt.scoring import (
+    continuation_logprobs,
+    document_streams,
+    hellaswag_pairs,
+    load_hellaswag,
+    score_hellaswag,
+    score_text,
+    windows,
+)
+from quillgpt.tokenizer import get_tiktoken
 from train import train
 
 SUBJECTS = ["A man", "The woman", "A child", "Two dogs", "The chef", "A student"]
@@ -98,7 +105,7 @@ def test_windows_score_every_target_once_with_enough_context():
 def test_char_model_bits_per_byte_is_its_loss_over_ln2_on_ascii(tiny_data, tmp_path):
     train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 4}))
     loaded = load_model(tmp_path / "t")
-    from tokenizer import tokenizer_from_dict
+    from quillgpt.tokenizer import tokenizer_from_dict
 
     tok = tokenizer_from_dict(loaded.tokenizer)
     text = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 5
@@ -114,7 +121,7 @@ def test_harness_adapter_runs_a_local_task_and_equals_our_scorer(gpt2_dir, tmp_p
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
 
-    from harness import QuillLM, run_tasks
+    from quillgpt.lm_harness import QuillLM, run_tasks
 
     directory, _ = gpt2_dir
     model, tok = load_model(directory).model.eval(), get_tiktoken("gpt2")
@@ -206,8 +213,8 @@ def test_bad_input_is_one_line_and_exit_2(char_run, tmp_path, case, make, fragme
 
 def test_offline_hellaswag_without_a_file_names_the_option(char_run, tmp_path, monkeypatch):
     """No network here: the download fails at once with the way out."""
-    import eval as evaluation
-    from common import UserError
+    from quillgpt import evaluate as evaluation
+    from quillgpt.errors import UserError
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(evaluation, "HELLASWAG_URL", "http://127.0.0.1:9/hellaswag_val.jsonl")
@@ -249,7 +256,7 @@ def test_training_logs_bits_per_byte_and_hellaswag_and_keeps_the_best_by_either(
 
 
 def test_best_metric_hellaswag_needs_the_file():
-    from config import ConfigError, build_config
+    from quillgpt.config import ConfigError, build_config
 
     with pytest.raises(ConfigError, match="best_metric = 'hellaswag' needs eval.hellaswag"):
         build_config(None, {"training.best_metric": "hellaswag"})

@@ -10,17 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO_ROOT, gpt2_encoding_error, needs_gpt2_encoding, save_hf_gpt2  # noqa: F401 (the skipif string)
 from safetensors import safe_open
+from test_sample import write_char_checkpoint
 
 import export
-from checkpoint import save_checkpoint
-from common import UserError
-from hf import export_hf
-from load import load_model, read_safetensors
 from model import GPT, GPTConfig
-from conftest import REPO_ROOT, gpt2_encoding_error, needs_gpt2_encoding, save_hf_gpt2  # noqa: F401 (the skipif string)
-from test_sample import write_char_checkpoint
-from tokenizer import CharTokenizer, get_tiktoken, tokenizer_from_dict
+from quillgpt.checkpoint import save_checkpoint
+from quillgpt.errors import UserError
+from quillgpt.hf import export_hf
+from quillgpt.loading import load_model, read_safetensors
+from quillgpt.tokenizer import CharTokenizer, get_tiktoken, tokenizer_from_dict
+
 
 @pytest.fixture(scope="module")
 def hf_dir(transformers, tmp_path_factory):
@@ -196,7 +197,7 @@ def test_sample_reads_safetensors(tmp_path):
     args = ["--prompt", "abc", "--max-new-tokens", "30", "--temperature", "0"]
     from_file = run_script("sample.py", "--ckpt", str(tmp_path / "m.safetensors"), *args)
     assert from_file.returncode == 0, from_file.stderr
-    import sample
+    from quillgpt import generate as sample
     model, tokenizer, _ = sample.load_for_sampling(ckpt, "cpu")
     [text], _ = sample.generate_texts(model, tokenizer, tokenizer.encode("abc"), 1, 30, temperature=0)
     assert from_file.stdout == "abc" + text + "\n"
@@ -230,7 +231,7 @@ def tiny_run(tmp: Path, dataset: str, text: str, name: str, **overrides) -> dict
 
 
 def test_finetune_from_a_checkpoint_run_into_a_new_run(tmp_path):
-    from checkpoint import load_checkpoint
+    from quillgpt.checkpoint import load_checkpoint
     from train import train
 
     text = words("abcdefgh ")

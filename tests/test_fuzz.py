@@ -14,7 +14,6 @@ import random
 import subprocess
 import sys
 import tempfile
-import tomllib
 import types
 import typing
 from collections import Counter
@@ -23,14 +22,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
-from common import UserError
-from config import SECTIONS, SHORT_FLAGS, Config, ConfigError, build_config, load_config, to_toml
+import tomllib
 from conftest import REPO_ROOT
-from data import load_dataset
-from prepare import prepare_dataset
-from tokenizer import load_tokenizer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from quillgpt.config import SECTIONS, SHORT_FLAGS, Config, ConfigError, build_config, load_config, to_toml
+from quillgpt.data import load_dataset
+from quillgpt.errors import UserError
+from quillgpt.prepare import prepare_dataset
+from quillgpt.tokenizer import load_tokenizer
 
 TRIED: Counter = Counter()  # examples tried per target
 
@@ -175,7 +176,7 @@ def test_any_command_line_gives_a_config_or_a_config_error(args):
 
 
 def config_cases(tmp: Path) -> dict[str, list[str]]:
-    """A handful of hostile inputs for `python config.py`, from a seeded generator."""
+    """A handful of hostile inputs for `python -m quillgpt.config`, from a seeded generator."""
     rng = random.Random(11)
     files = {
         "random_bytes": rng.randbytes(400),  # also invalid UTF-8 and NUL bytes
@@ -186,8 +187,8 @@ def config_cases(tmp: Path) -> dict[str, list[str]]:
     }
     for name, raw in files.items():
         (tmp / f"{name}.toml").write_bytes(raw)
-    cases = {name: ["config.py", str(tmp / f"{name}.toml")] for name in files}
-    cases["argv_invalid_utf8"] = ["config.py", "--run.name", os.fsdecode(b"run\xff")]
+    cases = {name: ["-m", "quillgpt.config", str(tmp / f"{name}.toml")] for name in files}
+    cases["argv_invalid_utf8"] = ["-m", "quillgpt.config", "--run.name", os.fsdecode(b"run\xff")]
     return cases
 
 
@@ -197,7 +198,7 @@ def test_config_cli_exits_0_or_2_without_traceback(tmp_path):
     cases = config_cases(tmp_path)
     with ThreadPoolExecutor(2) as pool:
         results = dict(zip(cases, pool.map(lambda args: run_script(*args), cases.values())))
-    TRIED["config.py subprocess runs"] += len(results)
+    TRIED["python -m quillgpt.config runs"] += len(results)
     for name, proc in results.items():
         stderr = proc.stderr.decode("utf-8", "replace")
         assert proc.returncode in (0, 2) and b"Traceback" not in proc.stderr, (name, stderr)

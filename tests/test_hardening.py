@@ -27,13 +27,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
-
-from checkpoint import RunDir, load_checkpoint, resolve_run
-from common import UserError
 from conftest import REPO_ROOT, tiny_overrides
-from tokenizer import tokenizer_from_dict
-from load import model_from_checkpoint
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from quillgpt.checkpoint import RunDir, load_checkpoint, resolve_run
+from quillgpt.errors import UserError
+from quillgpt.loading import model_from_checkpoint
+from quillgpt.tokenizer import tokenizer_from_dict
 from train import train
 
 WORKERS = 2  # subprocesses at once: the CI machine has 2 cores
@@ -360,7 +361,7 @@ def test_architecture_and_vocabulary_mismatches_are_named(trained_run, tiny_data
     other = tmp_path / "data"
     (other / "txt").mkdir(parents=True)
     (other / "txt" / "abc.txt").write_text("abcab cabca\n" * 400, encoding="utf-8")
-    from prepare import prepare_dataset
+    from quillgpt.prepare import prepare_dataset
     prepare_dataset("abc", input_path=str(other / "txt" / "abc.txt"), data_dir=other, verbose=False)
     procs = run_scripts({
         "resume_wider": ["train.py", "--resume", str(trained_run.path), "--model.n_embd", "64"],

@@ -10,19 +10,19 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import REPO_ROOT, save_hf_family, save_hf_tokenizer, train_until_sigterm, word_salad
 from safetensors.torch import load_file, save_file
+from test_train import losses
 
 import export
 import sample
-from checkpoint import RunDir, load_checkpoint
-from common import UserError, run_main
-from conftest import REPO_ROOT, save_hf_family, save_hf_tokenizer, train_until_sigterm, word_salad
-from hf import export_hf
-from load import load_model
 from model import GPT, GPTConfig
-from prepare import prepare_dataset
-from tokenizer import hf_files, hf_tokenizer, load_tokenizer, tokenizer_from_dict, train_tokenizer
-from test_train import losses
+from quillgpt.checkpoint import RunDir, load_checkpoint
+from quillgpt.errors import UserError, run_main
+from quillgpt.hf import export_hf
+from quillgpt.loading import load_model
+from quillgpt.prepare import prepare_dataset
+from quillgpt.tokenizer import hf_files, hf_tokenizer, load_tokenizer, tokenizer_from_dict, train_tokenizer
 from train import train
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
@@ -346,17 +346,18 @@ def test_validate_estimates_the_init_from_model_not_the_config(llama_dir, tmp_pa
 
 
 def test_eval_scores_an_hf_directory_within_its_context(llama_dir, tmp_path):
-    import eval as evaluate
+    import eval as eval_script
+    from quillgpt import evaluate
 
     (tmp_path / "t.txt").write_text(TEXT[:3000])
-    report = evaluate.evaluate(evaluate.parse_args(["--ckpt", str(llama_dir), "--text", str(tmp_path / "t.txt"),
+    report = evaluate.evaluate(eval_script.parse_args(["--ckpt", str(llama_dir), "--text", str(tmp_path / "t.txt"),
                                                     "--context", "48"]))
     assert report["model_args"]["block_size"] == 48 and 0 < report["text"][0]["bpb"] < 20
 
 
 def test_every_preset_trains_a_model_that_exports_to_hugging_face():
-    import hf
-    from config import build_config, load_toml
+    from quillgpt import hf
+    from quillgpt.config import build_config, load_toml
 
     families = {}
     for path in sorted((REPO_ROOT / "configs").rglob("*.toml")):

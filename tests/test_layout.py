@@ -1,18 +1,17 @@
-"""The code's layout: the module import graph has no cycle, no module imports an entry script, and the config
-schema loads without torch (scripts/import_graph.py prints the graph)."""
+"""The code's layout: the module import graph has no cycle, no module imports an entry script, the package imports
+nothing from the root but model, and the config schema loads without torch (scripts/import_graph.py prints the
+graph)."""
 
 import subprocess
 import sys
 
 from conftest import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-from import_graph import ENTRY_SCRIPTS, find_cycle, import_graph, layers, script_imports  # noqa: E402
+from import_graph import entry_scripts, find_cycle, import_graph, layers, package_root_imports, script_imports
 
 
 def test_no_import_cycle_among_the_modules():
     graph = import_graph()
-    assert {"train", "trainer", "model", "config", "load", "checkpoint"} <= set(graph)
+    assert {"train", "quillgpt.trainer", "model", "quillgpt.config", "quillgpt.loading"} <= set(graph)
     assert find_cycle(graph) is None
     assert sum(map(len, layers(graph))) == len(graph)
 
@@ -24,14 +23,25 @@ def test_the_checks_see_a_cycle_and_an_import_of_a_script():
     assert script_imports({"bench": {"train", "model"}, "train": {"model"}, "model": set()}) == ["bench -> train"]
 
 
-def test_the_entry_scripts_build_from_the_modules_not_from_each_other():
+def test_the_entry_scripts_build_from_the_package_not_from_each_other():
     graph = import_graph()
-    assert ENTRY_SCRIPTS <= set(graph)
+    assert {"train", "sample", "prepare", "eval", "export", "bench", "speedrun"} <= entry_scripts(graph)
     assert script_imports(graph) == []
-    assert "trainer" in graph["train"] and "trainer" in graph["bench"] and "trainer" in graph["validate"]
+    assert "quillgpt.trainer" in graph["train"] and "quillgpt.prepare" in graph["prepare"]
+
+
+def test_the_package_imports_nothing_from_the_root_but_model():
+    graph = import_graph()
+    assert package_root_imports(graph) == []
+    assert package_root_imports({"quillgpt.a": {"model", "train"}, "train": set(), "model": set()}) == ["quillgpt.a -> train"]
+
+
+def test_the_root_holds_only_the_scripts_and_model():
+    assert sorted(p.name for p in REPO_ROOT.glob("*.py")) == [
+        "bench.py", "eval.py", "export.py", "model.py", "prepare.py", "sample.py", "speedrun.py", "train.py"]
 
 
 def test_the_config_schema_loads_without_torch():
-    code = "import sys, config; config.load_config('configs/base/base.toml'); print('torch' in sys.modules)"
+    code = "import sys; from quillgpt import config; config.load_config('configs/base/base.toml'); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 
-import kernels
-from kernels import CPUCausalAttention, Dropout, causal_softmax, cpu_keep_mask
-from model import cache_length, GPT, GPTConfig, sample_next
+from model import GPT, GPTConfig, cache_length, sample_next
+from quillgpt import kernels
+from quillgpt.kernels import CPUCausalAttention, Dropout, causal_softmax, cpu_keep_mask
 
 MODERN = dict(pos_emb="rope", norm="rmsnorm", qk_norm=True, mlp="swiglu", tie_embeddings=False,
               logit_softcap=15.0, zero_init_proj=False)
@@ -158,7 +157,7 @@ def test_default_cpu_peak_knows_zen4_half_width_avx512_and_intel_amx():
     """MFU's default CPU peak: Zen 4 (AMD family 25) executes AVX-512 on 256-bit units, so half of Intel's; with AMX
     tiles (flag amx_bf16), bf16 runs at 1,024 FLOPs per cycle and core, where the vector units' 128 would make a
     step's MFU read several times the truth."""
-    from metrics import default_peak_flops, has_amx_bf16, is_amd_zen4, read_cpuinfo
+    from quillgpt.metrics import default_peak_flops, has_amx_bf16, is_amd_zen4, read_cpuinfo
 
     zen4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: avx512f avx512_bf16\n"
     zen5 = zen4.replace(": 25", ": 26")

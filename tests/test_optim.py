@@ -4,10 +4,10 @@ import copy
 
 import pytest
 import torch
-
-from config import OptimizerConfig, build_config
-from optim import Muon, lr_multiplier, make_optimizers
 from test_model import MODERN, tiny
+
+from quillgpt.config import OptimizerConfig, build_config
+from quillgpt.optim import Muon, lr_multiplier, make_optimizers
 
 
 def test_optimizer_groups_no_decay_on_1d():

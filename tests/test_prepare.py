@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import prepare
-import tokenizer as tokenizer_module
-from common import UserError
-from data import load_dataset
-from prepare import prepare_dataset, prepare_txt_dir
-from tokenizer import get_tiktoken, load_tokenizer, save_tokenizer, train_tokenizer
+from conftest import REPO_ROOT
+from quillgpt import prepare
+from quillgpt import tokenizer as tokenizer_module
+from quillgpt.data import load_dataset
+from quillgpt.errors import UserError
+from quillgpt.prepare import prepare_dataset, prepare_txt_dir
+from quillgpt.tokenizer import get_tiktoken, load_tokenizer, save_tokenizer, train_tokenizer
 
 TEXT = "".join(
     f"Line {i}: the quick brown fox — naïve café 日本語 🎉 jumps over {i * 7} lazy dogs.\n"
@@ -30,7 +31,7 @@ META_KEYS = {
 def run_cli(*args, cwd, env_extra=None, timeout=60):
     env = {**os.environ, **(env_extra or {})}
     return subprocess.run(
-        [sys.executable, str(prepare.__file__), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(REPO_ROOT / "prepare.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -286,7 +287,7 @@ def test_cli_shakespeare_download_offline(tmp_path):
         pytest.skip("network available: the download worked")
     assert_one_line_error(result, "cannot download tiny Shakespeare", "--input")
     assert not (tmp_path / "data" / "shakespeare_char" / "input.txt").exists()
-    train_py = Path(prepare.__file__).with_name("train.py")
+    train_py = REPO_ROOT / "train.py"
     result = subprocess.run([sys.executable, str(train_py), "--config", str(train_py.parent / "configs/shakespeare_char/cpu.toml"),
                              "--data.data_dir", str(tmp_path / "data")], cwd=tmp_path, capture_output=True, text=True,
                             timeout=60)

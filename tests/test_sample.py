@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO_ROOT
 
 import sample
-from checkpoint import save_checkpoint
-from common import UserError
-from conftest import REPO_ROOT
 from model import GPT, GPTConfig
-from sample import generate_texts, load_for_sampling, showable_length, unescape
-from tokenizer import CharTokenizer
+from quillgpt.checkpoint import save_checkpoint
+from quillgpt.errors import UserError
+from quillgpt.tokenizer import CharTokenizer
+from quillgpt.generate import generate_texts, load_for_sampling, showable_length, unescape
 
 CHARS = list("\n abcdefghijklmnopqrstuvwxyz.,:")
 

@@ -3,9 +3,9 @@ import json
 import numpy as np
 import pytest
 
-import tokenizer as tokenizer_module
-from common import UserError
-from tokenizer import (
+from quillgpt import tokenizer as tokenizer_module
+from quillgpt.errors import UserError
+from quillgpt.tokenizer import (
     BPETokenizer,
     CharTokenizer,
     get_tiktoken,

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from checkpoint import RunDir, load_checkpoint
 from conftest import REPO_ROOT, TINY_COMPILED, tiny_overrides, train_until_sigterm
-from prepare import prepare_dataset
-from config import build_config
+
+from quillgpt.checkpoint import RunDir, load_checkpoint
+from quillgpt.config import build_config
+from quillgpt.prepare import prepare_dataset
 from train import train
 
 
@@ -98,7 +98,7 @@ def test_resume_reproduces_uninterrupted_losses(tiny_data, tmp_path):
 
 
 def test_existing_run_is_not_overwritten(tiny_data, tmp_path, capsys):
-    from common import UserError
+    from quillgpt.errors import UserError
     train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 2}))
     with pytest.raises(UserError, match="--resume.*--force"):
         train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 2}))
@@ -159,9 +159,9 @@ class FixedBatches:
 def test_accumulation_matches_one_big_batch(tiny_data, tmp_path):
     """4 micro-steps of B/4 update the weights exactly like one step of B (the Trainer train.py builds, with a
     plain SGD optimizer and one fixed batch)."""
-    from data import find_dataset
-    from distributed import DistInfo
-    from trainer import build, setup, train_step
+    from quillgpt.data import find_dataset
+    from quillgpt.distributed import DistInfo
+    from quillgpt.trainer import build, setup, train_step
 
     torch.manual_seed(0)
     x = torch.randint(0, 50, (8, 16))  # ids within the tiny dataset's vocabulary
@@ -292,10 +292,10 @@ def test_a_checkpoint_written_before_the_engine_refactor_resumes_exactly(tmp_pat
 FAULTS_SCRIPT = """
 import resource, sys
 sys.path.insert(0, {repo!r})
-import trainer
-from config import build_config
-from data import find_dataset
-from distributed import DistInfo
+from quillgpt import trainer
+from quillgpt.config import build_config
+from quillgpt.data import find_dataset
+from quillgpt.distributed import DistInfo
 
 if sys.argv[1] == "glibc-default":
     trainer.keep_freed_memory = lambda: False

@@ -11,13 +11,14 @@ import io
 import json
 import os
 import subprocess
+import sys
 import time
 import uuid
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common import UserError, WriteError, atomic_write, atomic_write_json, format_duration, run_main
+from quillgpt.errors import UserError, WriteError, run_main
+from quillgpt.files import atomic_write, atomic_write_json
 
 if TYPE_CHECKING:
     import torch
@@ -27,9 +28,16 @@ CUDA_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10": 125e12, "L4
               "3090": 71e12, "V100": 125e12, "T4": 65e12}
 
 
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
 def default_peak_flops(device: torch.device, precision: str) -> float:
     """A sensible peak FLOP/s for MFU when logging.peak_tflops is not set."""
-    import torch  # here, so that `python metrics.py --plot` starts without torch
+    import torch  # here, so that `python -m quillgpt.metrics --plot` starts without torch
 
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -104,7 +112,7 @@ class MetricsLog:
         self._plotter: subprocess.Popen | None = None
 
     @classmethod
-    def resume(cls, run_dir: Path, upto_iter: int, **kw) -> "MetricsLog":
+    def resume(cls, run_dir: Path, upto_iter: int, **kw) -> MetricsLog:
         """Reload train_log.json, dropping points logged after the checkpoint we resume from."""
         history = []
         path = run_dir / "train_log.json"
@@ -156,7 +164,7 @@ class MetricsLog:
             print(f"warning: training log not saved: {e}", file=sys.stderr, flush=True)
 
     def write_plot(self) -> None:
-        """Redraw loss_curve.png in a child process (`python metrics.py --plot`), in the background.
+        """Redraw loss_curve.png in a child process (`python -m quillgpt.metrics --plot`), in the background.
 
         matplotlib's renderer grows a long-lived process's resident memory with each redraw of a lengthening
         curve (+10% RSS over scripts/soak.py's 2000 iterations); a child's memory goes with it, and training
@@ -165,8 +173,10 @@ class MetricsLog:
         if self._plotter is not None and self._plotter.poll() is None:
             return
         points = [p for p in self.history if p["kind"] in ("train", "eval")]
-        cmd = [sys.executable, os.path.abspath(__file__), "--plot", str(self.run_dir / "loss_curve.png"), self.run_dir.name]
-        self._plotter = subprocess.Popen(cmd, stdin=subprocess.PIPE, text=True, start_new_session=True)
+        png = (self.run_dir / "loss_curve.png").resolve()
+        cmd = [sys.executable, "-m", "quillgpt.metrics", "--plot", str(png), self.run_dir.name]
+        self._plotter = subprocess.Popen(cmd, stdin=subprocess.PIPE, text=True, start_new_session=True,
+                                         cwd=Path(__file__).resolve().parents[1])
         with self._plotter.stdin as pipe:  # the child reads it all before importing matplotlib
             pipe.write(json.dumps(points))
 
@@ -244,9 +254,9 @@ def rss_mb() -> float:
 
 
 def main() -> None:
-    """`python metrics.py --plot PNG TITLE < history.json`: what MetricsLog.write_plot runs."""
+    """`python -m quillgpt.metrics --plot PNG TITLE < history.json`: what MetricsLog.write_plot runs."""
     if sys.argv[1:2] != ["--plot"] or len(sys.argv) != 4:
-        raise UserError("usage: python metrics.py --plot PNG TITLE < history.json")
+        raise UserError("usage: python -m quillgpt.metrics --plot PNG TITLE < history.json")
     history = json.load(sys.stdin)
     try:
         render_loss_curve(history, Path(sys.argv[2]), sys.argv[3])

@@ -29,8 +29,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import UserError, check_hub_reachable
-from tokenizer import safe_split_index
+from quillgpt.errors import UserError
+from quillgpt.network import check_hub_reachable
+from quillgpt.tokenizer import safe_split_index
 
 CHUNK_BYTES = 16 * 2**20  # the default size of a chunk
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")

@@ -4,8 +4,8 @@ Precedence: schema defaults < TOML file < command line (`--section.key value`, `
 and the short flags --max-iters, --device, --tokenizer). Every field has its type, default and a
 one-line description here, in one place; the README's config reference is generated from it:
 
-    python config.py --markdown        # print the reference table
-    python config.py configs/base/base.toml --training.max_iters 10   # print the resolved config
+    python -m quillgpt.config --markdown        # print the reference table
+    python -m quillgpt.config configs/base/base.toml --training.max_iters 10   # print the resolved config
 
 Every mistake is collected and reported together, one line each, as a ConfigError (exit code 2).
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from common import UserError, run_main
+from quillgpt.errors import UserError, run_main
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -77,7 +77,7 @@ class GPTConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
+    def from_dict(cls, d: dict) -> GPTConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:

@@ -28,10 +28,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from common import UserError, atomic_write, atomic_write_json, atomic_write_text, check_hub_reachable, read_json
-from config import GPTConfig, build_config
 from model import GPT
-from tokenizer import Tokenizer, hf_files, hf_tokenizer, tokenizer_from_dict
+from quillgpt.config import GPTConfig, build_config
+from quillgpt.errors import UserError
+from quillgpt.files import atomic_write, atomic_write_json, atomic_write_text, read_json
+from quillgpt.network import check_hub_reachable
+from quillgpt.tokenizer import Tokenizer, hf_files, hf_tokenizer, tokenizer_from_dict
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from lm_eval.api.model import LM
 
-from common import UserError
 from model import GPT
-from scoring import continuation_logprobs, encode_pair, score_text
-from tokenizer import Tokenizer
+from quillgpt.errors import UserError
+from quillgpt.scoring import continuation_logprobs, encode_pair, score_text
+from quillgpt.tokenizer import Tokenizer
 
 
 class QuillLM(LM):

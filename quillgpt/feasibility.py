@@ -13,12 +13,12 @@ import time
 import psutil
 import torch
 
-from common import UserError, format_duration
-from config import Config
-from data import Dataset
-from metrics import rss_mb
 from model import GPT
-from trainer import Runtime, Trainer, model_config, tokens_per_step, train_step
+from quillgpt.config import Config
+from quillgpt.data import Dataset
+from quillgpt.errors import UserError
+from quillgpt.metrics import format_duration, rss_mb
+from quillgpt.trainer import Runtime, Trainer, model_config, tokens_per_step, train_step
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ALLOCATOR_SLACK = 0.15

@@ -29,9 +29,9 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from common import UserError
 from model import GPT
-from tokenizer import CharTokenizer, Tokenizer
+from quillgpt.errors import UserError
+from quillgpt.tokenizer import CharTokenizer, Tokenizer
 
 LOGITS_BUDGET = 2**22  # floats of logits per forward pass (16 MiB in fp32): fewer rows for big vocabularies
 

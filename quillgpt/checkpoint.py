@@ -37,8 +37,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from common import TEMP_SUFFIX, UserError, WriteError, atomic_write, atomic_write_text, fsync_dir
-from config import Config, build_config, layer_from_dict, load_toml, lookup, parse_overrides
+from quillgpt.config import Config, build_config, layer_from_dict, load_toml, lookup, parse_overrides
+from quillgpt.errors import UserError, WriteError
+from quillgpt.files import TEMP_SUFFIX, atomic_write, atomic_write_text, fsync_dir
 
 FORMAT = "quillgpt-checkpoint"
 VERSION = 1

@@ -35,14 +35,17 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import tiktoken
 
-from common import UserError, atomic_write, atomic_write_json, read_json, usable_cpus
+from quillgpt.errors import UserError
+from quillgpt.files import atomic_write, atomic_write_json, read_json
+from quillgpt.machine import usable_cpus
 
 DEFAULT_BPE_VOCAB_SIZE = 4096
 MIN_BPE_VOCAB_SIZE = 257  # one token per byte value (every byte sequence is encodable) and <|endoftext|>

@@ -28,14 +28,17 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from common import EXIT_USER_ERROR, TEMP_SUFFIX, UserError, fsync_dir, report, usable_cpus
+from quillgpt.errors import EXIT_USER_ERROR, UserError, report
+from quillgpt.files import TEMP_SUFFIX, fsync_dir
+from quillgpt.machine import usable_cpus
 
 T = TypeVar("T")
 # how gloo and nccl report a peer that died or a collective that timed out (gloo raises a plain RuntimeError)

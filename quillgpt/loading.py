@@ -3,7 +3,7 @@ export.py, and Hugging Face models (GPT-2, Llama, Qwen2, Qwen3: local directorie
 downloaded once; hf.py reads them). sample.py, eval.py, train.py (init_from, resume) and export.py
 load through here.
 
-    from load import load_model
+    from quillgpt.loading import load_model
     loaded = load_model("checkpoints/base")            # a run dir: its ckpt_best.pt
     loaded = load_model("exports/base.safetensors")
     loaded = load_model("models/SmolLM2-135M")         # config.json + model.safetensors (+ tokenizer.json)
@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-import hf
-from checkpoint import load_checkpoint, resolve_checkpoint
-from common import UserError
-from config import GPTConfig, build_config
 from model import GPT
+from quillgpt import hf
+from quillgpt.checkpoint import load_checkpoint, resolve_checkpoint
+from quillgpt.config import GPTConfig, build_config
+from quillgpt.errors import UserError
 
 
 @dataclass

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn as nn
 
-from config import Config, OptimizerConfig
+from quillgpt.config import Config, OptimizerConfig
 
 
 def param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:

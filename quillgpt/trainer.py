@@ -22,7 +22,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,20 +30,20 @@ import torch.nn as nn
 from torch.nn import functional as F
 from tqdm import tqdm
 
-import distributed
-from checkpoint import RunDir, TrainingCheckpoint, TrainState, rng_state, set_rng_state
-from common import UserError, atomic_write_text, keep_freed_memory
-from config import Config, GPTConfig, TrainingConfig, resolved, summary, to_toml
-from data import BatchSource, Dataset, check_fits, check_vocab_compatible, micro_batch_index
-from distributed import DistInfo
-from load import load_model, load_model_weights, model_config_from_args, model_config_of
-from metrics import MetricsLog, default_peak_flops, rss_mb
 from model import GPT
-from optim import lr_multiplier, make_optimizers, set_lr
-from scoring import HellaSwagItem, hellaswag_items, score_hellaswag
-
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
+from quillgpt import distributed
+from quillgpt.checkpoint import RunDir, TrainingCheckpoint, TrainState, rng_state, set_rng_state
+from quillgpt.config import Config, GPTConfig, TrainingConfig, resolved, summary, to_toml
+from quillgpt.data import BatchSource, Dataset, check_fits, check_vocab_compatible, micro_batch_index
+from quillgpt.distributed import DistInfo
+from quillgpt.errors import UserError
+from quillgpt.files import atomic_write_text
+from quillgpt.loading import load_model, load_model_weights, model_config_from_args, model_config_of
+from quillgpt.machine import keep_freed_memory
+from quillgpt.metrics import MetricsLog, default_peak_flops, rss_mb
+from quillgpt.optim import lr_multiplier, make_optimizers, set_lr
+from quillgpt.precision import autocast as precision_autocast
+from quillgpt.scoring import HellaSwagItem, hellaswag_items, score_hellaswag
 
 # ---- setup --------------------------------------------------------------------------------------
 
@@ -79,7 +79,7 @@ def setup(cfg: Config, dist: DistInfo) -> Runtime:
     torch.manual_seed(cfg.run.seed + dist.rank)
     peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else default_peak_flops(device, precision)
     peak *= dist.world_size
-    autocast = nullcontext() if precision == "fp32" else torch.autocast(device.type, dtype=PRECISIONS[precision])
+    autocast = precision_autocast(device.type, precision)
     return Runtime(device, precision, dist, compile, peak, autocast)
 
 

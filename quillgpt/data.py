@@ -16,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import UserError, read_json
-from config import Config
-from distributed import DistInfo, on_every_rank, on_main
-from prepare import WORK_DIR, prepare_dataset, prepare_txt_dir
-from tokenizer import Tokenizer, canonical_spec, load_tokenizer, same_tokenizer, tokenizer_label
+from quillgpt.config import Config
+from quillgpt.distributed import DistInfo, on_every_rank, on_main
+from quillgpt.errors import UserError
+from quillgpt.files import read_json
+from quillgpt.prepare import WORK_DIR, prepare_dataset, prepare_txt_dir
+from quillgpt.tokenizer import Tokenizer, canonical_spec, load_tokenizer, same_tokenizer, tokenizer_label
 
 SPLIT_IDS = {"train": 0, "val": 1}
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}

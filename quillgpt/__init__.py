@@ -1,0 +1,29 @@
+"""quillgpt's engine: what the scripts at the repository root (train, sample, prepare, eval, export, bench, speedrun)
+and model.py are built from. Each module owns one thing:
+
+    errors       the user-error convention: one line, exit 2
+    files        atomic writes, JSON and hashes
+    machine      cores, load, malloc settings, where tiny Shakespeare lives
+    network      the offline check before the Hugging Face hub
+    precision    the precisions a run can use and their dtypes
+    config       the typed TOML config: schema, overrides, checks
+    tokenizer    char, BPE, tiktoken and Hugging Face tokenizers
+    corpus       reading sources: text, folders, jsonl, parquet, hub datasets
+    prepare      corpus -> train.bin / val.bin / meta.json
+    data         datasets and batches
+    kernels      the CPU attention and dropout ops model.py uses
+    optim        AdamW and Muon, the LR schedule
+    distributed  DDP / FSDP set-up and torchrun
+    checkpoint   atomic checkpoints, run directories, resume
+    metrics      training lines, train_log.json, loss curve, MFU
+    trainer      the training loop
+    feasibility  train.py --validate: memory and time estimates
+    loading      a model from a checkpoint, .safetensors file or Hugging Face directory
+    hf           Hugging Face import and export
+    generate     prompts in, text out
+    scoring      bits per byte and HellaSwag
+    lm_harness   the lm-evaluation-harness adapter
+    evaluate     eval.py's library
+
+The scripts and this package run from the repository root, as nanoGPT's do (see README.md).
+"""

@@ -1,0 +1,114 @@
+"""Text from a model: load it for sampling, encode a prompt, and decode a batch of continuations with stop
+sequences, streaming the first row. sample.py is the command line over these."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from model import GPT, quantize_int8
+from quillgpt.errors import UserError
+from quillgpt.loading import load_model
+from quillgpt.precision import SAMPLING_DTYPES
+from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def load_for_sampling(source: str | Path, device: str, dtype: str = "fp32") -> tuple[GPT, Tokenizer, str]:
+    """A checkpoint, run directory, .safetensors file, or Hugging Face directory or hub name -> (model in `dtype`,
+    tokenizer, label)."""
+    loaded = load_model(source)
+    if loaded.tokenizer is None:
+        raise UserError(f"{loaded.source} records no tokenizer (a Hugging Face directory needs its tokenizer.json), "
+                        "so its ids can't be decoded")
+    tokenizer = tokenizer_from_dict(loaded.tokenizer)
+    if tokenizer.vocab_size > loaded.model.config.vocab_size:
+        raise UserError(f"{source} has {loaded.model.config.vocab_size} token ids, fewer than its "
+                        f"{tokenizer_label(loaded.tokenizer)} tokenizer's {tokenizer.vocab_size}: sample from the "
+                        "checkpoint it was exported from instead")
+    if dtype == "int8" and device != "cpu":
+        raise UserError(f"--dtype int8 is for the CPU (weight-only int8 matmuls); on {device} use bf16")
+    loaded.model.eval().to(device=device, dtype=SAMPLING_DTYPES[dtype])
+    model = quantize_int8(loaded.model) if dtype == "int8" else loaded.model
+    return model, tokenizer, loaded.source
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> list[int]:
+    try:
+        ids = tokenizer.prompt_ids(prompt)
+    except UserError as e:
+        raise UserError(f"prompt: {e}") from None
+    if not ids:  # generation needs at least one token: start from a newline, or token 0
+        try:
+            ids = tokenizer.encode("\n")
+        except UserError:
+            ids = []
+        ids = ids or [0]
+    if len(ids) > block_size:
+        print(f"[prompt is {len(ids)} tokens, longer than block_size {block_size}: keeping the last {block_size}]",
+              file=sys.stderr)
+        ids = ids[-block_size:]
+    return ids
+
+
+def showable_length(text: str, stop: list[str]) -> int:
+    """How much of a growing sample can be printed: not a cut-off UTF-8 character, nor what may begin a stop sequence."""
+    n = len(text.rstrip("\ufffd"))
+    held = max((k for s in stop for k in range(1, len(s)) if text[:n].endswith(s[:k])), default=0)
+    return n - held
+
+
+def generate_texts(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], num_samples: int, max_new_tokens: int,
+                   temperature: float = 0.8, top_k: int | None = 200, top_p: float | None = None,
+                   stop: list[str] | None = None, seed: int | torch.Generator | None = None,
+                   stream: TextIO | None = None, compile: bool = False) -> tuple[list[str], int]:
+    """Sample num_samples continuations as one batch. Returns (texts, tokens generated).
+
+    A row ends at the tokenizer's <|endoftext|> (end of sequence) or the first stop sequence, which are left out;
+    stop sequences may span tokens.
+    seed: an int seeds a new generator, a torch.Generator is drawn from as it is (an interactive session
+    shares one), None uses torch's global one. stream, a text file, receives the first row's text as
+    it is produced. compile: decode with the compiled step (GPT.generate_stream)."""
+    stop = [s for s in stop or [] if s]
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed) if isinstance(seed, int) else seed
+    idx = torch.tensor([prompt_ids] * num_samples, dtype=torch.long, device=device)
+    rows: list[list[int]] = [[] for _ in range(num_samples)]
+    texts = [""] * num_samples
+    done = [False] * num_samples
+    shown = steps = 0
+    for token in model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                       generator=generator, vocab_limit=tokenizer.vocab_size, compile=compile):
+        steps += 1
+        for i, t in enumerate(token[:, 0].tolist()):
+            if done[i]:
+                continue
+            if t == tokenizer.eot_id:
+                done[i] = True
+                continue
+            rows[i].append(t)
+            texts[i] = tokenizer.decode_after(prompt_ids[-8:], rows[i])
+            hits = [texts[i].index(s) for s in stop if s in texts[i]]
+            if hits:
+                texts[i], done[i] = texts[i][:min(hits)], True
+        if stream is not None:
+            end = len(texts[0]) if done[0] else showable_length(texts[0], stop)
+            stream.write(texts[0][shown:end])
+            stream.flush()
+            shown = max(shown, end)
+        if all(done):
+            break
+    if stream is not None:
+        stream.write(texts[0][shown:])
+        stream.flush()
+    return texts, steps * num_samples
+
+
+def unescape(text: str) -> str:
+    r"""Turn \n, \t, \r and \\ typed on a command line into the characters."""
+    return re.sub(r"\\(.)", lambda m: ESCAPES.get(m[1], m[0]), text)
