@@ -76,11 +76,25 @@ SPEEDRUN_PRESET = REPO / "configs" / "shakespeare_char" / "speedrun_cpu.toml"
 FINETUNE_PRESET = REPO / "configs" / "finetune" / "smollm2_135m.toml"
 CHAR_VOCAB = 65  # tiny Shakespeare's characters: the vocabulary of a model benchmarked without data
 # HuggingFaceTB/SmolLM2-135M's config.json, as model.py's switches
-SMOLLM2_135M = GPTConfig(block_size=8192, vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, n_embd=576, mlp_hidden=1536,
-                         bias=False, pos_emb="rope", norm="rmsnorm", mlp="swiglu", rope_theta=100000.0, norm_eps=1e-5)
+SMOLLM2_135M = GPTConfig(
+    block_size=8192,
+    vocab_size=49152,
+    n_layer=30,
+    n_head=9,
+    n_kv_head=3,
+    n_embd=576,
+    mlp_hidden=1536,
+    bias=False,
+    pos_emb="rope",
+    norm="rmsnorm",
+    mlp="swiglu",
+    rope_theta=100000.0,
+    norm_eps=1e-5,
+)
 
 
 # ---- memory ---------------------------------------------------------------------------------------
+
 
 def reset_peak_rss() -> None:
     """Restart the kernel's RSS high-water mark (VmHWM) for this process (Linux >= 4.0)."""
@@ -120,6 +134,7 @@ def synchronize(device: torch.device) -> None:
 
 # ---- training -------------------------------------------------------------------------------------
 
+
 class LoopBatchSource(BatchSource):
     """nanoGPT's batch building for the baseline: a slice and a tensor per row, stacked in Python.
 
@@ -129,8 +144,8 @@ class LoopBatchSource(BatchSource):
         data = np.memmap(self.dataset.path(split), dtype=self.dataset.dtype, mode="r")
         T = self.block_size
         starts = self.starts(split, index)
-        x = torch.stack([torch.from_numpy(data[i:i + T].astype(np.int64)) for i in starts])
-        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + T].astype(np.int64)) for i in starts])
+        x = torch.stack([torch.from_numpy(data[i : i + T].astype(np.int64)) for i in starts])
+        y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + T].astype(np.int64)) for i in starts])
         return x, y
 
 
@@ -141,20 +156,31 @@ BASELINE = [("model.compile", False), ("optimizer.fused", False), ("training.pre
 @dataclass
 class Bench:
     """A Trainer under measurement; the baseline also builds its batches row by row and syncs every step."""
+
     tr: Trainer
     baseline: bool
 
 
 def make_bench(config: str | None, overrides: list[tuple[str, object]], baseline: bool) -> Bench:
     """The Trainer train.py would build for this config (nothing is written); baseline switches every optimisation off."""
-    cfg = build_config(load_toml(config) if config else {}, overrides + (BASELINE if baseline else []),
-                       source=str(config or "config"))
+    cfg = build_config(
+        load_toml(config) if config else {}, overrides + (BASELINE if baseline else []), source=str(config or "config")
+    )
     dist = DistInfo()
     rt = setup(cfg, dist)
     tr = build(cfg, rt, find_dataset(cfg, dist))
     if baseline:
-        tr = replace(tr, batches=LoopBatchSource(tr.dataset, tr.raw_model.config.block_size, cfg.training.batch_size,
-                                                 cfg.run.seed, rt.device, prefetch=False))
+        tr = replace(
+            tr,
+            batches=LoopBatchSource(
+                tr.dataset,
+                tr.raw_model.config.block_size,
+                cfg.training.batch_size,
+                cfg.run.seed,
+                rt.device,
+                prefetch=False,
+            ),
+        )
     return Bench(tr, baseline)
 
 
@@ -200,8 +226,9 @@ def timed_round(b: Bench, it: int, iters: int) -> tuple[int, float, float]:
     return it, (time.perf_counter() - t0) / iters, peak_memory_mb(device)
 
 
-def time_training(benches: dict[str, Bench], warmup: int, iters: int, repeats: int,
-                  ceiling: Callable[[], float] | None = None) -> tuple[list[StepTiming], list[float]]:
+def time_training(
+    benches: dict[str, Bench], warmup: int, iters: int, repeats: int, ceiling: Callable[[], float] | None = None
+) -> tuple[list[StepTiming], list[float]]:
     """Warm each trainer up, then `repeats` rounds in which each runs `iters` timed steps in turn.
 
     Taking turns puts every trainer through the same moments of a shared machine's load, so their
@@ -222,9 +249,19 @@ def time_training(benches: dict[str, Bench], warmup: int, iters: int, repeats: i
     for name, b in benches.items():
         median = statistics.median(times[name])
         tps = b.tr.tokens_per_step / median
-        rows.append(StepTiming(name, median * 1e3, min(times[name]) * 1e3, tps,
-                               b.tr.raw_model.estimate_mfu(tps, b.tr.rt.peak_flops), peaks[name], firsts[name], rss_mb(),
-                               [t * 1e3 for t in times[name]]))
+        rows.append(
+            StepTiming(
+                name,
+                median * 1e3,
+                min(times[name]) * 1e3,
+                tps,
+                b.tr.raw_model.estimate_mfu(tps, b.tr.rt.peak_flops),
+                peaks[name],
+                firsts[name],
+                rss_mb(),
+                [t * 1e3 for t in times[name]],
+            )
+        )
     return rows, ceilings
 
 
@@ -271,6 +308,7 @@ class KernelClock:
             if flops is not None:
                 self.flops[key] = self.flops.get(key, 0.0) + flops(args)
             return out
+
         return wrapper
 
     def __enter__(self) -> KernelClock:
@@ -332,6 +370,7 @@ class _TimedMatmuls:
             def flops(args: tuple) -> float:
                 a, b = args[operands]
                 return 2 * a.numel() * b.size(-1)  # (..., m, k) @ (..., k, n): 2mkn per batch
+
             fn = self._clock.timed(name, fn, flops)
         setattr(self, name, fn)
         return fn
@@ -343,8 +382,10 @@ def bench_kernels(args: argparse.Namespace, overrides: list) -> None:
     bench = make_bench(args.config, overrides, False)
     tr = bench.tr
     if tr.rt.device.type != "cpu" or not tr.rt.compile:
-        raise UserError("--kernels times the kernels torch.compile generates on the CPU: run with --model.compile true "
-                        "--device cpu (on CUDA, use --profile)")
+        raise UserError(
+            "--kernels times the kernels torch.compile generates on the CPU: run with --model.compile true "
+            "--device cpu (on CUDA, use --profile)"
+        )
     print(describe(tr), flush=True)
     start = run_steps(bench, 0, args.warmup)
     ceiling = matmul_ceiling(tr)
@@ -357,30 +398,37 @@ def bench_kernels(args: argparse.Namespace, overrides: list) -> None:
     ms = {k: v / steps * 1e3 for k, v in clock.seconds.items()}
     print("| kernel | calls per step | ms per step | share of the step | GFLOP/s |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for key in sorted(ms, key=ms.get, reverse=True)[:args.top]:
+    for key in sorted(ms, key=ms.get, reverse=True)[: args.top]:
         rate = f"{clock.flops[key] / steps / ms[key] / 1e6:,.0f}" if key in clock.flops else ""
         print(f"| {key} | {clock.calls[key] // steps} | {ms[key]:.2f} | {ms[key] / step_ms:.1%} | {rate} |")
     matmul_ms = sum(ms[k] for k in clock.flops)
     ops = sum(v for k, v in ms.items() if "::" in k)
     outside = sum(v for k, v in ms.items() if k.startswith("("))
-    groups = {"matmuls": matmul_ms, "ops called by name (quill::, aten::)": ops,
-              "inductor's fused kernels": sum(ms.values()) - matmul_ms - ops - outside,
-              "optimizer, clipping, batches": outside}
+    groups = {
+        "matmuls": matmul_ms,
+        "ops called by name (quill::, aten::)": ops,
+        "inductor's fused kernels": sum(ms.values()) - matmul_ms - ops - outside,
+        "optimizer, clipping, batches": outside,
+    }
     groups["the rest (autograd, dynamo's guards, Python)"] = step_ms - sum(groups.values())
     parts = "; ".join(f"{k} {v:.1f} ms ({v / step_ms:.0%})" for k, v in groups.items())
     print(f"step {step_ms:.1f} ms (mean of {steps}): {parts}")
     matmul_rate = sum(clock.flops.values()) / steps / matmul_ms * 1e3
     step_rate = tr.tokens_per_step * tr.raw_model.flops_per_token() / step_ms * 1e3
-    print(f"matmuls at {matmul_rate / 1e9:,.0f} GFLOP/s, {matmul_rate / ceiling:.0%} of the matmul ceiling measured just "
-          f"before ({ceiling / 1e9:,.0f} GFLOP/s, {tr.rt.precision}, MLP shape); the step at {step_rate / ceiling:.0%} of it")
+    print(
+        f"matmuls at {matmul_rate / 1e9:,.0f} GFLOP/s, {matmul_rate / ceiling:.0%} of the matmul ceiling measured just "
+        f"before ({ceiling / 1e9:,.0f} GFLOP/s, {tr.rt.precision}, MLP shape); the step at {step_rate / ceiling:.0%} of it"
+    )
     print(load_average())
 
 
 def describe(tr: Trainer) -> str:
     rt = tr.rt
     threads = f", {torch.get_num_threads()} threads" if rt.device.type == "cpu" else ""
-    return (f"{tr.raw_model.num_params() / 1e6:.2f}M parameters | {tr.tokens_per_step:,} tokens/step | "
-            f"{rt.device} {rt.precision}{threads} | compile {'on' if rt.compile else 'off'}")
+    return (
+        f"{tr.raw_model.num_params() / 1e6:.2f}M parameters | {tr.tokens_per_step:,} tokens/step | "
+        f"{rt.device} {rt.precision}{threads} | compile {'on' if rt.compile else 'off'}"
+    )
 
 
 def print_training_table(rows: list[StepTiming], device: torch.device) -> None:
@@ -388,8 +436,10 @@ def print_training_table(rows: list[StepTiming], device: torch.device) -> None:
     print(f"| run | ms/iter (median) | ms/iter (best) | tokens/s | MFU | {mem} | first step (s) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r.name} | {r.ms_median:.1f} | {r.ms_best:.1f} | {r.tokens_per_s:,.0f} | {r.mfu * 100:.1f}% | "
-              f"{r.peak_mb:,.0f} | {r.first_step_s:.1f} |")
+        print(
+            f"| {r.name} | {r.ms_median:.1f} | {r.ms_best:.1f} | {r.tokens_per_s:,.0f} | {r.mfu * 100:.1f}% | "
+            f"{r.peak_mb:,.0f} | {r.first_step_s:.1f} |"
+        )
 
 
 def matmul_ceiling(tr: Trainer, repeats: int = 10) -> float:
@@ -398,8 +448,9 @@ def matmul_ceiling(tr: Trainer, repeats: int = 10) -> float:
     Every training FLOP the model counts is a matmul, so flops_per_token over this rate bounds
     tokens/s: no step can be faster, whatever else is optimised."""
     c = tr.raw_model.config
-    return matmul_flops(c.n_embd, tr.cfg.training.batch_size * c.block_size, PRECISIONS[tr.rt.precision], tr.rt.device,
-                        repeats)
+    return matmul_flops(
+        c.n_embd, tr.cfg.training.batch_size * c.block_size, PRECISIONS[tr.rt.precision], tr.rt.device, repeats
+    )
 
 
 def print_ceiling(tr: Trainer, row: StepTiming, ceilings: list[float]) -> None:
@@ -408,10 +459,12 @@ def print_ceiling(tr: Trainer, row: StepTiming, ceilings: list[float]) -> None:
     per_token = tr.raw_model.flops_per_token()
     shares = [tr.tokens_per_step / (ms / 1e3) / (ceiling / per_token) for ms, ceiling in zip(row.round_ms, ceilings)]
     flops = statistics.median(ceilings)
-    print(f"matmul ceiling here: {flops / 1e9:,.0f} GFLOP/s ({tr.rt.precision}, MLP shape; median of "
-          f"{len(ceilings)}, {min(ceilings) / 1e9:,.0f}-{max(ceilings) / 1e9:,.0f}, one before each round) -> at most "
-          f"{flops / per_token:,.0f} tokens/s at {per_token / 1e6:.1f} MFLOP/token; optimised runs at "
-          f"{statistics.median(shares):.0%} of it (median over rounds; {min(shares):.0%}-{max(shares):.0%})")
+    print(
+        f"matmul ceiling here: {flops / 1e9:,.0f} GFLOP/s ({tr.rt.precision}, MLP shape; median of "
+        f"{len(ceilings)}, {min(ceilings) / 1e9:,.0f}-{max(ceilings) / 1e9:,.0f}, one before each round) -> at most "
+        f"{flops / per_token:,.0f} tokens/s at {per_token / 1e6:.1f} MFLOP/token; optimised runs at "
+        f"{statistics.median(shares):.0%} of it (median over rounds; {min(shares):.0%}-{max(shares):.0%})"
+    )
 
 
 def bench_training(args: argparse.Namespace, overrides: list) -> None:
@@ -423,7 +476,9 @@ def bench_training(args: argparse.Namespace, overrides: list) -> None:
     optimised = benches["optimised"]
     rows, ceilings = time_training(benches, args.warmup, args.iters, args.repeats, lambda: matmul_ceiling(optimised.tr))
     if args.profile:
-        path = profile_training(optimised, Path(args.profile), args.profile_steps, args.warmup + args.iters * args.repeats)
+        path = profile_training(
+            optimised, Path(args.profile), args.profile_steps, args.warmup + args.iters * args.repeats
+        )
         print(f"profiler trace: {path}")
     if args.json:
         print(json.dumps([asdict(r) for r in rows]))
@@ -443,16 +498,23 @@ def bench_against(args: argparse.Namespace, cli: list[str]) -> None:
     timing = ["--warmup", str(args.warmup), "--iters", str(args.iters), "--repeats", "1", "--json"]
     with tempfile.TemporaryDirectory(prefix="bench_against_") as tmp:
         checkout_commit(args.against, Path(tmp))
-        sides = {"this checkout": (REPO, with_data_dir(cli, REPO / "data", keep=True)),
-                 args.against: (Path(tmp), with_data_dir(cli, Path(tmp) / "data", keep=False))}
+        sides = {
+            "this checkout": (REPO, with_data_dir(cli, REPO / "data", keep=True)),
+            args.against: (Path(tmp), with_data_dir(cli, Path(tmp) / "data", keep=False)),
+        }
         for round_ in range(args.rounds):
             for side in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
                 where, side_cli = sides[side]
                 log = Path(tmp) / "round.log"
-                run_child([sys.executable, str(where / "bench.py"), "--config", args.config, *side_cli, *timing], log,
-                          cwd=where)
+                run_child(
+                    [sys.executable, str(where / "bench.py"), "--config", args.config, *side_cli, *timing],
+                    log,
+                    cwd=where,
+                )
                 times[side].append(json.loads(log.read_text().strip().splitlines()[-1])[0]["ms_median"])
-    print(f"training step, {args.config} {' '.join(cli)}: {args.rounds} rounds of {args.iters} steps per side, ABBA order")
+    print(
+        f"training step, {args.config} {' '.join(cli)}: {args.rounds} rounds of {args.iters} steps per side, ABBA order"
+    )
     print("| code | ms/iter per round | median ms/iter |")
     print("| --- | --- | ---: |")
     for side, ms in times.items():
@@ -484,8 +546,9 @@ def checkout_commit(rev: str, into: Path) -> None:
 PROMPT_TOKENS = 16
 
 
-def time_generation(model: GPT, new_tokens: int, use_cache: bool, repeats: int, compile: bool = False,
-                    prompt_tokens: int = 1) -> tuple[float, float]:
+def time_generation(
+    model: GPT, new_tokens: int, use_cache: bool, repeats: int, compile: bool = False, prompt_tokens: int = 1
+) -> tuple[float, float]:
     """(best seconds for new_tokens tokens, best seconds to the first of them) over `repeats` generations."""
     prompt = torch.zeros((1, prompt_tokens), dtype=torch.long)
     best, first = float("inf"), float("inf")
@@ -510,11 +573,21 @@ def bench_sample(args: argparse.Namespace, overrides: list) -> None:
     fp32 = GPT(margs).eval()  # random weights: the speed does not depend on them
     models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16), "int8": quantize_int8(copy.deepcopy(fp32))}
     n = args.new_tokens
-    print(f"generation: {fp32.num_params() / 1e6:.2f}M parameters, block {margs.block_size}, {n} new tokens after a "
-          f"{PROMPT_TOKENS}-token prompt, batch 1, {torch.get_num_threads()} threads, best of {args.repeats}", flush=True)
+    print(
+        f"generation: {fp32.num_params() / 1e6:.2f}M parameters, block {margs.block_size}, {n} new tokens after a "
+        f"{PROMPT_TOKENS}-token prompt, batch 1, {torch.get_num_threads()} threads, best of {args.repeats}",
+        flush=True,
+    )
     rows = []
-    paths = [("fp32", False, False), ("fp32", True, False), ("fp32", True, True), ("bf16", True, False),
-             ("bf16", True, True), ("int8", True, False), ("int8", True, True)]
+    paths = [
+        ("fp32", False, False),
+        ("fp32", True, False),
+        ("fp32", True, True),
+        ("bf16", True, False),
+        ("bf16", True, True),
+        ("int8", True, False),
+        ("int8", True, True),
+    ]
     for dtype, cache, compile in [p for p in paths if args.compile_decoding or not p[2]]:
         model = models[dtype]
         t0 = time.perf_counter()
@@ -522,22 +595,32 @@ def bench_sample(args: argparse.Namespace, overrides: list) -> None:
         warmup = time.perf_counter() - t0
         seconds, first = time_generation(model, n, cache, args.repeats, compile, PROMPT_TOKENS)
         rows.append((dtype, cache, compile, seconds, first, warmup))
-        print(f"  {dtype} cache {'on' if cache else 'off'} compile {'on' if compile else 'off'}: {n / seconds:,.0f} "
-              f"tokens/s", flush=True)
+        print(
+            f"  {dtype} cache {'on' if cache else 'off'} compile {'on' if compile else 'off'}: {n / seconds:,.0f} "
+            f"tokens/s",
+            flush=True,
+        )
     base = rows[1][3]  # the eager KV-cache path in fp32: what sample.py does by default
-    print("| weights | KV cache | compiled step | tokens/s | ms/token | vs eager cached fp32 | first token (ms) | "
-          "warm-up incl. compile (s) |")
+    print(
+        "| weights | KV cache | compiled step | tokens/s | ms/token | vs eager cached fp32 | first token (ms) | "
+        "warm-up incl. compile (s) |"
+    )
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for dtype, cache, compile, seconds, first, warmup in rows:
-        print(f"| {dtype} | {'on' if cache else 'off'} | {'yes' if compile else 'no'} | {n / seconds:,.0f} | "
-              f"{seconds / n * 1e3:.2f} | {base / seconds:.2f}x | {first * 1e3:.1f} | {warmup:.1f} |")
+        print(
+            f"| {dtype} | {'on' if cache else 'off'} | {'yes' if compile else 'no'} | {n / seconds:,.0f} | "
+            f"{seconds / n * 1e3:.2f} | {base / seconds:.2f}x | {first * 1e3:.1f} | {warmup:.1f} |"
+        )
     flops = matmul_flops(margs.n_embd, 2048, torch.bfloat16, torch.device("cpu"))
-    print(f"bf16 matmul ceiling here: {flops / 1e9:,.0f} GFLOP/s (at 2,048 rows; one token's matmuls are vector-matrix "
-          f"products, bound by reading {fp32.num_params() * 4 / 1e6:.0f} MB of fp32 weights per token)")
+    print(
+        f"bf16 matmul ceiling here: {flops / 1e9:,.0f} GFLOP/s (at 2,048 rows; one token's matmuls are vector-matrix "
+        f"products, bound by reading {fp32.num_params() * 4 / 1e6:.0f} MB of fp32 weights per token)"
+    )
     print(load_average())
 
 
 # ---- Muon ----------------------------------------------------------------------------------------
+
 
 def bench_muon(args: argparse.Namespace, overrides: list) -> None:
     """Milliseconds per Muon step on the speedrun preset's real gradients: torch.optim.Muon (one Newton-Schulz chain
@@ -554,11 +637,19 @@ def bench_muon(args: argparse.Namespace, overrides: list) -> None:
     loss.backward()
     params = [p for g in ours.param_groups for p in g["params"]]
     group = ours.param_groups[0]
-    theirs = torch.optim.Muon(params, lr=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"],
-                              nesterov=True, adjust_lr_fn="match_rms_adamw")
+    theirs = torch.optim.Muon(
+        params,
+        lr=group["lr"],
+        momentum=group["momentum"],
+        weight_decay=group["weight_decay"],
+        nesterov=True,
+        adjust_lr_fn="match_rms_adamw",
+    )
     shapes = {tuple(p.shape) for p in params}
-    print(f"Muon on {len(params)} matrices of {len(shapes)} shapes; training step "
-          f"{step.ms_median:.1f} ms (median), {torch.get_num_threads()} threads")
+    print(
+        f"Muon on {len(params)} matrices of {len(shapes)} shapes; training step "
+        f"{step.ms_median:.1f} ms (median), {torch.get_num_threads()} threads"
+    )
     print("| Muon | ms per step (median of 3 x 20) | share of the training step |")
     print("| --- | ---: | ---: |")
     for name, opt in (("torch.optim.Muon (a chain per matrix)", theirs), ("optim.Muon (a chain per shape)", ours)):
@@ -577,6 +668,7 @@ def bench_muon(args: argparse.Namespace, overrides: list) -> None:
 
 # ---- evaluation -----------------------------------------------------------------------------------
 
+
 def bench_hellaswag(args: argparse.Namespace, overrides: list) -> None:
     """Seconds per 1,000 HellaSwag items (scoring.score_hellaswag: 4 endings per forward pass, 4 items at once) for the
     config's model (default: the GPU preset's 10.7M char model, random weights), with a matmul ceiling beside it.
@@ -591,8 +683,10 @@ def bench_hellaswag(args: argparse.Namespace, overrides: list) -> None:
     else:
         rng = np.random.default_rng(0)
         starts = rng.integers(0, len(text) - 700, size=args.items)
-        items = [HellaSwagItem(text[s:s + 200], [text[s + 200 + 120 * k:s + 320 + 120 * k] for k in range(4)], 0)
-                 for s in starts]
+        items = [
+            HellaSwagItem(text[s : s + 200], [text[s + 200 + 120 * k : s + 320 + 120 * k] for k in range(4)], 0)
+            for s in starts
+        ]
     margs = GPTConfig.from_dict({**cfg.model_args(), "vocab_size": tokenizer.vocab_size, "dropout": 0.0})
     torch.manual_seed(0)
     model = GPT(margs).eval()  # random weights: the speed does not depend on them
@@ -603,17 +697,23 @@ def bench_hellaswag(args: argparse.Namespace, overrides: list) -> None:
     t0 = time.perf_counter()
     score = score_hellaswag(model, tokenizer, items, autocast, progress=True)
     seconds = time.perf_counter() - t0
-    tokens = sum(min(len(tokenizer.encode(i.context)) + n, margs.block_size) for i, row in zip(items, score.tokens)
-                 for n in row)
+    tokens = sum(
+        min(len(tokenizer.encode(i.context)) + n, margs.block_size) for i, row in zip(items, score.tokens) for n in row
+    )
     flops = matmul_flops(margs.n_embd, 4 * tokens // len(items), PRECISIONS[precision], torch.device("cpu"))
-    print(f"HellaSwag scoring: {model.num_params() / 1e6:.2f}M parameters, block {margs.block_size}, {precision}, "
-          f"{torch.get_num_threads()} threads, {score.items:,} items ({tokens / score.items / 4:.0f} tokens a row)")
-    print(f"{seconds / score.items * 1000:.1f} s per 1,000 items ({tokens / seconds:,.0f} tokens/s forward); matmul "
-          f"ceiling here {flops / 1e9:,.0f} GFLOP/s -> at most {flops / (model.flops_per_token() / 3):,.0f} tokens/s forward")
+    print(
+        f"HellaSwag scoring: {model.num_params() / 1e6:.2f}M parameters, block {margs.block_size}, {precision}, "
+        f"{torch.get_num_threads()} threads, {score.items:,} items ({tokens / score.items / 4:.0f} tokens a row)"
+    )
+    print(
+        f"{seconds / score.items * 1000:.1f} s per 1,000 items ({tokens / seconds:,.0f} tokens/s forward); matmul "
+        f"ceiling here {flops / 1e9:,.0f} GFLOP/s -> at most {flops / (model.flops_per_token() / 3):,.0f} tokens/s forward"
+    )
     print(load_average())
 
 
 # ---- fine-tuning a small pretrained model -----------------------------------------------------------
+
 
 def bench_finetune(args: argparse.Namespace, cli: list[str]) -> None:
     """configs/finetune/smollm2_135m.toml on a random model of exactly SmolLM2-135M's shape, written as a Hugging Face
@@ -624,26 +724,56 @@ def bench_finetune(args: argparse.Namespace, cli: list[str]) -> None:
         model_dir = Path(tmp) / "SmolLM2-135M-random"
         torch.manual_seed(0)
         export_hf(GPT(SMOLLM2_135M), None, model_dir)
-        run = ["--config", str(FINETUNE_PRESET), "--run.init_from", str(model_dir), "--data.dataset", "shakespeare_char",
-               "--data.tokenizer", "char", "--run.out_dir", str(Path(tmp) / "runs"), *with_shakespeare_input(cli)]
+        run = [
+            "--config",
+            str(FINETUNE_PRESET),
+            "--run.init_from",
+            str(model_dir),
+            "--data.dataset",
+            "shakespeare_char",
+            "--data.tokenizer",
+            "char",
+            "--run.out_dir",
+            str(Path(tmp) / "runs"),
+            *with_shakespeare_input(cli),
+        ]
         log = Path(tmp) / "validate.log"
         run_child([sys.executable, "train.py", *run, "--validate"], log)
         wanted = ("model:", "tokens per", "memory", "expected", "measured")
         estimate = [line for line in log.read_text().splitlines() if line.startswith(wanted)]
         log = Path(tmp) / "bench.log"
-        _, process_peak = run_child([sys.executable, "bench.py", *run, "--warmup", str(args.warmup),
-                                     "--iters", str(args.iters), "--repeats", "1", "--json"], log)
+        _, process_peak = run_child(
+            [
+                sys.executable,
+                "bench.py",
+                *run,
+                "--warmup",
+                str(args.warmup),
+                "--iters",
+                str(args.iters),
+                "--repeats",
+                "1",
+                "--json",
+            ],
+            log,
+        )
         timing = json.loads(log.read_text().strip().splitlines()[-1])[0]
         model = load_model(model_dir).model.eval()
-    print(f"fine-tuning {FINETUNE_PRESET.relative_to(REPO)} on a random SmolLM2-135M-shaped model, {usable_cpus()} cores")
+    print(
+        f"fine-tuning {FINETUNE_PRESET.relative_to(REPO)} on a random SmolLM2-135M-shaped model, {usable_cpus()} cores"
+    )
     print("train.py --validate:\n  " + "\n  ".join(estimate))
-    print(f"measured: {timing['ms_median'] / 1e3:.1f} s/step, {timing['tokens_per_s']:,.0f} tokens/s, MFU "
-          f"{timing['mfu'] * 100:.1f}%, peak RSS {process_peak:,.0f} MB ({args.iters} steps after {args.warmup} warm-up)")
+    print(
+        f"measured: {timing['ms_median'] / 1e3:.1f} s/step, {timing['tokens_per_s']:,.0f} tokens/s, MFU "
+        f"{timing['mfu'] * 100:.1f}%, peak RSS {process_peak:,.0f} MB ({args.iters} steps after {args.warmup} warm-up)"
+    )
     model.crop_block_size(512)  # as the preset trains it: the attention FLOPs grow with the context
     ceiling = matmul_flops(SMOLLM2_135M.n_embd, 4 * 512, torch.bfloat16, torch.device("cpu"))
     achieved = timing["tokens_per_s"] * model.flops_per_token()
-    print(f"model FLOPs {achieved / 1e9:,.0f} GFLOP/s (recomputation not counted) = {achieved / ceiling:.0%} of the bf16 "
-          f"matmul ceiling measured now, {ceiling / 1e9:,.0f} GFLOP/s at the MLP's shape")
+    print(
+        f"model FLOPs {achieved / 1e9:,.0f} GFLOP/s (recomputation not counted) = {achieved / ceiling:.0%} of the bf16 "
+        f"matmul ceiling measured now, {ceiling / 1e9:,.0f} GFLOP/s at the MLP's shape"
+    )
     prompt = torch.zeros((1, 1), dtype=torch.long)
     deque(model.generate_stream(prompt, 4), maxlen=0)  # warm-up
     print("| decoding, batch 1, KV cache | tokens/s | ms/token |")
@@ -656,11 +786,12 @@ def bench_finetune(args: argparse.Namespace, cli: list[str]) -> None:
 
 # ---- data preparation -----------------------------------------------------------------------------
 
+
 def write_repeated(path: Path, data: bytes, size: int) -> None:
     """A file of `size` bytes: `data` over and over (cut at the end)."""
     with atomic_write(path) as f:
         for start in range(0, size, len(data)):
-            f.write(data[:size - start])
+            f.write(data[: size - start])
 
 
 def run_child(cmd: list[str], log: Path, cwd: Path = REPO) -> tuple[float, float]:
@@ -698,21 +829,39 @@ def bench_prepare(args: argparse.Namespace) -> None:
         write_jsonl_corpus(corpus_file, text, int(args.size_mb * 1e6))
         size = corpus_file.stat().st_size
         for n in sorted({1, workers}):
-            cmd = [sys.executable, "prepare.py", "--dataset", f"w{n}", "--input", str(corpus_file), "--data-dir", tmp,
-                   "--tokenizer", "gpt2", "--workers", str(n)]
+            cmd = [
+                sys.executable,
+                "prepare.py",
+                "--dataset",
+                f"w{n}",
+                "--input",
+                str(corpus_file),
+                "--data-dir",
+                tmp,
+                "--tokenizer",
+                "gpt2",
+                "--workers",
+                str(n),
+            ]
             seconds, peak = run_tree(cmd, Path(tmp) / "prepare.log")
             rows.append((n, seconds, peak))
-        same = all((Path(tmp) / "w1" / f).read_bytes() == (Path(tmp) / f"w{workers}" / f).read_bytes()
-                   for f in ("train.bin", "val.bin"))
-    print(f"prepare.py --tokenizer gpt2 on a {size / 1e6:,.0f} MB jsonl of {source.name}'s paragraphs "
-          "(one document each):")
+        same = all(
+            (Path(tmp) / "w1" / f).read_bytes() == (Path(tmp) / f"w{workers}" / f).read_bytes()
+            for f in ("train.bin", "val.bin")
+        )
+    print(
+        f"prepare.py --tokenizer gpt2 on a {size / 1e6:,.0f} MB jsonl of {source.name}'s paragraphs "
+        "(one document each):"
+    )
     print("| workers | time | MB/s | peak RSS of the process tree |")
     print("| ---: | ---: | ---: | ---: |")
     for n, seconds, peak in rows:
         print(f"| {n} | {seconds:.1f} s | {size / 1e6 / seconds:.1f} | {peak:,.0f} MB |")
     if len(rows) > 1:
-        print(f"{workers} workers / 1: {rows[0][1] / rows[1][1]:.2f}x the speed; "
-              f"train.bin and val.bin {'identical' if same else 'DIFFER'}")
+        print(
+            f"{workers} workers / 1: {rows[0][1] / rows[1][1]:.2f}x the speed; "
+            f"train.bin and val.bin {'identical' if same else 'DIFFER'}"
+        )
     print(load_average())
 
 
@@ -751,6 +900,7 @@ def run_tree(cmd: list[str], log: Path) -> tuple[float, float]:
 
 # ---- memory ----------------------------------------------------------------------------------------
 
+
 def bench_memory(args: argparse.Namespace, cli: list[str]) -> None:
     """Train on the config's dataset and on a copy whose train.bin is repeated to --size-mb; compare RSS.
 
@@ -767,8 +917,22 @@ def bench_memory(args: argparse.Namespace, cli: list[str]) -> None:
         size = int(args.size_mb * 1e6) // dataset.dtype.itemsize * dataset.dtype.itemsize
         write_repeated(big / "train.bin", dataset.path("train").read_bytes(), size)
         for directory in (dataset.directory, big):
-            cmd = [sys.executable, "bench.py", "--config", config, *cli, "--data.processed_dir", str(directory),
-                   "--warmup", "5", "--iters", str(args.iters), "--repeats", "1", "--json"]
+            cmd = [
+                sys.executable,
+                "bench.py",
+                "--config",
+                config,
+                *cli,
+                "--data.processed_dir",
+                str(directory),
+                "--warmup",
+                "5",
+                "--iters",
+                str(args.iters),
+                "--repeats",
+                "1",
+                "--json",
+            ]
             log = Path(tmp) / "bench.log"
             _, process_peak = run_child(cmd, log)
             timing = json.loads(log.read_text().strip().splitlines()[-1])[0]
@@ -777,13 +941,18 @@ def bench_memory(args: argparse.Namespace, cli: list[str]) -> None:
     print("| train.bin | RSS after training (MB) | peak RSS while training (MB) | process peak RSS (MB) |")
     print("| ---: | ---: | ---: | ---: |")
     for _, size, timing, process_peak in rows:
-        print(f"| {size / 1e6:,.1f} MB | {timing['rss_end_mb']:,.0f} | {timing['peak_mb']:,.0f} | {process_peak:,.0f} |")
+        print(
+            f"| {size / 1e6:,.1f} MB | {timing['rss_end_mb']:,.0f} | {timing['peak_mb']:,.0f} | {process_peak:,.0f} |"
+        )
     (_, _, small, _), (_, _, large, _) = rows
-    print(f"a {rows[1][1] / 1e6:,.0f} MB train.bin adds {large['peak_mb'] - small['peak_mb']:+.0f} MB of peak training RSS")
+    print(
+        f"a {rows[1][1] / 1e6:,.0f} MB train.bin adds {large['peak_mb'] - small['peak_mb']:+.0f} MB of peak training RSS"
+    )
     print(load_average())
 
 
 # ---- precision --------------------------------------------------------------------------------------
+
 
 def precision_curves(args: argparse.Namespace, cli: list[str]) -> None:
     """Train the same run in fp32 and bf16 (real train.py runs) and print the two val-loss sequences."""
@@ -791,10 +960,29 @@ def precision_curves(args: argparse.Namespace, cli: list[str]) -> None:
     curves, speed = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench_precision_") as tmp:
         for precision in ("fp32", "bf16"):
-            overrides = ["--training.max_iters", str(args.iters), "--training.eval_interval", str(args.eval_interval),
-                         "--training.eval_iters", "20", "--training.log_interval", str(args.eval_interval),
-                         "--training.save_interval", "0", "--training.save_best", "false", "--logging.plot", "false",
-                         *cli, "--training.precision", precision, "--run.out_dir", tmp, "--run.name", precision]
+            overrides = [
+                "--training.max_iters",
+                str(args.iters),
+                "--training.eval_interval",
+                str(args.eval_interval),
+                "--training.eval_iters",
+                "20",
+                "--training.log_interval",
+                str(args.eval_interval),
+                "--training.save_interval",
+                "0",
+                "--training.save_best",
+                "false",
+                "--logging.plot",
+                "false",
+                *cli,
+                "--training.precision",
+                precision,
+                "--run.out_dir",
+                tmp,
+                "--run.name",
+                precision,
+            ]
             if train_in_child(["--config", config, "--force", *overrides]):  # it saved and stopped; so do we
                 raise SystemExit(f"stopped by a signal during the {precision} run")
             history = json.loads((Path(tmp) / precision / "train_log.json").read_text())["history"]
@@ -806,8 +994,10 @@ def precision_curves(args: argparse.Namespace, cli: list[str]) -> None:
     for it, fp32 in curves["fp32"].items():
         bf16 = curves["bf16"].get(it, float("nan"))
         print(f"| {it} | {fp32:.4f} | {bf16:.4f} | {bf16 - fp32:+.4f} |")
-    print(f"training speed (median of the logged steps): fp32 {speed['fp32']:,.0f} tokens/s, "
-          f"bf16 {speed['bf16']:,.0f} tokens/s")
+    print(
+        f"training speed (median of the logged steps): fp32 {speed['fp32']:,.0f} tokens/s, "
+        f"bf16 {speed['bf16']:,.0f} tokens/s"
+    )
     print(load_average())
 
 
@@ -835,43 +1025,77 @@ def train_in_child(args: list[str]) -> bool:
 
 # ---- command line ----------------------------------------------------------------------------------
 
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Any other --section.key value pair overrides the config.")
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Any other --section.key value pair overrides the config.",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--sample", action="store_true", help="generation speed with and without the KV cache")
-    mode.add_argument("--prepare", action="store_true", help="BPE training time; prepare.py's MB/s and peak RSS, 1 vs N workers")
+    mode.add_argument(
+        "--prepare", action="store_true", help="BPE training time; prepare.py's MB/s and peak RSS, 1 vs N workers"
+    )
     mode.add_argument("--memory", action="store_true", help="training RSS with a --size-mb train.bin vs the real one")
     mode.add_argument("--precision-curves", action="store_true", help="val loss of fp32 vs bf16 training runs")
     mode.add_argument("--hellaswag", action="store_true", help="seconds per 1,000 HellaSwag items (GPU preset's model)")
-    mode.add_argument("--kernels", action="store_true",
-                      help="a compiled CPU step's time per kernel, by clock (matmuls with their FLOP/s, fused kernels, custom ops)")
-    mode.add_argument("--muon", action="store_true", help="Muon's step, per matrix vs batched per shape (speedrun preset)")
-    mode.add_argument("--finetune", action="store_true",
-                      help="SmolLM2-135M's shape: fine-tuning speed and RSS beside --validate's estimate; decoding speed")
-    p.add_argument("--config", help="TOML config (training/--memory: the CPU preset; --sample/--precision-curves: the GPU preset)")
+    mode.add_argument(
+        "--kernels",
+        action="store_true",
+        help="a compiled CPU step's time per kernel, by clock (matmuls with their FLOP/s, fused kernels, custom ops)",
+    )
+    mode.add_argument(
+        "--muon", action="store_true", help="Muon's step, per matrix vs batched per shape (speedrun preset)"
+    )
+    mode.add_argument(
+        "--finetune",
+        action="store_true",
+        help="SmolLM2-135M's shape: fine-tuning speed and RSS beside --validate's estimate; decoding speed",
+    )
+    p.add_argument(
+        "--config", help="TOML config (training/--memory: the CPU preset; --sample/--precision-curves: the GPU preset)"
+    )
     p.add_argument("--baseline", action="store_true", help="also run with every optimisation off and print the ratio")
-    p.add_argument("--profile", nargs="?", const="bench_out", default=None, metavar="DIR",
-                   help="write a torch profiler chrome trace to DIR/trace.json (default bench_out)")
+    p.add_argument(
+        "--profile",
+        nargs="?",
+        const="bench_out",
+        default=None,
+        metavar="DIR",
+        help="write a torch profiler chrome trace to DIR/trace.json (default bench_out)",
+    )
     p.add_argument("--profile-steps", type=int, default=5, help="optimizer steps under the profiler")
     p.add_argument("--top", type=int, default=20, help="--kernels: rows of the table (the slowest kernels)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first (the first one compiles)")
-    p.add_argument("--iters", type=int, default=None,
-                   help="timed steps per repeat (training 50, --memory 300, curves 300, --kernels 20)")
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="timed steps per repeat (training 50, --memory 300, curves 300, --kernels 20)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
     p.add_argument("--json", action="store_true", help="print the training measurements as one JSON line")
     p.add_argument("--against", metavar="REV", help="time this checkout's training step against git commit REV's")
     p.add_argument("--rounds", type=int, default=6, help="--against: rounds of one process per side")
     p.add_argument("--new-tokens", type=int, default=500, help="--sample: tokens generated per run")
-    p.add_argument("--compile-decoding", action=argparse.BooleanOptionalAction, default=True,
-                   help="--sample: include the compiled decoding step (a one-off compile per dtype)")
+    p.add_argument(
+        "--compile-decoding",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--sample: include the compiled decoding step (a one-off compile per dtype)",
+    )
     p.add_argument("--input", default=str(SHAKESPEARE), help="--prepare: the text to train BPE on and repeat")
     p.add_argument("--vocab-size", type=int, default=4096, help="--prepare: BPE vocabulary size")
-    p.add_argument("--workers", type=int, default=None, help="--prepare: worker processes of the parallel run (default: cores)")
+    p.add_argument(
+        "--workers", type=int, default=None, help="--prepare: worker processes of the parallel run (default: cores)"
+    )
     p.add_argument("--size-mb", type=float, default=1000, help="--prepare/--memory: size of the large input in MB")
     p.add_argument("--eval-interval", type=int, default=25, help="--precision-curves: evaluate every this many steps")
     p.add_argument("--items", type=int, default=1000, help="--hellaswag: items scored")
-    p.add_argument("--hellaswag-file", help="--hellaswag: HellaSwag's jsonl (default: items made from tiny Shakespeare)")
+    p.add_argument(
+        "--hellaswag-file", help="--hellaswag: HellaSwag's jsonl (default: items made from tiny Shakespeare)"
+    )
     return p.parse_known_args(argv)
 
 

@@ -30,22 +30,45 @@ from quillgpt.files import atomic_write_json
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="checkpoint, run directory, .safetensors file, or HF model directory or hub name")
-    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
-                   help=f"score with at most this many tokens of context (default {DEFAULT_CONTEXT}, or the model's if shorter)")
-    p.add_argument("--text", nargs="+", action="extend", metavar="PATH", help="text files, .jsonl/.parquet documents or directories")
+    p.add_argument(
+        "--ckpt", required=True, help="checkpoint, run directory, .safetensors file, or HF model directory or hub name"
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=DEFAULT_CONTEXT,
+        help=f"score with at most this many tokens of context (default {DEFAULT_CONTEXT}, or the model's if shorter)",
+    )
+    p.add_argument(
+        "--text",
+        nargs="+",
+        action="extend",
+        metavar="PATH",
+        help="text files, .jsonl/.parquet documents or directories",
+    )
     p.add_argument("--text-field", default="text", help="the records' text field (default: text)")
-    p.add_argument("--split", choices=("train", "val"), help="a prepared split (default: val, when nothing else is asked)")
+    p.add_argument(
+        "--split", choices=("train", "val"), help="a prepared split (default: val, when nothing else is asked)"
+    )
     p.add_argument("--data", metavar="DIR", help="the prepared dataset of --split (default: the checkpoint's)")
     p.add_argument("--stride", type=int, default=None, help="tokens a window moves on (default: half the context)")
-    p.add_argument("--hellaswag", nargs="?", const="", default=None, metavar="FILE",
-                   help="HellaSwag's validation jsonl (no FILE: downloaded once into data/hellaswag/)")
+    p.add_argument(
+        "--hellaswag",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FILE",
+        help="HellaSwag's validation jsonl (no FILE: downloaded once into data/hellaswag/)",
+    )
     p.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (needs '.[eval]')")
     p.add_argument("--task-dir", help="a directory of harness task YAML files of your own")
     p.add_argument("--num-fewshot", type=int, default=None, help="harness tasks: few-shot examples")
     p.add_argument("--limit", type=int, default=None, help="score at most this many HellaSwag items (and harness docs)")
-    p.add_argument("--map-unknown", action="store_true",
-                   help="score characters a char model has never seen as a stand-in character instead of stopping")
+    p.add_argument(
+        "--map-unknown",
+        action="store_true",
+        help="score characters a char model has never seen as a stand-in character instead of stopping",
+    )
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--json", metavar="FILE", help="write every figure, the checkpoint, data hashes and settings here")

@@ -38,6 +38,7 @@ from quillgpt.loading import load_model
 
 # ---- export: safetensors ----------------------------------------------------------------------------
 
+
 def export_safetensors(model: GPT, tokenizer: dict | None, path: str | Path) -> None:
     """The weights plus model arguments and tokenizer (JSON strings in the metadata); a tied head is stored once."""
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
@@ -52,11 +53,16 @@ def export_safetensors(model: GPT, tokenizer: dict | None, path: str | Path) -> 
 
 # ---- command line -----------------------------------------------------------------------------------
 
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="checkpoint file, run directory (its ckpt_best.pt) or .safetensors file")
+    p.add_argument(
+        "--ckpt", required=True, help="checkpoint file, run directory (its ckpt_best.pt) or .safetensors file"
+    )
     p.add_argument("--hf", metavar="OUT_DIR", help="write a Hugging Face directory (GPT-2, Llama, Qwen2 or Qwen3)")
-    p.add_argument("--safetensors", metavar="OUT", help="write one .safetensors file with the model arguments in its metadata")
+    p.add_argument(
+        "--safetensors", metavar="OUT", help="write one .safetensors file with the model arguments in its metadata"
+    )
     args = p.parse_args(argv)
     if not args.hf and not args.safetensors:
         p.error("give --hf OUT_DIR and/or --safetensors OUT.safetensors")

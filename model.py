@@ -61,8 +61,12 @@ def rope_frequencies(config: GPTConfig) -> torch.Tensor:
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     if config.rope_scaling == "none":
         return inv_freq
-    factor, low, high, context = (config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
-                                  config.rope_original_context)
+    factor, low, high, context = (
+        config.rope_factor,
+        config.rope_low_freq_factor,
+        config.rope_high_freq_factor,
+        config.rope_original_context,
+    )
     wavelength = 2 * math.pi / inv_freq
     scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
     smooth = (context / wavelength - low) / (high - low)
@@ -88,8 +92,16 @@ class KVCache:
     position. Zero-filled, because a decoding step attends over the whole buffer with the unfilled part masked
     (a masked NaN would still poison the output: 0 * NaN)."""
 
-    def __init__(self, n_layer: int, batch: int, n_head: int, length: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        n_layer: int,
+        batch: int,
+        n_head: int,
+        length: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         shape = (batch, n_head, length, head_dim)
         self.length = length
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
@@ -98,12 +110,14 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T = k.size(2)
-        self.k[layer][:, :, self.pos:self.pos + T] = k
-        self.v[layer][:, :, self.pos:self.pos + T] = v
+        self.k[layer][:, :, self.pos : self.pos + T] = k
+        self.v[layer][:, :, self.pos : self.pos + T] = v
         end = self.pos + T
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    def write(self, layer: int, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(
+        self, layer: int, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token's k, v (B, nkv, 1, hs) at `position` (a (1,) tensor); returns the whole buffers (B, nkv, L, hs)."""
         self.k[layer].index_copy_(2, position, k)
         self.v[layer].index_copy_(2, position, v)
@@ -125,8 +139,13 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
         self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: KVCache | None, step: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: KVCache | None,
+        step: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """step = (position (1,), visible (L,)) decodes one token against the whole cache (GPT.decode_one)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.widths, dim=2)
@@ -153,7 +172,7 @@ class CausalSelfAttention(nn.Module):
         Written out rather than SDPA so that torch.compile fuses it (the CPU flash kernel cost ~0.1 ms a layer here)."""
         B, nh, _, hs = q.shape
         q = q.view(B, self.n_kv_head, nh // self.n_kv_head, hs)  # (B, nkv, group, hs): GQA without copying k, v
-        scores = (q @ k.transpose(-2, -1)).float() * hs ** -0.5  # (B, nkv, group, L)
+        scores = (q @ k.transpose(-2, -1)).float() * hs**-0.5  # (B, nkv, group, L)
         probs = scores.masked_fill(~visible.view(1, 1, 1, -1), float("-inf")).softmax(-1).to(v.dtype)
         return (probs @ v).view(B, nh, 1, hs)
 
@@ -205,12 +224,14 @@ class GPT(nn.Module):
         assert config.vocab_size is not None, "vocab_size must be resolved before building the model"
         self.config = config
         self.gradient_checkpointing = False
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            drop=Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-            ln_f=make_norm(config),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                drop=Dropout(config.dropout),
+                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+                ln_f=make_norm(config),
+            )
+        )
         if config.pos_emb == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         else:
@@ -247,21 +268,28 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None, last_only: bool = False):
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+    ):
         """idx (B, T) token ids -> (logits, loss). loss is None without targets.
 
         last_only returns logits for the final position only (generation)."""
         B, T = idx.size()
         start = cache.pos if cache is not None else 0
-        assert start + T <= self.config.block_size, f"sequence of {start + T} exceeds block_size {self.config.block_size}"
+        assert start + T <= self.config.block_size, (
+            f"sequence of {start + T} exceeds block_size {self.config.block_size}"
+        )
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None
         if self.config.pos_emb == "learned":
             pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
             x = x + self.transformer.wpe(pos)
         else:
-            rope = (self.rope_cos[start:start + T], self.rope_sin[start:start + T])  # (T, hs/2)
+            rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, hs/2)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
             if self.gradient_checkpointing and self.training:
@@ -317,10 +345,18 @@ class GPT(nn.Module):
     # ---- generation ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def generate_stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                        top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
-                        generator: torch.Generator | None = None, vocab_limit: int | None = None,
-                        compile: bool = False) -> Iterator[torch.Tensor]:
+    def generate_stream(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+        vocab_limit: int | None = None,
+        compile: bool = False,
+    ) -> Iterator[torch.Tensor]:
         """Yield (B, 1) new tokens one at a time. temperature 0 is greedy.
 
         vocab_limit masks ids the tokenizer can't decode (a vocabulary padded for speed).
@@ -339,7 +375,7 @@ class GPT(nn.Module):
                 logits, _ = self(idx[:, -block:], last_only=True)
                 logits = logits[:, -1, :]
             elif cache is None or cache.pos >= cache.length:
-                context = idx[:, -(block // 2):] if cache is not None else idx
+                context = idx[:, -(block // 2) :] if cache is not None else idx
                 cache = self.new_cache(idx.size(0), cache_length(context.size(1) + max_new_tokens, block))
                 logits, _ = self(context, cache=cache, last_only=True)
                 logits = logits[:, -1, :]
@@ -364,7 +400,7 @@ class GPT(nn.Module):
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **kw) -> torch.Tensor:
         """(B, T) prompt -> (B, T + max_new_tokens), the prompt cropped to block_size as in generate_stream."""
         new = list(self.generate_stream(idx, max_new_tokens, **kw))
-        return torch.cat([idx[:, -self.config.block_size:], *new], dim=1) if new else idx
+        return torch.cat([idx[:, -self.config.block_size :], *new], dim=1) if new else idx
 
     def crop_block_size(self, block_size: int) -> None:
         """Shorten the context to block_size (fine-tuning a long-context model on shorter sequences)."""
@@ -417,8 +453,13 @@ def cache_length(needed: int, block_size: int) -> int:
     return min(block_size, max(64, 1 << (needed - 1).bit_length()))
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """(B, V) logits -> (B, 1) token ids."""
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)

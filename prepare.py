@@ -33,44 +33,83 @@ def positive_int(text: str) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", required=True,
-                   help=f"output folder name; {', '.join(KNOWN_DATASETS)} need no input")
+    p.add_argument("--dataset", required=True, help=f"output folder name; {', '.join(KNOWN_DATASETS)} need no input")
     source = p.add_argument_group("input (default: the named dataset's)")
-    source.add_argument("--input", nargs="+", action="extend", metavar="PATH", help="text files, directories, .jsonl(.gz/.zst) and .parquet files")
+    source.add_argument(
+        "--input",
+        nargs="+",
+        action="extend",
+        metavar="PATH",
+        help="text files, directories, .jsonl(.gz/.zst) and .parquet files",
+    )
     source.add_argument("--glob", help="in directories, the files to read (default: all but hidden ones), e.g. '*.md'")
     source.add_argument("--text-field", default="text", help="the records' text field or column (default: text)")
-    source.add_argument("--skip-bad-records", action="store_true",
-                        help="count and skip records that are not JSON or lack a string text field (default: stop)")
+    source.add_argument(
+        "--skip-bad-records",
+        action="store_true",
+        help="count and skip records that are not JSON or lack a string text field (default: stop)",
+    )
     source.add_argument("--hf-dataset", metavar="NAME", help="a Hugging Face hub dataset, streamed (needs '.[data]')")
     source.add_argument("--hf-config", metavar="NAME", help="the hub dataset's configuration (subset)")
     source.add_argument("--hf-split", default="train", help="the hub dataset's split (default: train)")
     source.add_argument("--hf-revision", metavar="REV", help="a branch, tag or commit of the hub dataset")
-    p.add_argument("--tokenizer", help="char, bpe, a tiktoken encoding such as gpt2, or hf:DIR for the tokenizer.json of a "
-                                       "Hugging Face model directory (default: gpt2 for shakespeare and the recipes, else char)")
-    p.add_argument("--vocab-size", type=positive_int, help="bpe vocabulary size (default 4096); an upper bound for char")
-    p.add_argument("--split", choices=("auto", "docs", "tail"), default="auto",
-                   help="docs: whole documents to val by hash; tail: the last bytes of one text file (auto: tail for one "
-                        "text file, else docs)")
+    p.add_argument(
+        "--tokenizer",
+        help="char, bpe, a tiktoken encoding such as gpt2, or hf:DIR for the tokenizer.json of a "
+        "Hugging Face model directory (default: gpt2 for shakespeare and the recipes, else char)",
+    )
+    p.add_argument(
+        "--vocab-size", type=positive_int, help="bpe vocabulary size (default 4096); an upper bound for char"
+    )
+    p.add_argument(
+        "--split",
+        choices=("auto", "docs", "tail"),
+        default="auto",
+        help="docs: whole documents to val by hash; tail: the last bytes of one text file (auto: tail for one "
+        "text file, else docs)",
+    )
     p.add_argument("--val-fraction", type=float, help="share of documents (or bytes) for validation (default 0.1)")
     p.add_argument("--split-seed", type=int, default=0, help="seed of the document hash that picks the val split")
     p.add_argument("--max-bytes", type=positive_int, help="read at most N bytes of input (pystdlib default 4000000)")
     p.add_argument("--workers", type=positive_int, help="worker processes (default: the usable cores)")
-    p.add_argument("--chunk-bytes", type=positive_int, default=corpus.CHUNK_BYTES,
-                   help="input bytes per unit of work (default 16 MiB); the output does not depend on it")
+    p.add_argument(
+        "--chunk-bytes",
+        type=positive_int,
+        default=corpus.CHUNK_BYTES,
+        help="input bytes per unit of work (default 16 MiB); the output does not depend on it",
+    )
     p.add_argument("--reset", action="store_true", help="re-prepare even if the dataset exists")
     p.add_argument("--data-dir", default="data", help="parent folder of the dataset folders")
-    p.add_argument("--bpe-train-bytes", type=positive_int, default=BPE_TRAIN_BYTES, help="BPE trains on this many bytes of train")
+    p.add_argument(
+        "--bpe-train-bytes", type=positive_int, default=BPE_TRAIN_BYTES, help="BPE trains on this many bytes of train"
+    )
     return p.parse_args(argv)
 
 
 def main() -> None:
     args = parse_args()
-    prepare_dataset(args.dataset, input_path=args.input, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                    val_fraction=args.val_fraction, reset=args.reset, data_dir=args.data_dir, max_bytes=args.max_bytes,
-                    bpe_train_bytes=args.bpe_train_bytes, glob=args.glob, text_field=args.text_field,
-                    hf_dataset=args.hf_dataset, hf_config=args.hf_config, hf_split=args.hf_split,
-                    hf_revision=args.hf_revision, split=args.split, split_seed=args.split_seed, workers=args.workers,
-                    skip_bad_records=args.skip_bad_records, chunk_bytes=args.chunk_bytes)
+    prepare_dataset(
+        args.dataset,
+        input_path=args.input,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        val_fraction=args.val_fraction,
+        reset=args.reset,
+        data_dir=args.data_dir,
+        max_bytes=args.max_bytes,
+        bpe_train_bytes=args.bpe_train_bytes,
+        glob=args.glob,
+        text_field=args.text_field,
+        hf_dataset=args.hf_dataset,
+        hf_config=args.hf_config,
+        hf_split=args.hf_split,
+        hf_revision=args.hf_revision,
+        split=args.split,
+        split_seed=args.split_seed,
+        workers=args.workers,
+        skip_bad_records=args.skip_bad_records,
+        chunk_bytes=args.chunk_bytes,
+    )
 
 
 if __name__ == "__main__":

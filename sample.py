@@ -43,8 +43,11 @@ from quillgpt.tokenizer import Tokenizer
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True,
-                   help="checkpoint file, run directory (its ckpt_best.pt), .safetensors file, or Hugging Face model directory or hub name")
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        help="checkpoint file, run directory (its ckpt_best.pt), .safetensors file, or Hugging Face model directory or hub name",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="", help="text to continue")
     src.add_argument("--prompt-file", help="read the prompt from this file")
@@ -54,11 +57,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=200, help="0 = off")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, e.g. 0.9")
     p.add_argument("--seed", type=int, default=None, help="make sampling deterministic")
-    p.add_argument("--stop", action="append", default=[], help="stop a sample at this text (repeatable; \\n escapes work)")
+    p.add_argument(
+        "--stop", action="append", default=[], help="stop a sample at this text (repeatable; \\n escapes work)"
+    )
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
-    p.add_argument("--dtype", choices=list(SAMPLING_DTYPES), default=None,
-                   help="weights' dtype while sampling; int8: weight-only int8 with bf16 activations, CPU "
-                        "(default: bf16 on a CUDA device that has it, else fp32)")
+    p.add_argument(
+        "--dtype",
+        choices=list(SAMPLING_DTYPES),
+        default=None,
+        help="weights' dtype while sampling; int8: weight-only int8 with bf16 activations, CPU "
+        "(default: bf16 on a CUDA device that has it, else fp32)",
+    )
     p.add_argument("--compile", action="store_true", help="compile the one-token decoding step (pays for long samples)")
     p.add_argument("--interactive", action="store_true", help="read prompts in a loop (one per line; \\n escapes work)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None, help="stream the first sample")
@@ -74,16 +83,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def sample_prompt(model: GPT, tokenizer: Tokenizer, prompt: str, args: argparse.Namespace, generator: torch.Generator,
-                  stream: bool, label: str) -> None:
+def sample_prompt(
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompt: str,
+    args: argparse.Namespace,
+    generator: torch.Generator,
+    stream: bool,
+    label: str,
+) -> None:
     """Generate and print the samples for one prompt."""
     ids = encode_prompt(tokenizer, prompt, model.config.block_size)
     t0 = time.perf_counter()
     if stream:
         sys.stdout.write(prompt)
-    texts, n_tokens = generate_texts(model, tokenizer, ids, args.num_samples, args.max_new_tokens, args.temperature,
-                                     args.top_k or None, args.top_p, args.stop, generator,
-                                     stream=sys.stdout if stream else None, compile=args.compile)
+    texts, n_tokens = generate_texts(
+        model,
+        tokenizer,
+        ids,
+        args.num_samples,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k or None,
+        args.top_p,
+        args.stop,
+        generator,
+        stream=sys.stdout if stream else None,
+        compile=args.compile,
+    )
     dt = time.perf_counter() - t0
     for i, text in enumerate(texts):
         if stream and i == 0:
@@ -120,19 +147,19 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"--device {args.device} but this machine has no CUDA device")
     dtype = args.dtype or ("bf16" if args.device.startswith("cuda") and torch.cuda.is_bf16_supported() else "fp32")
     model, tokenizer, label = load_for_sampling(args.ckpt, args.device, dtype)
-    prompt = args.prompt
+    first_prompt = args.prompt
     if args.prompt_file:
         try:
-            prompt = Path(args.prompt_file).read_text(encoding="utf-8")
+            first_prompt = Path(args.prompt_file).read_text(encoding="utf-8")
         except OSError as e:
             raise UserError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}") from None
     stream = args.stream if args.stream is not None else (sys.stdout.isatty() and args.num_samples == 1)
     generator = torch.Generator(device=args.device)  # one for the whole session: --seed fixes every prompt's samples
     generator.manual_seed(args.seed if args.seed is not None else torch.seed())
     if not args.interactive:
-        sample_prompt(model, tokenizer, prompt, args, generator, stream, label)
+        sample_prompt(model, tokenizer, first_prompt, args, generator, stream, label)
         return 0
-    for prompt in iter_prompts(prompt):
+    for prompt in iter_prompts(first_prompt):
         try:
             sample_prompt(model, tokenizer, prompt, args, generator, stream, label)
         except UserError as e:  # a bad prompt should not end the session

@@ -39,8 +39,11 @@ from quillgpt.machine import load_average, with_shakespeare_input
 from quillgpt.metrics import bf16_matmul_ceiling
 
 REPO = Path(__file__).resolve().parent
-CONFIGS = ["configs/shakespeare_char/cpu.toml", "configs/shakespeare_char/speedrun_cpu.toml",
-           "configs/shakespeare_char/record_cpu.toml"]
+CONFIGS = [
+    "configs/shakespeare_char/cpu.toml",
+    "configs/shakespeare_char/speedrun_cpu.toml",
+    "configs/shakespeare_char/record_cpu.toml",
+]
 TARGETS = [1.88, 1.70, 1.55, 1.47]
 REFERENCE_GFLOPS = 800.0  # the machine the budget is stated for
 EVAL_LINE = re.compile(r"^eval (\d+): train [\d.]+ \| val ([\d.]+)")
@@ -53,7 +56,9 @@ class Run:
     seed: int
     gflops: float  # bf16 matmul rate measured just before the run
     budget: float  # seconds
-    rungs: dict[float, tuple[float, int]] = field(default_factory=dict)  # target -> (seconds, iter) of the first eval at or below it
+    rungs: dict[float, tuple[float, int]] = field(
+        default_factory=dict
+    )  # target -> (seconds, iter) of the first eval at or below it
     final_val: float | None = None  # the evaluation at max_iters (over final_eval_iters batches)
     final_iter: int = 0
     seconds: float = 0.0  # wall time to the final evaluation, or to the last one read
@@ -67,17 +72,39 @@ def budget_seconds(minutes: float, gflops: float) -> float:
     return minutes * 60 * max(1.0, REFERENCE_GFLOPS / gflops)
 
 
-def run_once(config: str, variant: tuple[str, list[str]], seed: int, args: argparse.Namespace, extra: list[str],
-             out_dir: str) -> Run:
+def run_once(
+    config: str, variant: tuple[str, list[str]], seed: int, args: argparse.Namespace, extra: list[str], out_dir: str
+) -> Run:
     """One train.py run, timed from launch; its rungs, final val loss and wall time."""
     gflops = bf16_matmul_ceiling() / 1e9
     run = Run(config, variant[0], seed, gflops, budget_seconds(args.budget_minutes, gflops))
     name = "-".join([Path(config).stem, str(seed), *re.findall(r"[\w.]+", variant[0])])
-    cmd = [sys.executable, "train.py", "--config", config, "--run.out_dir", out_dir, "--run.name", name, "--force",
-           "--run.seed", str(seed), "--training.final_eval_iters", str(args.final_batches),
-           "--training.save_interval", "0", "--training.save_best", "false", "--logging.plot", "false",
-           "--logging.json_log", "false", *(["--training.eval_interval", str(args.eval_interval)] if args.eval_interval else []),
-           *extra, *variant[1]]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--config",
+        config,
+        "--run.out_dir",
+        out_dir,
+        "--run.name",
+        name,
+        "--force",
+        "--run.seed",
+        str(seed),
+        "--training.final_eval_iters",
+        str(args.final_batches),
+        "--training.save_interval",
+        "0",
+        "--training.save_best",
+        "false",
+        "--logging.plot",
+        "false",
+        "--logging.json_log",
+        "false",
+        *(["--training.eval_interval", str(args.eval_interval)] if args.eval_interval else []),
+        *extra,
+        *variant[1],
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -117,14 +144,19 @@ def cell(run: Run, target: float) -> str:
 
 
 def print_runs(runs: list[Run], targets: list[float], final_batches: int) -> None:
-    print(f"| config | variant | seed | {' | '.join(f'to {t}' for t in targets)} | final val ({final_batches} batches) "
-          f"| wall | budget (bf16 matmul) |")
+    print(
+        f"| config | variant | seed | {' | '.join(f'to {t}' for t in targets)} | final val ({final_batches} batches) "
+        f"| wall | budget (bf16 matmul) |"
+    )
     print("| --- | --- | ---: |" + " ---: |" * len(targets) + " ---: | ---: | ---: |")
     for r in runs:
-        final = f"{r.final_val:.4f} @{r.final_iter}" if r.final_val is not None else \
-            f"over budget (best {r.best_val:.4f})"
-        print(f"| {Path(r.config).name} | {r.variant or '-'} | {r.seed} | {' | '.join(cell(r, t) for t in targets)} | "
-              f"{final} | {r.seconds:.1f}s | {r.budget:.0f}s ({r.gflops:,.0f} GFLOP/s) |")
+        final = (
+            f"{r.final_val:.4f} @{r.final_iter}" if r.final_val is not None else f"over budget (best {r.best_val:.4f})"
+        )
+        print(
+            f"| {Path(r.config).name} | {r.variant or '-'} | {r.seed} | {' | '.join(cell(r, t) for t in targets)} | "
+            f"{final} | {r.seconds:.1f}s | {r.budget:.0f}s ({r.gflops:,.0f} GFLOP/s) |"
+        )
 
 
 def median_rung(runs: list[Run], target: float) -> float | None:
@@ -141,10 +173,14 @@ def ratio_line(runs: list[Run], target: float) -> str:
         return f"{configs[1]} did not reach {target}"
     if base_t is None:  # the baseline's whole run bounds its time to the target from below
         bound = min(r.seconds for r in base)
-        return (f"{configs[1]} / {configs[0]} to {target}: < {fast_t / bound:.2f} ({configs[0]} never reached it; "
-                f"its full run took {bound:.1f}s)")
-    return (f"{configs[1]} / {configs[0]} to {target}: {fast_t:.1f}s / {base_t:.1f}s = {fast_t / base_t:.2f} of the "
-            f"wall time ({base_t / fast_t:.2f}x faster)")
+        return (
+            f"{configs[1]} / {configs[0]} to {target}: < {fast_t / bound:.2f} ({configs[0]} never reached it; "
+            f"its full run took {bound:.1f}s)"
+        )
+    return (
+        f"{configs[1]} / {configs[0]} to {target}: {fast_t:.1f}s / {base_t:.1f}s = {fast_t / base_t:.2f} of the "
+        f"wall time ({base_t / fast_t:.2f}x faster)"
+    )
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -155,20 +191,40 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Any other --section.key value pair is passed to every train.py run.")
-    p.add_argument("--configs", nargs="+", default=CONFIGS, help="presets to time; the ratio compares the second to the first")
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Any other --section.key value pair is passed to every train.py run.",
+    )
+    p.add_argument(
+        "--configs", nargs="+", default=CONFIGS, help="presets to time; the ratio compares the second to the first"
+    )
     p.add_argument("--targets", "--target", nargs="+", type=float, default=TARGETS, help="val losses to time (rungs)")
     p.add_argument("--seeds", nargs="+", type=int, default=[1337], help="one run per seed (run.seed)")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
-                   help="a sweep point: overrides applied to every config (repeatable; default: the presets as they are)")
-    p.add_argument("--eval-interval", type=int, default=None, help="evaluate every this many steps (default: the preset's)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=OVERRIDES",
+        help="a sweep point: overrides applied to every config (repeatable; default: the presets as they are)",
+    )
+    p.add_argument(
+        "--eval-interval", type=int, default=None, help="evaluate every this many steps (default: the preset's)"
+    )
     p.add_argument("--final-batches", type=int, default=200, help="val batches of the evaluation at max_iters")
-    p.add_argument("--keep", metavar="DIR", default=None,
-                   help="keep each run's directory (final checkpoint) under DIR, named <preset>-<seed>[-<variant>] "
-                        "(default: a temporary directory, removed)")
-    p.add_argument("--budget-minutes", type=float, default=10.0,
-                   help="wall-time budget on a machine whose bf16 matmul runs at 800 GFLOP/s or more, scaled up on a slower one")
+    p.add_argument(
+        "--keep",
+        metavar="DIR",
+        default=None,
+        help="keep each run's directory (final checkpoint) under DIR, named <preset>-<seed>[-<variant>] "
+        "(default: a temporary directory, removed)",
+    )
+    p.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=10.0,
+        help="wall-time budget on a machine whose bf16 matmul runs at 800 GFLOP/s or more, scaled up on a slower one",
+    )
     return p.parse_known_args(argv)
 
 
@@ -177,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = [parse_variant(v) for v in args.variant] or [("", [])]
     extra = with_shakespeare_input(extra)  # prepare tiny Shakespeare offline if needed
     runs: list[Run] = []
-    with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="speedrun_")) as out_dir:
+    with contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="speedrun_") as out_dir:
         for seed in args.seeds:
             for variant in variants:
                 for config in args.configs:

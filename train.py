@@ -64,8 +64,13 @@ class TrainResult:
     stop_reason: str
 
 
-def train(config: str | Path | None = None, overrides: dict | list | None = None, resume: bool | str = False,
-          force: bool = False, validate_only: bool = False) -> TrainResult:
+def train(
+    config: str | Path | None = None,
+    overrides: dict | list | None = None,
+    resume: bool | str = False,
+    force: bool = False,
+    validate_only: bool = False,
+) -> TrainResult:
     """Train from a TOML file plus overrides ({"training.max_iters": 10} or CLI-style list). Python API."""
     dist = distributed.from_env()
     try:
@@ -97,21 +102,38 @@ def report(tr: Trainer, outcome: Outcome, log: MetricsLog | None) -> TrainResult
             print(f"saved {run_dir.last}; resume with: python train.py --resume {run_dir.path}", flush=True)
         elif outcome.stop_reason:
             print(outcome.stop_reason, flush=True)
-        print(f"{reason}: {state.iter_num} iters, {state.tokens_seen:,} tokens, best val loss {state.best_val_loss:.4f}; "
-              f"checkpoints in {run_dir.path}", flush=True)
+        print(
+            f"{reason}: {state.iter_num} iters, {state.tokens_seen:,} tokens, best val loss {state.best_val_loss:.4f}; "
+            f"checkpoints in {run_dir.path}",
+            flush=True,
+        )
         log.finish()
     ckpt_path = run_dir.best if run_dir.best.is_file() else run_dir.last
-    return TrainResult(final_loss=outcome.last_loss, best_val_loss=state.best_val_loss, total_tokens=state.tokens_seen,
-                       checkpoint_path=str(ckpt_path) if ckpt_path.exists() else None, iterations=state.iter_num,
-                       stop_reason=reason)
+    return TrainResult(
+        final_loss=outcome.last_loss,
+        best_val_loss=state.best_val_loss,
+        total_tokens=state.tokens_seen,
+        checkpoint_path=str(ckpt_path) if ckpt_path.exists() else None,
+        iterations=state.iter_num,
+        stop_reason=reason,
+    )
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Any other --section.key value pair overrides the config.")
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Any other --section.key value pair overrides the config.",
+    )
     p.add_argument("--config", help="TOML config file (e.g. configs/base/base.toml)")
-    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR_OR_CKPT",
-                   help="continue the config's run (or the given run directory / checkpoint)")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="RUN_DIR_OR_CKPT",
+        help="continue the config's run (or the given run directory / checkpoint)",
+    )
     p.add_argument("--force", action="store_true", help="start over in an existing run directory")
     p.add_argument("--validate", action="store_true", help="check the config and its feasibility; don't train")
     p.add_argument("--nproc-per-node", type=int, default=None, help="relaunch under torchrun with N processes")
@@ -123,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(argv)
     if args.nproc_per_node is not None:
         if args.config:  # config mistakes: one message here rather than one per worker
-            build_config(load_toml(args.config), parse_overrides(rest), source=args.config, world_size=args.nproc_per_node)
+            build_config(
+                load_toml(args.config), parse_overrides(rest), source=args.config, world_size=args.nproc_per_node
+            )
         return distributed.relaunch_with_torchrun(args.nproc_per_node, argv, script=os.path.abspath(__file__))
     try:
         train(args.config, overrides=rest, resume=args.resume, force=args.force, validate_only=args.validate)

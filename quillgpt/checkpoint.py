@@ -55,6 +55,7 @@ OPTIONAL = {"optional": True}
 @dataclass
 class TrainState:
     """Training progress: the counters that let a resumed run continue exactly where it stopped."""
+
     iter_num: int = 0
     best_val_loss: float = math.inf
     best_score: float = field(default=math.inf, metadata=OPTIONAL)  # training.best_metric's best, lower is better
@@ -69,6 +70,7 @@ class TrainingCheckpoint:
     """Everything a training checkpoint holds: trainer.save writes it, trainer.restore reads it, from_dict checks it.
 
     On disk it is a plain dict of these keys, with TrainState's fields at the top level."""
+
     model: dict  # the full weights (gathered from the shards under FSDP)
     model_args: dict  # GPTConfig.to_dict(): rebuilds the model without the config
     optimizers: list  # one state dict per optimizer; None each under FSDP, whose state is in `sharded`
@@ -92,11 +94,15 @@ class TrainingCheckpoint:
         (written by another tool, or edited)."""
         wrong = _wrong_fields(ckpt, cls) + _wrong_fields(ckpt, TrainState)
         config = ckpt.get("config")
-        if not wrong and not (isinstance(config.get("run"), dict) and all(isinstance(t, dict) for t in config.values())):
+        if not wrong and not (
+            isinstance(config.get("run"), dict) and all(isinstance(t, dict) for t in config.values())
+        ):
             wrong = ["config"]
         if wrong:
-            raise UserError(f"{path} cannot be resumed: its training state is missing or malformed ({', '.join(wrong)}); "
-                            "start a new run from its weights with run.init_from instead")
+            raise UserError(
+                f"{path} cannot be resumed: its training state is missing or malformed ({', '.join(wrong)}); "
+                "start a new run from its weights with run.init_from instead"
+            )
         # a checkpoint from before best_metric existed chose its best by val loss
         state = TrainState(**{f.name: ckpt.get(f.name, f.default) for f in fields(TrainState)})
         if "best_score" not in ckpt:
@@ -131,6 +137,7 @@ def _is_a(value: Any, annotation: Any) -> bool:
 
 
 # ---- files ------------------------------------------------------------------------------------------
+
 
 def save_checkpoint(path: str | Path, state: dict) -> None:
     with atomic_write(path, "wb") as f:
@@ -172,7 +179,9 @@ def verify_crc(path: Path) -> None:
     except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, RuntimeError, NotImplementedError) as e:
         raise UserError(f"checkpoint {path} is corrupt: {e}") from None
     if bad is not None:
-        raise UserError(f"checkpoint {path} is corrupt: its record {bad} fails the CRC check (damaged on disk or in a copy)")
+        raise UserError(
+            f"checkpoint {path} is corrupt: its record {bad} fails the CRC check (damaged on disk or in a copy)"
+        )
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
@@ -185,8 +194,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         if "weights_only" in str(e) or "Unsupported" in str(e) or "global" in str(e).lower():
-            raise UserError(f"refusing to load {path}: it contains objects other than plain tensors and data "
-                            "(it could run code when unpickled); only quillgpt checkpoints are accepted") from None
+            raise UserError(
+                f"refusing to load {path}: it contains objects other than plain tensors and data "
+                "(it could run code when unpickled); only quillgpt checkpoints are accepted"
+            ) from None
         raise UserError(f"checkpoint {path} is corrupt: {str(e).splitlines()[0]}") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, UnicodeDecodeError, KeyError) as e:
         first = (str(e).splitlines() or [""])[0]
@@ -197,6 +208,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 
 # ---- RNG state as plain types ----------------------------------------------------------------------
+
 
 def rng_state() -> dict:
     np_state = np.random.get_state()
@@ -223,12 +235,15 @@ def set_rng_state(state: dict) -> None:
 
 # ---- run directories -------------------------------------------------------------------------------
 
+
 class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.last_saved: str | None = None  # "ckpt_last.pt (iter N)" of this process's newest successful save
 
-    def save(self, kind: str, ckpt: TrainingCheckpoint, save_interval: int, keep_last: int, final: bool = False) -> None:
+    def save(
+        self, kind: str, ckpt: TrainingCheckpoint, save_interval: int, keep_last: int, final: bool = False
+    ) -> None:
         """Write ckpt_best.pt (kind "best") or ckpt_last.pt ("last"), atomically. A last checkpoint also
         becomes `latest`; on a save_interval step it is hard-linked as that step's checkpoint, keeping the
         newest keep_last; FSDP's sharded directories that no checkpoint names any more are deleted.
@@ -243,8 +258,12 @@ class RunDir:
             where = f"the last good checkpoint is {good}" if good else "no checkpoint has been saved yet"
             if final:
                 raise UserError(f"the final checkpoint was not saved: {e}; {where}") from None
-            print(f"warning: {kind} checkpoint of iter {ckpt.state.iter_num} not saved: {e}; {where}; "
-                  "training continues and the next save retries", file=sys.stderr, flush=True)
+            print(
+                f"warning: {kind} checkpoint of iter {ckpt.state.iter_num} not saved: {e}; {where}; "
+                "training continues and the next save retries",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _write(self, kind: str, ckpt: TrainingCheckpoint, save_interval: int, keep_last: int) -> None:
         path = self.best if kind == "best" else self.last
@@ -301,7 +320,7 @@ class RunDir:
 
     def prune(self, keep_last: int) -> None:
         steps = self.step_checkpoints()
-        for old in steps[:max(0, len(steps) - keep_last)]:
+        for old in steps[: max(0, len(steps) - keep_last)]:
             old.unlink(missing_ok=True)
 
     def sharded(self, it: int) -> Path:
@@ -334,8 +353,10 @@ def resolve_checkpoint(path: str | Path, prefer: str = "best") -> Path:
 
 # ---- which run --------------------------------------------------------------------------------------
 
-def resolve_run(config: str | Path | None, overrides: dict | list | None, resume: bool | str, force: bool,
-                world_size: int) -> tuple[Config, RunDir, TrainingCheckpoint | None]:
+
+def resolve_run(
+    config: str | Path | None, overrides: dict | list | None, resume: bool | str, force: bool, world_size: int
+) -> tuple[Config, RunDir, TrainingCheckpoint | None]:
     """The config, run directory and (on resume) checkpoint of a train.py invocation.
 
     A new run: defaults < TOML < overrides, in out_dir/name, which must not hold checkpoints already
@@ -365,8 +386,10 @@ def new_run_dir(cfg: Config, force: bool) -> RunDir:
     """out_dir/name (a name from the dataset and the time when the config gives none)."""
     run = RunDir(Path(cfg.run.out_dir) / (cfg.run.name or f"{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"))
     if run.has_checkpoints() and not force and not cfg.training.eval_only:
-        raise UserError(f"{run.path} already holds checkpoints: pass --resume to continue it, --force to start over, "
-                        "or choose another --run.name")
+        raise UserError(
+            f"{run.path} already holds checkpoints: pass --resume to continue it, --force to start over, "
+            "or choose another --run.name"
+        )
     return run
 
 
@@ -385,5 +408,7 @@ def load_resumable(run: RunDir, path: Path) -> TrainingCheckpoint:
         ckpt = load_checkpoint(path)
     except UserError as e:
         older = [p for p in run.step_checkpoints() if not os.path.samefile(p, path)]  # step files may be hard links
-        raise UserError(f"{e}; an older checkpoint can be resumed with --resume {older[-1]}" if older else str(e)) from None
+        raise UserError(
+            f"{e}; an older checkpoint can be resumed with --resume {older[-1]}" if older else str(e)
+        ) from None
     return TrainingCheckpoint.from_dict(ckpt, path)

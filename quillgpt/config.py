@@ -46,7 +46,9 @@ class GPTConfig:
     """Model arguments. Stored in every checkpoint as a plain dict; rebuilds the model."""
 
     block_size: int = _f(1024, "context length in tokens")
-    vocab_size: int | None = _f(None, "vocabulary size; None takes the dataset's exactly (set a larger multiple of 64 yourself for speed)")
+    vocab_size: int | None = _f(
+        None, "vocabulary size; None takes the dataset's exactly (set a larger multiple of 64 yourself for speed)"
+    )
     n_layer: int = _f(12, "number of transformer blocks")
     n_head: int = _f(12, "attention heads per block")
     n_embd: int = _f(768, "model width")
@@ -56,7 +58,9 @@ class GPTConfig:
     norm: str = _f("layernorm", "normalisation: layernorm | rmsnorm", choices=("layernorm", "rmsnorm"))
     qk_norm: bool = _f(False, "normalise queries and keys before attention")
     mlp: str = _f("gelu", "MLP activation: gelu | relu2 | swiglu", choices=("gelu", "relu2", "swiglu"))
-    gelu_approx: str = _f("none", "GELU form: none (exact erf) | tanh (OpenAI GPT-2's gelu_new)", choices=("none", "tanh"))
+    gelu_approx: str = _f(
+        "none", "GELU form: none (exact erf) | tanh (OpenAI GPT-2's gelu_new)", choices=("none", "tanh")
+    )
     tie_embeddings: bool = _f(True, "share the token embedding and output head weights")
     logit_softcap: float = _f(0.0, "soft-cap logits at this value with tanh (0 = off)")
     zero_init_proj: bool = _f(False, "zero-initialise the attention/MLP output projections and the head")
@@ -66,8 +70,9 @@ class GPTConfig:
     mlp_hidden: int | None = _f(None, "MLP hidden width (None: 4 x n_embd; swiglu: 2/3 of that, rounded up to 64)")
     qkv_bias: bool = _f(False, "bias on the query, key and value projections only (Qwen2)")
     norm_eps: float = _f(1e-5, "epsilon of LayerNorm and RMSNorm")
-    rope_scaling: str = _f("none", "rotary frequency scaling: none / llama3 (Llama 3.1-3.2's long context)",
-                           choices=("none", "llama3"))
+    rope_scaling: str = _f(
+        "none", "rotary frequency scaling: none / llama3 (Llama 3.1-3.2's long context)", choices=("none", "llama3")
+    )
     rope_factor: float = _f(8.0, "llama3 rope scaling: factor")
     rope_low_freq_factor: float = _f(1.0, "llama3 rope scaling: low_freq_factor")
     rope_high_freq_factor: float = _f(4.0, "llama3 rope scaling: high_freq_factor")
@@ -99,23 +104,40 @@ class RunConfig:
     out_dir: str = _f("checkpoints", "root directory of run directories")
     seed: int = _f(1337, "seed for weights, dropout and the data stream")
     device: str = _f("auto", "auto | cpu | cuda | cuda:N | mps")
-    init_from: str = _f("scratch", "scratch | a checkpoint, run dir or .safetensors file | a Hugging Face model dir "
-                                   "(GPT-2, Llama, Qwen2, Qwen3) or hub name such as gpt2 (its context is cropped to "
-                                   "model.block_size when that is shorter)")
+    init_from: str = _f(
+        "scratch",
+        "scratch | a checkpoint, run dir or .safetensors file | a Hugging Face model dir "
+        "(GPT-2, Llama, Qwen2, Qwen3) or hub name such as gpt2 (its context is cropped to "
+        "model.block_size when that is shorter)",
+    )
 
 
 @dataclass
 class DataConfig:
-    dataset: str = _f("pystdlib", "dataset name: data/<dataset>/ (pystdlib, shakespeare_char, shakespeare, openwebtext, "
-                                  "fineweb-edu-10B, tinystories, or your own)")
-    input: str | None = _f(None, "what to prepare data/<dataset>/ from when it is missing: a text file, a directory, "
-                                 "a .jsonl(.gz/.zst) or .parquet file (prepare.py takes several, and hub datasets)")
-    tokenizer: str = _f("char", "char | bpe | a tiktoken encoding name such as gpt2 | hf:DIR (a Hugging Face tokenizer.json)")
+    dataset: str = _f(
+        "pystdlib",
+        "dataset name: data/<dataset>/ (pystdlib, shakespeare_char, shakespeare, openwebtext, "
+        "fineweb-edu-10B, tinystories, or your own)",
+    )
+    input: str | None = _f(
+        None,
+        "what to prepare data/<dataset>/ from when it is missing: a text file, a directory, "
+        "a .jsonl(.gz/.zst) or .parquet file (prepare.py takes several, and hub datasets)",
+    )
+    tokenizer: str = _f(
+        "char", "char | bpe | a tiktoken encoding name such as gpt2 | hf:DIR (a Hugging Face tokenizer.json)"
+    )
     bpe_vocab_size: int = _f(4096, "vocabulary size the bpe tokenizer is trained to")
     data_dir: str = _f("data", "root directory of prepared datasets")
-    processed_dir: str | None = _f(None, "read train/val from this directory instead of data_dir/dataset (the data/processed layout: train.bin/val.bin, or train.txt/val.txt with data_format = txt)")
-    val_fraction: float = _f(0.1, "fraction of the documents (of a lone text file: of its bytes, at the end) held out "
-                                   "for validation when preparing")
+    processed_dir: str | None = _f(
+        None,
+        "read train/val from this directory instead of data_dir/dataset (the data/processed layout: train.bin/val.bin, or train.txt/val.txt with data_format = txt)",
+    )
+    val_fraction: float = _f(
+        0.1,
+        "fraction of the documents (of a lone text file: of its bytes, at the end) held out "
+        "for validation when preparing",
+    )
     max_bytes: int | None = _f(None, "cap on the bytes of raw text read when preparing (pystdlib default: 4 MB)")
 
 
@@ -130,23 +152,32 @@ class TrainingConfig:
     grad_accum_steps: int = _f(1, "micro-steps accumulated per optimizer step")
     global_batch_size: int | None = _f(None, "if set, must equal batch_size * grad_accum_steps * world_size")
     max_iters: int = _f(5000, "optimizer steps to train for")
-    precision: str = _f("auto", "fp32 | fp16 | bf16 | auto (bf16/fp16 on CUDA, fp32 on CPU)",
-                        choices=("fp32", "fp16", "bf16", "auto"))
+    precision: str = _f(
+        "auto", "fp32 | fp16 | bf16 | auto (bf16/fp16 on CUDA, fp32 on CPU)", choices=("fp32", "fp16", "bf16", "auto")
+    )
     gradient_checkpointing: bool = _f(False, "recompute each block in backward to save activation memory")
-    data_format: str = _f("bin", "bin (token memmaps) | txt (train.txt/val.txt tokenized once and cached)",
-                          choices=("bin", "txt"))
+    data_format: str = _f(
+        "bin", "bin (token memmaps) | txt (train.txt/val.txt tokenized once and cached)", choices=("bin", "txt")
+    )
     eval_interval: int = _f(250, "evaluate every this many steps (0: only at the end)")
     eval_iters: int = _f(200, "batches per split in each evaluation")
-    final_eval_iters: int = _f(0, "batches per split in the evaluation at max_iters (0: eval_iters); the in-run "
-                                  "batches are its first eval_iters")
+    final_eval_iters: int = _f(
+        0,
+        "batches per split in the evaluation at max_iters (0: eval_iters); the in-run batches are its first eval_iters",
+    )
     eval_only: bool = _f(False, "evaluate once and exit")
     log_interval: int = _f(10, "console/JSON log line every this many steps")
-    save_interval: int = _f(250, "write ckpt_last.pt and a step checkpoint every this many steps (0: only at evals and the end)")
+    save_interval: int = _f(
+        250, "write ckpt_last.pt and a step checkpoint every this many steps (0: only at evals and the end)"
+    )
     keep_last: int = _f(3, "step checkpoints kept (older ones pruned; 0 keeps none)")
     save_best: bool = _f(True, "write ckpt_best.pt whenever best_metric improves by early_stopping_min_delta")
-    best_metric: str = _f("val_loss", "the evaluation figure that picks ckpt_best.pt and early stopping: val_loss / "
-                                      "bpb (val bits per byte) / hellaswag (acc_norm; needs eval.hellaswag)",
-                          choices=("val_loss", "bpb", "hellaswag"))
+    best_metric: str = _f(
+        "val_loss",
+        "the evaluation figure that picks ckpt_best.pt and early stopping: val_loss / "
+        "bpb (val bits per byte) / hellaswag (acc_norm; needs eval.hellaswag)",
+        choices=("val_loss", "bpb", "hellaswag"),
+    )
     early_stopping: bool = _f(False, "stop when best_metric stops improving")
     early_stopping_patience: int = _f(3, "evaluations without sufficient improvement before stopping")
     early_stopping_min_delta: float = _f(0.0, "minimum improvement of best_metric that counts")
@@ -218,6 +249,7 @@ SHORT_FLAGS = {"--max-iters": "training.max_iters", "--device": "run.device", "-
 
 # ---- types ----------------------------------------------------------------------------------------
 
+
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -252,8 +284,9 @@ def coerce(value: Any, tp: Any) -> Any:
             return value
     elif base is float:
         # an int beyond the float range (TOML and the command line allow any size) would raise OverflowError
-        if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)
-                                        and abs(value) <= sys.float_info.max):
+        if isinstance(value, float) or (
+            isinstance(value, int) and not isinstance(value, bool) and abs(value) <= sys.float_info.max
+        ):
             return float(value)
     elif base is str:
         if isinstance(value, str):
@@ -277,6 +310,7 @@ def parse_cli_value(text: str) -> Any:
 
 
 # ---- building -----------------------------------------------------------------------------------
+
 
 def _suggest(name: str, options: list[str]) -> str:
     close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
@@ -356,8 +390,12 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
-def build_config(toml: dict | None = None, overrides: list[tuple[str, Any]] | dict | None = None,
-                 source: str = "config", world_size: int = 1) -> Config:
+def build_config(
+    toml: dict | None = None,
+    overrides: list[tuple[str, Any]] | dict | None = None,
+    source: str = "config",
+    world_size: int = 1,
+) -> Config:
     """Defaults < TOML dict < overrides; then validate. Raises ConfigError listing every problem."""
     cfg, errors = Config(), []
     for section, table in (toml or {}).items():
@@ -366,7 +404,9 @@ def build_config(toml: dict | None = None, overrides: list[tuple[str, Any]] | di
                 errors.append(f"{source}: [{section}] must be a table of keys")
             else:
                 hint = _suggest(section, [f"{s}.{k}" for s, c in SECTIONS.items() for k in _field_types(c)])
-                errors.append(f"{source}: top-level key '{section}' is not a section{hint or ' (put it under a [section])'}")
+                errors.append(
+                    f"{source}: top-level key '{section}' is not a section{hint or ' (put it under a [section])'}"
+                )
             continue
         for key, value in table.items():
             _apply(cfg, section, key, value, source, errors)
@@ -400,8 +440,9 @@ def resolved(cfg: Config, run_name: str, model: GPTConfig, compile: bool) -> Con
     """The config a run records: cfg with what was resolved from it downstream, namely the run's name, the
     model as built (from a checkpoint or GPT-2 its architecture comes from the weights) and whether it is
     compiled. cfg itself is left as it is."""
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=run_name),
-                               model=ModelConfig(**model.to_dict(), compile=compile))
+    return dataclasses.replace(
+        cfg, run=dataclasses.replace(cfg.run, name=run_name), model=ModelConfig(**model.to_dict(), compile=compile)
+    )
 
 
 def load_config(path: str | Path | None, cli_args: list[str] | None = None, world_size: int = 1) -> Config:
@@ -410,6 +451,7 @@ def load_config(path: str | Path | None, cli_args: list[str] | None = None, worl
 
 
 # ---- validation ---------------------------------------------------------------------------------
+
 
 def validate(cfg: Config, world_size: int = 1) -> list[str]:
     """Every rule that can be checked from the config alone; data and device rules live in train.py."""
@@ -430,20 +472,36 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     t, o, m, d = cfg.training, cfg.optimizer, cfg.model, cfg.data
     for key in ("batch_size", "grad_accum_steps", "max_iters", "eval_iters", "max_nonfinite_steps"):
         need(getattr(t, key) > 0, f"training.{key} = {getattr(t, key)} must be positive")
-    for key in ("eval_interval", "final_eval_iters", "log_interval", "save_interval", "keep_last",
-                "early_stopping_patience"):
+    for key in (
+        "eval_interval",
+        "final_eval_iters",
+        "log_interval",
+        "save_interval",
+        "keep_last",
+        "early_stopping_patience",
+    ):
         need(getattr(t, key) >= 0, f"training.{key} = {getattr(t, key)} must be >= 0")
-    need(t.early_stopping_min_delta >= 0, f"training.early_stopping_min_delta = {t.early_stopping_min_delta} must be >= 0")
-    need(t.best_metric != "hellaswag" or cfg.eval.hellaswag is not None,
-         "training.best_metric = 'hellaswag' needs eval.hellaswag, a HellaSwag validation jsonl")
+    need(
+        t.early_stopping_min_delta >= 0,
+        f"training.early_stopping_min_delta = {t.early_stopping_min_delta} must be >= 0",
+    )
+    need(
+        t.best_metric != "hellaswag" or cfg.eval.hellaswag is not None,
+        "training.best_metric = 'hellaswag' needs eval.hellaswag, a HellaSwag validation jsonl",
+    )
     need(cfg.eval.hellaswag_limit >= 0, f"eval.hellaswag_limit = {cfg.eval.hellaswag_limit} must be >= 0 (0: all)")
     need(o.learning_rate > 0, f"optimizer.learning_rate = {o.learning_rate} must be positive")
-    need(o.min_lr >= 0 and (o.min_lr <= o.learning_rate or not o.decay_lr),
-         f"optimizer.min_lr = {o.min_lr} must be in [0, learning_rate]")
+    need(
+        o.min_lr >= 0 and (o.min_lr <= o.learning_rate or not o.decay_lr),
+        f"optimizer.min_lr = {o.min_lr} must be in [0, learning_rate]",
+    )
     need(o.grad_clip >= 0, f"optimizer.grad_clip = {o.grad_clip} must be >= 0 (0 disables clipping)")
     need(o.weight_decay >= 0, f"optimizer.weight_decay = {o.weight_decay} must be >= 0")
     need(o.warmup_iters >= 0, f"optimizer.warmup_iters = {o.warmup_iters} must be >= 0")
-    need(o.lr_decay_iters is None or o.lr_decay_iters > 0, f"optimizer.lr_decay_iters = {o.lr_decay_iters} must be positive")
+    need(
+        o.lr_decay_iters is None or o.lr_decay_iters > 0,
+        f"optimizer.lr_decay_iters = {o.lr_decay_iters} must be positive",
+    )
     need(o.muon_lr > 0, f"optimizer.muon_lr = {o.muon_lr} must be positive")
     for key in ("beta1", "beta2", "muon_momentum"):
         need(0 <= getattr(o, key) < 1, f"optimizer.{key} = {getattr(o, key)} must be in [0, 1)")
@@ -453,42 +511,61 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     for key in ("n_kv_head", "head_dim", "mlp_hidden"):
         need(getattr(m, key) is None or getattr(m, key) > 0, f"model.{key} = {getattr(m, key)} must be positive")
     if m.n_head > 0 and m.n_embd > 0:
-        need(m.head_dim is not None or m.n_embd % m.n_head == 0,
-             f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}")
+        need(
+            m.head_dim is not None or m.n_embd % m.n_head == 0,
+            f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}",
+        )
         if m.pos_emb == "rope" and (m.head_dim or 0) >= 0 and (m.head_dim is not None or m.n_embd % m.n_head == 0):
             width = m.head_dim or m.n_embd // m.n_head
             need(width % 2 == 0, f"model.pos_emb = 'rope' needs an even head size, got {width}")
-        need(not m.n_kv_head or m.n_kv_head <= 0 or m.n_head % m.n_kv_head == 0,
-             f"model.n_head = {m.n_head} is not a multiple of model.n_kv_head = {m.n_kv_head}")
+        need(
+            not m.n_kv_head or m.n_kv_head <= 0 or m.n_head % m.n_kv_head == 0,
+            f"model.n_head = {m.n_head} is not a multiple of model.n_kv_head = {m.n_kv_head}",
+        )
     need(m.norm_eps > 0, f"model.norm_eps = {m.norm_eps} must be positive")
-    need(m.rope_scaling == "none" or (m.rope_factor > 0 and m.rope_high_freq_factor > m.rope_low_freq_factor > 0
-                                      and m.rope_original_context > 0),
-         "model.rope_scaling = 'llama3' needs rope_factor > 0, rope_high_freq_factor > rope_low_freq_factor > 0 "
-         "and rope_original_context > 0")
+    need(
+        m.rope_scaling == "none"
+        or (m.rope_factor > 0 and m.rope_high_freq_factor > m.rope_low_freq_factor > 0 and m.rope_original_context > 0),
+        "model.rope_scaling = 'llama3' needs rope_factor > 0, rope_high_freq_factor > rope_low_freq_factor > 0 "
+        "and rope_original_context > 0",
+    )
     need(0 <= m.dropout < 1, f"model.dropout = {m.dropout} must be in [0, 1)")
     need(m.logit_softcap >= 0, f"model.logit_softcap = {m.logit_softcap} must be >= 0 (0: off)")
     need(m.rope_theta > 0, f"model.rope_theta = {m.rope_theta} must be positive")
     need(0 < d.val_fraction < 1, f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
-    need(d.bpe_vocab_size >= 257, f"data.bpe_vocab_size = {d.bpe_vocab_size} must be >= 257 (256 bytes and <|endoftext|>)")
+    need(
+        d.bpe_vocab_size >= 257,
+        f"data.bpe_vocab_size = {d.bpe_vocab_size} must be >= 257 (256 bytes and <|endoftext|>)",
+    )
     need(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes = {d.max_bytes} must be positive")
     need(cfg.distributed.timeout_s > 0, f"distributed.timeout_s = {cfg.distributed.timeout_s} must be positive")
-    need(cfg.distributed.backend in (None, "nccl", "gloo"), f"distributed.backend = {cfg.distributed.backend!r} must be nccl or gloo")
+    need(
+        cfg.distributed.backend in (None, "nccl", "gloo"),
+        f"distributed.backend = {cfg.distributed.backend!r} must be nccl or gloo",
+    )
     device = cfg.run.device
-    need(device == "auto" or device in ("cpu", "mps") or device == "cuda" or
-         (device.startswith("cuda:") and device[5:].isdigit()),
-         f"run.device = {device!r} must be auto | cpu | cuda | cuda:N | mps")
+    need(
+        device == "auto"
+        or device in ("cpu", "mps")
+        or device == "cuda"
+        or (device.startswith("cuda:") and device[5:].isdigit()),
+        f"run.device = {device!r} must be auto | cpu | cuda | cuda:N | mps",
+    )
     if t.global_batch_size is not None and t.batch_size > 0 and t.grad_accum_steps > 0:
         g = t.global_batch_size
         need(g > 0, f"training.global_batch_size = {g} must be positive")
         need(t.batch_size <= g, f"training.batch_size = {t.batch_size} exceeds training.global_batch_size = {g}")
         got = t.batch_size * t.grad_accum_steps * world_size
-        need(got == g or g <= 0 or t.batch_size > g,
-             f"training.global_batch_size = {g} but batch_size {t.batch_size} x grad_accum_steps {t.grad_accum_steps}"
-             f" x world_size {world_size} = {got}")
+        need(
+            got == g or g <= 0 or t.batch_size > g,
+            f"training.global_batch_size = {g} but batch_size {t.batch_size} x grad_accum_steps {t.grad_accum_steps}"
+            f" x world_size {world_size} = {got}",
+        )
     return errors
 
 
 # ---- output -------------------------------------------------------------------------------------
+
 
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
@@ -540,7 +617,9 @@ def markdown_reference() -> str:
         for f in fields(sec_cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = "none" if default is None else _toml_value(default)
-            out.append(f"| `{f.name}` | {type_name(hints[f.name])} | `{shown}` | {f.metadata.get('help', '').replace('|', '/')} |")
+            out.append(
+                f"| `{f.name}` | {type_name(hints[f.name])} | `{shown}` | {f.metadata.get('help', '').replace('|', '/')} |"
+            )
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 

@@ -39,9 +39,11 @@ RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 
 # ---- what to read -------------------------------------------------------------------------------
 
+
 @dataclass
 class Source:
     """One input. kind: text | files | jsonl | parquet | hub | pystdlib."""
+
     kind: str
     path: str | None = None  # a file or directory (absolute), or the hub dataset's name
     files: list[str] = field(default_factory=list)  # files: every document file, in order
@@ -54,16 +56,25 @@ class Source:
         """What meta.json records about this source: what it is, its size and the sha256 of its bytes (of its
         files' bytes in order, for a directory)."""
         if self.kind == "hub":
-            return {"kind": "hub", "dataset": self.path, "config": self.config, "split": self.split,
-                    "revision": self.revision}
+            return {
+                "kind": "hub",
+                "dataset": self.path,
+                "config": self.config,
+                "split": self.split,
+                "revision": self.revision,
+            }
         files = self.files or [self.path]
         digest = hashlib.sha256()
         for path in files:
             with open(path, "rb") as f:
                 while block := f.read(2**22):
                     digest.update(block)
-        d = {"kind": self.kind, "path": self.path, "bytes": sum(os.path.getsize(p) for p in files),
-             "sha256": digest.hexdigest()}
+        d = {
+            "kind": self.kind,
+            "path": self.path,
+            "bytes": sum(os.path.getsize(p) for p in files),
+            "sha256": digest.hexdigest(),
+        }
         return {**d, "files": len(self.files)} if self.files else {**d, "url": self.url} if self.url else d
 
 
@@ -93,8 +104,11 @@ def file_source(path: Path) -> Source:
 def directory_sources(directory: Path, glob: str) -> list[Source]:
     """The files under directory matching glob, sorted by path; record files are sources of their own and the
     documents between them (every other file) are grouped, so the order of documents is the order of paths."""
-    found = sorted(p for p in directory.rglob(glob) if p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(directory).parts))
+    found = sorted(
+        p
+        for p in directory.rglob(glob)
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    )
     if not found:
         raise UserError(f"--glob {glob!r} matches no file under {directory}")
     sources: list[Source] = []
@@ -121,17 +135,26 @@ def stdlib_source() -> Source:
 def hub_source(name: str, config: str | None, split: str, revision: str | None) -> Source:
     """A dataset streamed by `datasets`: a hub name (the network is checked at once) or a local directory."""
     if not Path(name).is_dir():
-        check_hub_reachable(f"the dataset {name} streams from the Hugging Face hub",
-                            "offline: copy its data files (parquet or jsonl) to this machine and pass them with --input")
-    return Source("hub", name if not Path(name).is_dir() else str(Path(name).resolve()), config=config, split=split,
-                  revision=revision)
+        check_hub_reachable(
+            f"the dataset {name} streams from the Hugging Face hub",
+            "offline: copy its data files (parquet or jsonl) to this machine and pass them with --input",
+        )
+    return Source(
+        "hub",
+        name if not Path(name).is_dir() else str(Path(name).resolve()),
+        config=config,
+        split=split,
+        revision=revision,
+    )
 
 
 # ---- chunks: units of work --------------------------------------------------------------------------
 
+
 @dataclass
 class TextSpan:
     """Bytes [start, end) of a text file, read as one stream of text (tail split: no documents)."""
+
     path: str
     start: int
     end: int
@@ -141,6 +164,7 @@ class TextSpan:
 @dataclass
 class Files:
     """Whole files, one document each; limits cut a file at a byte count (the --max-bytes budget)."""
+
     paths: list[str]
     limits: list[int | None]
 
@@ -148,6 +172,7 @@ class Files:
 @dataclass
 class JsonLines:
     """Complete lines of a .jsonl file, the first being line number first_line."""
+
     path: str
     first_line: int
     data: bytes
@@ -158,6 +183,7 @@ class JsonLines:
 @dataclass
 class ParquetRows:
     """One row group of a .parquet file."""
+
     path: str
     row_group: int
     field: str
@@ -167,6 +193,7 @@ class ParquetRows:
 @dataclass
 class Texts:
     """Documents already read (from a hub stream); skipped: records that had no usable text."""
+
     texts: list[str]
     skipped: int = 0
 
@@ -240,8 +267,10 @@ def read_json_lines(chunk: JsonLines) -> Documents:
             record = json.loads(line)
         except (ValueError, UnicodeDecodeError) as e:
             if not chunk.skip_bad:
-                raise UserError(f"{chunk.path}:{number}: not a JSON object ({e}); fix it, or pass "
-                                "--skip-bad-records to count and skip such records") from None
+                raise UserError(
+                    f"{chunk.path}:{number}: not a JSON object ({e}); fix it, or pass "
+                    "--skip-bad-records to count and skip such records"
+                ) from None
             skipped += 1
             continue
         text = record_text(record, chunk.field, f"{chunk.path}:{number}", chunk.skip_bad)
@@ -260,11 +289,15 @@ def record_text(record: object, name: str, where: str, skip_bad: bool) -> str | 
     if skip_bad:
         return None
     if not isinstance(record, dict):
-        raise UserError(f"{where}: the record is a {type(record).__name__}, not an object with a {name!r} field; "
-                        "--skip-bad-records counts and skips such records")
+        raise UserError(
+            f"{where}: the record is a {type(record).__name__}, not an object with a {name!r} field; "
+            "--skip-bad-records counts and skips such records"
+        )
     if name not in record:
-        raise UserError(f"{where}: the record has no {name!r} field (it has {', '.join(map(repr, list(record)[:8]))}); "
-                        "name the text field with --text-field, or --skip-bad-records")
+        raise UserError(
+            f"{where}: the record has no {name!r} field (it has {', '.join(map(repr, list(record)[:8]))}); "
+            "name the text field with --text-field, or --skip-bad-records"
+        )
     raise UserError(f"{where}: field {name!r} is a {type(value).__name__}, not a string; --skip-bad-records skips it")
 
 
@@ -289,16 +322,20 @@ def read_parquet_rows(chunk: ParquetRows) -> Documents:
     values = column.to_pylist()
     nulls = sum(v is None for v in values)
     if nulls and not chunk.skip_bad:
-        raise UserError(f"{chunk.path}: row group {chunk.row_group} has {nulls} rows without a {chunk.field!r} value; "
-                        "--skip-bad-records skips them")
+        raise UserError(
+            f"{chunk.path}: row group {chunk.row_group} has {nulls} rows without a {chunk.field!r} value; "
+            "--skip-bad-records skips them"
+        )
     return keep_documents([v for v in values if v is not None], nulls)
 
 
 # ---- the chunks of each source ------------------------------------------------------------------
 
+
 @dataclass
 class Budget:
     """--max-bytes: how many more input bytes may be read (None: no limit)."""
+
     left: int | None
 
     def take(self, n: int) -> int:
@@ -317,6 +354,7 @@ class Budget:
 @dataclass
 class Reading:
     """How records are read: the text field, whether bad records are skipped, the size of a chunk."""
+
     text_field: str = "text"
     skip_bad: bool = False
     chunk_bytes: int = CHUNK_BYTES
@@ -390,7 +428,7 @@ def json_line_chunks(path: str, how: Reading, budget: Budget) -> Iterator[JsonLi
                 cut = data.rfind(b"\n") + 1 if block else len(data)  # at the end of the file: all that is left
                 data, carry = data[:cut], data[cut:]
                 if budget.left is not None and len(data) > budget.left:  # whole records only, then stop
-                    data = data[:data.rfind(b"\n", 0, budget.left) + 1]
+                    data = data[: data.rfind(b"\n", 0, budget.left) + 1]
                     budget.left = 0
                 else:
                     budget.take(len(data))
@@ -408,8 +446,10 @@ def parquet_chunks(path: str, how: Reading, budget: Budget) -> Iterator[ParquetR
     pf = parquet_file(path)
     names = pf.schema_arrow.names
     if how.text_field not in names:
-        raise UserError(f"{path} has no column {how.text_field!r} (it has {', '.join(map(repr, names[:8]))}); "
-                        "name the text column with --text-field")
+        raise UserError(
+            f"{path} has no column {how.text_field!r} (it has {', '.join(map(repr, names[:8]))}); "
+            "name the text column with --text-field"
+        )
     for group in range(pf.metadata.num_row_groups):
         if budget.spent:
             return
@@ -459,14 +499,17 @@ def open_hub_stream(source: Source):
     try:
         import datasets
     except ImportError:
-        raise UserError("--hf-dataset needs the datasets library: pip install '.[data]' (or pass local files with --input)") from None
+        raise UserError(
+            "--hf-dataset needs the datasets library: pip install '.[data]' (or pass local files with --input)"
+        ) from None
     import huggingface_hub
 
     datasets.logging.set_verbosity_error()
     huggingface_hub.utils.logging.set_verbosity_error()  # its warnings are not errors
     try:
-        return datasets.load_dataset(source.path, source.config, split=source.split, streaming=True,
-                                     revision=source.revision)
+        return datasets.load_dataset(
+            source.path, source.config, split=source.split, streaming=True, revision=source.revision
+        )
     except Exception as e:  # unknown dataset, config or split, unreachable hub: datasets raises many types
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"--hf-dataset {source.path}: {first}") from None

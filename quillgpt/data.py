@@ -62,8 +62,17 @@ def find_dataset(cfg: Config, dist: DistInfo) -> Dataset:
         if not (directory / "train.bin").exists():
             raise UserError(f"no train.bin in data.processed_dir = {d.processed_dir} (or its parent)")
     else:
-        on_main(prepare_dataset, dist, d.dataset, input_path=d.input, tokenizer=d.tokenizer, vocab_size=vocab_size,
-                val_fraction=d.val_fraction, data_dir=d.data_dir, max_bytes=d.max_bytes)
+        on_main(
+            prepare_dataset,
+            dist,
+            d.dataset,
+            input_path=d.input,
+            tokenizer=d.tokenizer,
+            vocab_size=vocab_size,
+            val_fraction=d.val_fraction,
+            data_dir=d.data_dir,
+            max_bytes=d.max_bytes,
+        )
         directory, expect = Path(d.data_dir) / d.dataset, d.tokenizer
     return on_every_rank(load_dataset, dist, directory, expect)
 
@@ -72,8 +81,10 @@ def load_dataset(directory: str | Path, expect_tokenizer: str | None = None) -> 
     """Open and check a prepared dataset directory (train.bin, val.bin, meta.json, tokenizer.json)."""
     directory = Path(directory)
     if not (directory / "meta.json").exists() and (directory / WORK_DIR).is_dir():
-        raise UserError(f"{directory} is incomplete: prepare.py stopped before finishing it; run the same prepare.py "
-                        "command again to continue from its last completed chunk")
+        raise UserError(
+            f"{directory} is incomplete: prepare.py stopped before finishing it; run the same prepare.py "
+            "command again to continue from its last completed chunk"
+        )
     meta = read_json(directory / "meta.json", "dataset metadata")
     try:
         dtype = np.dtype(DTYPES[meta["dtype"]])
@@ -81,14 +92,20 @@ def load_dataset(directory: str | Path, expect_tokenizer: str | None = None) -> 
         tok_meta = meta["tokenizer"]
         tok_file = directory / tok_meta.get("file", "tokenizer.json")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise UserError(f"{directory / 'meta.json'} is malformed (missing or bad field {e}); re-run prepare.py with --reset") from None
+        raise UserError(
+            f"{directory / 'meta.json'} is malformed (missing or bad field {e}); re-run prepare.py with --reset"
+        ) from None
     if expect_tokenizer is not None and tokenizer_label(tok_meta) != canonical_spec(expect_tokenizer):
-        raise UserError(f"{directory} was prepared with the {tokenizer_label(tok_meta)} tokenizer but the config asks for "
-                        f"{expect_tokenizer}: re-prepare it (prepare.py --tokenizer {expect_tokenizer} --reset) or change data.tokenizer")
+        raise UserError(
+            f"{directory} was prepared with the {tokenizer_label(tok_meta)} tokenizer but the config asks for "
+            f"{expect_tokenizer}: re-prepare it (prepare.py --tokenizer {expect_tokenizer} --reset) or change data.tokenizer"
+        )
     tokenizer = load_tokenizer(tok_file)
     if tokenizer.vocab_size != vocab_size:
-        raise UserError(f"{directory / 'meta.json'} says vocab_size {vocab_size} but {tok_file} has {tokenizer.vocab_size} "
-                        "tokens: they come from different preparations; re-run prepare.py with --reset")
+        raise UserError(
+            f"{directory / 'meta.json'} says vocab_size {vocab_size} but {tok_file} has {tokenizer.vocab_size} "
+            "tokens: they come from different preparations; re-run prepare.py with --reset"
+        )
     lengths = {}
     for split in ("train", "val"):
         path = directory / f"{split}.bin"
@@ -96,10 +113,14 @@ def load_dataset(directory: str | Path, expect_tokenizer: str | None = None) -> 
             raise UserError(f"{path} is missing: re-run prepare.py")
         size = path.stat().st_size
         if size % dtype.itemsize:
-            raise UserError(f"{path} has {size} bytes, not a multiple of its dtype {meta['dtype']} ({dtype.itemsize} bytes): the file is truncated or corrupt")
+            raise UserError(
+                f"{path} has {size} bytes, not a multiple of its dtype {meta['dtype']} ({dtype.itemsize} bytes): the file is truncated or corrupt"
+            )
         lengths[split] = size // dtype.itemsize
         if lengths[split] == 0:
-            raise UserError(f"{path} is empty: the {split} split has no tokens (use a larger input or another data.val_fraction)")
+            raise UserError(
+                f"{path} is empty: the {split} split has no tokens (use a larger input or another data.val_fraction)"
+            )
         check_token_ids(path, dtype, vocab_size)
     return Dataset(directory, meta, tokenizer, dtype, lengths)
 
@@ -110,19 +131,25 @@ def check_token_ids(path: Path, dtype: np.dtype, vocab_size: int, chunk: int = 1
     block = np.empty(chunk, dtype=dtype)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(block):
-            top = int(block[:n // dtype.itemsize].max())
+            top = int(block[: n // dtype.itemsize].max())
             if top >= vocab_size:
-                raise UserError(f"{path} holds token id {top} but the vocabulary has {vocab_size} entries: "
-                                "the data and meta.json come from different tokenizers; re-run prepare.py with --reset")
+                raise UserError(
+                    f"{path} holds token id {top} but the vocabulary has {vocab_size} entries: "
+                    "the data and meta.json come from different tokenizers; re-run prepare.py with --reset"
+                )
 
 
 def check_fits(dataset: Dataset, block_size: int, model_vocab_size: int) -> None:
     for split, n in dataset.lengths.items():
         if n < block_size + 1:
-            raise UserError(f"the {split} split of {dataset.directory} has {n} tokens, fewer than block_size + 1 = "
-                            f"{block_size + 1}: lower model.block_size or use more data")
+            raise UserError(
+                f"the {split} split of {dataset.directory} has {n} tokens, fewer than block_size + 1 = "
+                f"{block_size + 1}: lower model.block_size or use more data"
+            )
     if model_vocab_size < dataset.vocab_size:
-        raise UserError(f"model.vocab_size = {model_vocab_size} is smaller than the dataset's vocabulary ({dataset.vocab_size})")
+        raise UserError(
+            f"model.vocab_size = {model_vocab_size} is smaller than the dataset's vocabulary ({dataset.vocab_size})"
+        )
 
 
 def check_vocab_compatible(model_vocab: int, tokenizer: dict | None, dataset: Dataset, source: str) -> None:
@@ -133,10 +160,16 @@ def check_vocab_compatible(model_vocab: int, tokenizer: dict | None, dataset: Da
     if not same or model_vocab < dataset.vocab_size:
         ours = tokenizer_label(tokenizer) if tokenizer else "?"
         missing = sorted(set(data_tok.get("chars", [])) - set((tokenizer or {}).get("chars", [])))
-        hint = f" (the dataset has characters the checkpoint lacks: {''.join(missing[:10])!r})" if ours == "char" and missing else ""
-        raise UserError(f"vocabulary mismatch: {source} was trained with a {ours} tokenizer of {model_vocab} tokens, "
-                        f"the dataset {dataset.directory} uses {tokenizer_label(data_tok)} with {dataset.vocab_size}{hint}: "
-                        "prepare the dataset with the checkpoint's tokenizer")
+        hint = (
+            f" (the dataset has characters the checkpoint lacks: {''.join(missing[:10])!r})"
+            if ours == "char" and missing
+            else ""
+        )
+        raise UserError(
+            f"vocabulary mismatch: {source} was trained with a {ours} tokenizer of {model_vocab} tokens, "
+            f"the dataset {dataset.directory} uses {tokenizer_label(data_tok)} with {dataset.vocab_size}{hint}: "
+            "prepare the dataset with the checkpoint's tokenizer"
+        )
 
 
 def micro_batch_index(step: int, rank: int, micro: int, accum: int, world_size: int) -> int:
@@ -165,16 +198,25 @@ def gather_rows(path: Path, dtype: np.dtype, starts: np.ndarray, block_size: int
         for row, start in zip(rows, starts):
             f.seek(int(start) * rows.itemsize)
             if f.readinto(row) != row.nbytes:
-                raise UserError(f"{path} ended before token {int(start) + block_size + 1:,}: it changed after it was "
-                                "checked; prepare the dataset again")
+                raise UserError(
+                    f"{path} ended before token {int(start) + block_size + 1:,}: it changed after it was "
+                    "checked; prepare the dataset again"
+                )
     return rows.astype(np.int64)
 
 
 class BatchSource:
     """Reproducible batches for training and evaluation, optionally prefetched on a thread."""
 
-    def __init__(self, dataset: Dataset, block_size: int, batch_size: int, seed: int,
-                 device: torch.device, prefetch: bool | None = None):
+    def __init__(
+        self,
+        dataset: Dataset,
+        block_size: int,
+        batch_size: int,
+        seed: int,
+        device: torch.device,
+        prefetch: bool | None = None,
+    ):
         self.dataset, self.block_size, self.batch_size, self.seed = dataset, block_size, batch_size, seed
         self.device = device
         self.pin = device.type == "cuda"

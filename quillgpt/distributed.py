@@ -92,7 +92,9 @@ class PeerFailure(Exception):
 def is_peer_failure(e: BaseException) -> bool:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return False
-    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(h in str(e) for h in PEER_FAILURE_HINTS))
+    return isinstance(e, dist.DistError) or (
+        isinstance(e, RuntimeError) and any(h in str(e) for h in PEER_FAILURE_HINTS)
+    )
 
 
 @contextlib.contextmanager
@@ -105,11 +107,14 @@ def reporting_peer_failures(info: DistInfo):
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         cause = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]  # gloo: "[file.cc:553] what. hint"
-        raise PeerFailure(f"rank {info.rank} stopped: another rank failed, hung for longer than distributed.timeout_s "
-                          f"or became unreachable ({cause[:120]}); checkpoints written so far are intact") from None
+        raise PeerFailure(
+            f"rank {info.rank} stopped: another rank failed, hung for longer than distributed.timeout_s "
+            f"or became unreachable ({cause[:120]}); checkpoints written so far are intact"
+        ) from None
 
 
 # ---- collectives ------------------------------------------------------------------------------------
+
 
 def barrier() -> None:
     if dist.is_initialized():
@@ -176,11 +181,11 @@ def gather_objects(obj: object) -> list:
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, size)
     padded = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8, device=payload.device)
-    padded[:payload.numel()] = payload
+    padded[: payload.numel()] = payload
     gathered = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(gathered, padded)
     settled(size, *sizes, padded, *gathered)
-    return [unpickled(g[:int(s.item())]) for g, s in zip(gathered, sizes)]
+    return [unpickled(g[: int(s.item())]) for g, s in zip(gathered, sizes)]
 
 
 def broadcast_object(obj: object, info: DistInfo) -> object:
@@ -230,6 +235,7 @@ def _main_only(fn: Callable[..., object], info: DistInfo, *args, **kwargs) -> No
 
 # ---- wrapping ---------------------------------------------------------------------------------------
 
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module under torch.compile and DDP (for FSDP, the sharded root: fully_shard works in place)."""
     model = getattr(model, "_orig_mod", model)
@@ -239,6 +245,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
+
     return isinstance(unwrap(model), FSDPModule)
 
 
@@ -288,8 +295,14 @@ def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def wrap_model(model: torch.nn.Module, info: DistInfo, device: torch.device, compile: bool, fsdp: bool,
-               gradient_checkpointing: bool) -> torch.nn.Module:
+def wrap_model(
+    model: torch.nn.Module,
+    info: DistInfo,
+    device: torch.device,
+    compile: bool,
+    fsdp: bool,
+    gradient_checkpointing: bool,
+) -> torch.nn.Module:
     """FSDP or DDP, and torch.compile, in the orders that work: shard then compile; compile then DDP.
 
     Under FSDP the optimizer must be built after this call (fully_shard replaces the parameters with DTensors)."""
@@ -301,9 +314,12 @@ def wrap_model(model: torch.nn.Module, info: DistInfo, device: torch.device, com
         if info.enabled and gradient_checkpointing:
             # Dynamo's DDP graph splitter can't handle checkpointing's higher-order ops (pytorch#104674)
             import torch._dynamo.config as dynamo_config
+
             dynamo_config.optimize_ddp = False
             if info.is_main:
-                print("compile + DDP + gradient checkpointing: Dynamo's DDP graph splitting is off (one gradient bucket)")
+                print(
+                    "compile + DDP + gradient checkpointing: Dynamo's DDP graph splitting is off (one gradient bucket)"
+                )
         model = torch.compile(model)
     if info.enabled:
         ids = [device.index] if device.type == "cuda" else None
@@ -313,10 +329,12 @@ def wrap_model(model: torch.nn.Module, info: DistInfo, device: torch.device, com
 
 # ---- state dicts ------------------------------------------------------------------------------------
 
+
 def model_state_dict(model: torch.nn.Module) -> dict:
     """Plain weights. Collective under FSDP: rank 0 receives the full, unsharded weights on the CPU, the others {}."""
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         return get_model_state_dict(unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {k: v.detach() for k, v in unwrap(model).state_dict().items()}
 
@@ -326,7 +344,9 @@ def optimizer_state_dict(model: torch.nn.Module, opt: torch.optim.Optimizer) -> 
     return None if is_sharded(model) else opt.state_dict()
 
 
-def save_sharded(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], directory: Path, info: DistInfo) -> Path:
+def save_sharded(
+    model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], directory: Path, info: DistInfo
+) -> Path:
     """Every rank writes its shards of the model and optimizer state to `directory` (DCP), atomically.
 
     The shards go to a temp directory that rank 0 renames once DCP has written the metadata (DCP
@@ -368,6 +388,7 @@ def load_sharded(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
 
 
 # ---- launching --------------------------------------------------------------------------------------
+
 
 def without_flag(argv: list[str], flag: str) -> list[str]:
     """argv minus `flag VALUE` and `flag=VALUE`, and their abbreviations, which argparse accepts (--nproc 2)."""
@@ -424,7 +445,10 @@ def relaunch_with_torchrun(nproc: int, argv: list[str], script: str) -> int:
             name = signal.Signals(-failure.exitcode).name
             print(f"error: rank {rank} (pid {failure.pid}) was killed by {name}; the job stopped", file=sys.stderr)
             return 128 - failure.exitcode
-        print(f"error: rank {rank} (pid {failure.pid}) failed with exit code {failure.exitcode}; the job stopped "
-              "(its error is above)", file=sys.stderr)
+        print(
+            f"error: rank {rank} (pid {failure.pid}) failed with exit code {failure.exitcode}; the job stopped "
+            "(its error is above)",
+            file=sys.stderr,
+        )
         return failure.exitcode
     return 0

@@ -35,6 +35,7 @@ DEFAULT_CONTEXT = 2048
 
 # ---- what to score ------------------------------------------------------------------------------
 
+
 def text_documents(paths: list[str], text_field: str) -> list[tuple[str, list[str]]]:
     """(path, its documents) for each --text input: read as prepare.py reads its inputs."""
     out = []
@@ -75,18 +76,23 @@ def hellaswag_file(given: str | None) -> Path:
         with urllib.request.urlopen(HELLASWAG_URL, timeout=20) as response:
             data = response.read()
     except (urllib.error.URLError, OSError) as e:
-        raise UserError(f"cannot download HellaSwag ({getattr(e, 'reason', e)}): offline, give its validation file "
-                        "with --hellaswag FILE (hellaswag_val.jsonl from github.com/rowanz/hellaswag)") from None
+        raise UserError(
+            f"cannot download HellaSwag ({getattr(e, 'reason', e)}): offline, give its validation file "
+            "with --hellaswag FILE (hellaswag_val.jsonl from github.com/rowanz/hellaswag)"
+        ) from None
     blob = hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
     if blob != HELLASWAG_BLOB_SHA1:
-        raise UserError(f"the downloaded HellaSwag file is not rowanz/hellaswag's (git blob {blob}, expected "
-                        f"{HELLASWAG_BLOB_SHA1}): give a copy with --hellaswag FILE")
+        raise UserError(
+            f"the downloaded HellaSwag file is not rowanz/hellaswag's (git blob {blob}, expected "
+            f"{HELLASWAG_BLOB_SHA1}): give a copy with --hellaswag FILE"
+        )
     with atomic_write(HELLASWAG_PATH) as f:
         f.write(data)
     return HELLASWAG_PATH
 
 
 # ---- running it ---------------------------------------------------------------------------------
+
 
 def evaluate(args: argparse.Namespace) -> dict:
     loaded = load_model(args.ckpt)
@@ -95,8 +101,10 @@ def evaluate(args: argparse.Namespace) -> dict:
     tokenizer = tokenizer_from_dict(loaded.tokenizer)
     model = loaded.model
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise UserError(f"{loaded.source} has {model.config.vocab_size} token ids, fewer than its "
-                        f"{tokenizer_label(loaded.tokenizer)} tokenizer's {tokenizer.vocab_size}")
+        raise UserError(
+            f"{loaded.source} has {model.config.vocab_size} token ids, fewer than its "
+            f"{tokenizer_label(loaded.tokenizer)} tokenizer's {tokenizer.vocab_size}"
+        )
     if args.context < model.config.block_size:  # a 32k-token window's logits alone would not fit in memory
         model.crop_block_size(args.context)
     device = torch.device(args.device)
@@ -104,25 +112,45 @@ def evaluate(args: argparse.Namespace) -> dict:
         keep_freed_memory()  # batches re-allocate the same activations: 1.15x the HellaSwag items per second
     model.to(device).eval()
     autocast = precision_autocast(device.type, args.precision)
-    report = {"checkpoint": loaded.source, "model_args": model.config.to_dict(), "parameters": model.num_params(),
-              "tokenizer": tokenizer_label(loaded.tokenizer),
-              "settings": {"stride": args.stride or model.config.block_size // 2, "precision": args.precision,
-                           "device": args.device, "limit": args.limit, "map_unknown": args.map_unknown},
-              "text": [], "hellaswag": None, "harness": None}
+    report = {
+        "checkpoint": loaded.source,
+        "model_args": model.config.to_dict(),
+        "parameters": model.num_params(),
+        "tokenizer": tokenizer_label(loaded.tokenizer),
+        "settings": {
+            "stride": args.stride or model.config.block_size // 2,
+            "precision": args.precision,
+            "device": args.device,
+            "limit": args.limit,
+            "map_unknown": args.map_unknown,
+        },
+        "text": [],
+        "hellaswag": None,
+        "harness": None,
+    }
     if Path(loaded.source).is_file():
         report["checkpoint_sha256"] = sha256_file(Path(loaded.source))
     for name, path, streams, note in text_inputs(args, model, tokenizer, loaded):
         t0 = time.perf_counter()
         score = score_text(model, streams, tokenizer.token_bytes(), args.stride, autocast, progress=True)
-        report["text"].append({"name": name, "path": str(path), "sha256": sha256_file(path), **figures(score),
-                               "seconds": time.perf_counter() - t0, **({"note": note} if note else {})})
+        report["text"].append(
+            {
+                "name": name,
+                "path": str(path),
+                "sha256": sha256_file(path),
+                **figures(score),
+                "seconds": time.perf_counter() - t0,
+                **({"note": note} if note else {}),
+            }
+        )
     if args.hellaswag is not None:
         report["hellaswag"] = run_hellaswag(args, model, tokenizer, autocast)
     if args.tasks:
         from quillgpt.lm_harness import run_tasks
 
-        report["harness"] = run_tasks(model, tokenizer, args.tasks.split(","), args.task_dir, args.limit,
-                                      args.num_fewshot, autocast)
+        report["harness"] = run_tasks(
+            model, tokenizer, args.tasks.split(","), args.task_dir, args.limit, args.num_fewshot, autocast
+        )
     return report
 
 
@@ -151,24 +179,39 @@ def run_hellaswag(args: argparse.Namespace, model: GPT, tokenizer: Tokenizer, au
     t0 = time.perf_counter()
     score = score_hellaswag(model, tokenizer, items, autocast, progress=True)
     seconds = time.perf_counter() - t0
-    return {"path": str(path), "sha256": sha256_file(path), "items": score.items, "acc": score.acc,
-            "acc_norm": score.acc_norm, "seconds": seconds, "seconds_per_1000_items": seconds / score.items * 1000,
-            **({"note": note} if note else {})}
+    return {
+        "path": str(path),
+        "sha256": sha256_file(path),
+        "items": score.items,
+        "acc": score.acc,
+        "acc_norm": score.acc_norm,
+        "seconds": seconds,
+        "seconds_per_1000_items": seconds / score.items * 1000,
+        **({"note": note} if note else {}),
+    }
 
 
 def print_report(report: dict) -> None:
-    print(f"{report['checkpoint']}: {report['parameters'] / 1e6:.2f}M parameters, {report['tokenizer']} tokenizer, "
-          f"context {report['model_args']['block_size']}, {report['settings']['precision']} on {report['settings']['device']}")
+    print(
+        f"{report['checkpoint']}: {report['parameters'] / 1e6:.2f}M parameters, {report['tokenizer']} tokenizer, "
+        f"context {report['model_args']['block_size']}, {report['settings']['precision']} on {report['settings']['device']}"
+    )
     if report["text"]:
-        print(f"| text | bits per byte | loss (nats/token) | perplexity | tokens | bytes |  (stride {report['settings']['stride']})")
+        print(
+            f"| text | bits per byte | loss (nats/token) | perplexity | tokens | bytes |  (stride {report['settings']['stride']})"
+        )
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
         for t in report["text"]:
-            print(f"| {t['name']} | {t['bpb']:.4f} | {t['loss']:.4f} | {t['ppl']:.2f} | {t['tokens']:,} | {t['bytes']:,} |")
+            print(
+                f"| {t['name']} | {t['bpb']:.4f} | {t['loss']:.4f} | {t['ppl']:.2f} | {t['tokens']:,} | {t['bytes']:,} |"
+            )
             if t.get("note"):
                 print(f"  note: {t['note']}")
     if report["hellaswag"]:
         h = report["hellaswag"]
-        print(f"hellaswag (0-shot, completion): acc {h['acc']:.4f} | acc_norm {h['acc_norm']:.4f} | {h['items']:,} items "
-              f"in {h['seconds']:.1f}s ({h['seconds_per_1000_items']:.0f}s per 1,000)")
+        print(
+            f"hellaswag (0-shot, completion): acc {h['acc']:.4f} | acc_norm {h['acc_norm']:.4f} | {h['items']:,} items "
+            f"in {h['seconds']:.1f}s ({h['seconds_per_1000_items']:.0f}s per 1,000)"
+        )
     for task, metrics in (report["harness"] or {}).items():
         print(f"{task}: " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))

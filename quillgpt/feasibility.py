@@ -42,14 +42,22 @@ def memory_estimate(cfg: Config, model: GPT, precision: str, world_size: int) ->
     # per layer ~ B*T*(34*C + 5*H*T) values in 16-bit (Korthikanti et al. 2022), scaled for fp32
     per_layer = B * T * (34 * C + 5 * H * T) * act_bytes / 2
     if cfg.training.gradient_checkpointing:
-        activations = L * B * T * C * 4 + per_layer  # the fp32 residual stream at each block's input + one block recomputed
+        activations = (
+            L * B * T * C * 4 + per_layer
+        )  # the fp32 residual stream at each block's input + one block recomputed
     else:
         activations = L * per_layer
     # the logits: in 16-bit, their fp32 copy, log-softmax and its gradient in fp32, the 16-bit gradient
     logits = B * T * V * (12 + (2 * act_bytes if act_bytes == 2 else 0))
     opt_states = 2 if cfg.optimizer.name == "adamw" else 1.5
-    est = {"weights": n * 4.0, "gradients": n * 4.0, "optimizer": n * 4.0 * opt_states,
-           "autocast copies": n * 2.0 if act_bytes == 2 else 0.0, "activations": float(activations), "logits": float(logits)}
+    est = {
+        "weights": n * 4.0,
+        "gradients": n * 4.0,
+        "optimizer": n * 4.0 * opt_states,
+        "autocast copies": n * 2.0 if act_bytes == 2 else 0.0,
+        "activations": float(activations),
+        "logits": float(logits),
+    }
     if cfg.distributed.fsdp:
         for k in ("weights", "gradients", "optimizer"):
             est[k] /= max(1, world_size)
@@ -75,16 +83,25 @@ def check_memory(cfg: Config, rt: Runtime, dataset: Dataset, resuming: bool = Fa
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     block = model.config.block_size
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, block {block}, vocab {model.config.vocab_size}")
-    print(f"tokens per optimizer step: {tokens_per_step(t, world, block):,} "
-          f"({t.batch_size} x {t.grad_accum_steps} accum x {world} ranks x {block})")
-    print("memory estimate per rank: " + ", ".join(f"{k} {gb(v)}" for k, v in est.items())
-          + f" | free on {rt.device.type}: {gb(free)}")
+    print(
+        f"tokens per optimizer step: {tokens_per_step(t, world, block):,} "
+        f"({t.batch_size} x {t.grad_accum_steps} accum x {world} ranks x {block})"
+    )
+    print(
+        "memory estimate per rank: "
+        + ", ".join(f"{k} {gb(v)}" for k, v in est.items())
+        + f" | free on {rt.device.type}: {gb(free)}"
+    )
     if rt.device.type == "cpu":
-        print(f"expected peak RSS: {gb(est['total'] + rss_mb() * 1e6)} (this process now, {rss_mb() / 1e3:.2f} GB, + the estimate)")
+        print(
+            f"expected peak RSS: {gb(est['total'] + rss_mb() * 1e6)} (this process now, {rss_mb() / 1e3:.2f} GB, + the estimate)"
+        )
     if est["total"] > free:
-        raise UserError(f"would not fit: the estimated {gb(est['total'])} exceed the {gb(free)} free on {rt.device}; "
-                        "lower training.batch_size (raise grad_accum_steps), enable training.gradient_checkpointing, "
-                        "or use distributed.fsdp")
+        raise UserError(
+            f"would not fit: the estimated {gb(est['total'])} exceed the {gb(free)} free on {rt.device}; "
+            "lower training.batch_size (raise grad_accum_steps), enable training.gradient_checkpointing, "
+            "or use distributed.fsdp"
+        )
 
 
 def time_steps(tr: Trainer, steps: int = 3) -> float:
@@ -105,9 +122,13 @@ def report_feasibility(tr: Trainer) -> dict:
     evals = t.max_iters // t.eval_interval + 1 if t.eval_interval else 1
     eval_s = evals * 2 * t.eval_iters * step_s / (3 * t.grad_accum_steps)  # a forward is ~1/3 of a step
     total = t.max_iters * step_s + eval_s
-    print(f"measured: {step_s * 1000:.1f} ms/iter ({tr.tokens_per_step / step_s:,.0f} tokens/s) on {tr.rt.device}, "
-          f"{tr.rt.precision}")
-    print(f"estimated run: {t.max_iters:,} iters, {t.max_iters * tr.tokens_per_step:,} tokens, "
-          f"about {format_duration(total)} (evaluation {format_duration(eval_s)})")
+    print(
+        f"measured: {step_s * 1000:.1f} ms/iter ({tr.tokens_per_step / step_s:,.0f} tokens/s) on {tr.rt.device}, "
+        f"{tr.rt.precision}"
+    )
+    print(
+        f"estimated run: {t.max_iters:,} iters, {t.max_iters * tr.tokens_per_step:,} tokens, "
+        f"about {format_duration(total)} (evaluation {format_duration(eval_s)})"
+    )
     print("ok: this config would run")
     return {"step_s": step_s, "total_s": total}

@@ -24,13 +24,17 @@ def load_for_sampling(source: str | Path, device: str, dtype: str = "fp32") -> t
     tokenizer, label)."""
     loaded = load_model(source)
     if loaded.tokenizer is None:
-        raise UserError(f"{loaded.source} records no tokenizer (a Hugging Face directory needs its tokenizer.json), "
-                        "so its ids can't be decoded")
+        raise UserError(
+            f"{loaded.source} records no tokenizer (a Hugging Face directory needs its tokenizer.json), "
+            "so its ids can't be decoded"
+        )
     tokenizer = tokenizer_from_dict(loaded.tokenizer)
     if tokenizer.vocab_size > loaded.model.config.vocab_size:
-        raise UserError(f"{source} has {loaded.model.config.vocab_size} token ids, fewer than its "
-                        f"{tokenizer_label(loaded.tokenizer)} tokenizer's {tokenizer.vocab_size}: sample from the "
-                        "checkpoint it was exported from instead")
+        raise UserError(
+            f"{source} has {loaded.model.config.vocab_size} token ids, fewer than its "
+            f"{tokenizer_label(loaded.tokenizer)} tokenizer's {tokenizer.vocab_size}: sample from the "
+            "checkpoint it was exported from instead"
+        )
     if dtype == "int8" and device != "cpu":
         raise UserError(f"--dtype int8 is for the CPU (weight-only int8 matmuls); on {device} use bf16")
     loaded.model.eval().to(device=device, dtype=SAMPLING_DTYPES[dtype])
@@ -50,8 +54,10 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> list[in
             ids = []
         ids = ids or [0]
     if len(ids) > block_size:
-        print(f"[prompt is {len(ids)} tokens, longer than block_size {block_size}: keeping the last {block_size}]",
-              file=sys.stderr)
+        print(
+            f"[prompt is {len(ids)} tokens, longer than block_size {block_size}: keeping the last {block_size}]",
+            file=sys.stderr,
+        )
         ids = ids[-block_size:]
     return ids
 
@@ -63,10 +69,20 @@ def showable_length(text: str, stop: list[str]) -> int:
     return n - held
 
 
-def generate_texts(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], num_samples: int, max_new_tokens: int,
-                   temperature: float = 0.8, top_k: int | None = 200, top_p: float | None = None,
-                   stop: list[str] | None = None, seed: int | torch.Generator | None = None,
-                   stream: TextIO | None = None, compile: bool = False) -> tuple[list[str], int]:
+def generate_texts(
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 200,
+    top_p: float | None = None,
+    stop: list[str] | None = None,
+    seed: int | torch.Generator | None = None,
+    stream: TextIO | None = None,
+    compile: bool = False,
+) -> tuple[list[str], int]:
     """Sample num_samples continuations as one batch. Returns (texts, tokens generated).
 
     A row ends at the tokenizer's <|endoftext|> (end of sequence) or the first stop sequence, which are left out;
@@ -82,8 +98,16 @@ def generate_texts(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], num_
     texts = [""] * num_samples
     done = [False] * num_samples
     shown = steps = 0
-    for token in model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                       generator=generator, vocab_limit=tokenizer.vocab_size, compile=compile):
+    for token in model.generate_stream(
+        idx,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=generator,
+        vocab_limit=tokenizer.vocab_size,
+        compile=compile,
+    ):
         steps += 1
         for i, t in enumerate(token[:, 0].tolist()):
             if done[i]:
@@ -95,7 +119,7 @@ def generate_texts(model: GPT, tokenizer: Tokenizer, prompt_ids: list[int], num_
             texts[i] = tokenizer.decode_after(prompt_ids[-8:], rows[i])
             hits = [texts[i].index(s) for s in stop if s in texts[i]]
             if hits:
-                texts[i], done[i] = texts[i][:min(hits)], True
+                texts[i], done[i] = texts[i][: min(hits)], True
         if stream is not None:
             end = len(texts[0]) if done[0] else showable_length(texts[0], stop)
             stream.write(texts[0][shown:end])

@@ -35,15 +35,25 @@ from quillgpt.files import atomic_write, atomic_write_json, atomic_write_text, r
 from quillgpt.network import check_hub_reachable
 from quillgpt.tokenizer import Tokenizer, hf_files, hf_tokenizer, tokenizer_from_dict
 
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 FAMILY_OF = {arch: family for family, arch in ARCHITECTURES.items()}
 NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 GPT2_TOKENIZER = {"kind": "tiktoken", "name": "gpt2"}
 GPT2_VOCAB_SIZE = 50257  # the last id is <|endoftext|>
-HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
-             "generation_config.json"]
+HUB_FILES = [
+    "config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+]
 # HF's GPT-2 stores these as Conv1D weights, (in, out): the transpose of nn.Linear's (out, in)
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # HF activation -> GPTConfig.gelu_approx
@@ -64,12 +74,16 @@ LLAMA_BLOCK = {
     "mlp.c_proj.weight": ("mlp.down_proj.weight",),
     "mlp.c_proj.bias": ("mlp.down_proj.bias",),
 }
-LLAMA_TOP = {"transformer.wte.weight": ("model.embed_tokens.weight",), "transformer.ln_f.weight": ("model.norm.weight",),
-             "lm_head.weight": ("lm_head.weight",)}
+LLAMA_TOP = {
+    "transformer.wte.weight": ("model.embed_tokens.weight",),
+    "transformer.ln_f.weight": ("model.norm.weight",),
+    "lm_head.weight": ("lm_head.weight",),
+}
 IGNORED = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # buffers some checkpoints carry
 
 
 # ---- in ---------------------------------------------------------------------------------------------------
+
 
 def is_hub_name(name: str) -> bool:
     """A GPT-2 name or an owner/name that is not a local path (its first folder doesn't exist here)."""
@@ -99,8 +113,10 @@ def read_config(source: str | Path, dropout: float = 0.0) -> GPTConfig:
 
 def download(name: str) -> Path:
     """A hub model's config, safetensors and tokenizer files in the hub cache (downloaded once)."""
-    local = (f"download it where there is network (huggingface-cli download {name} --local-dir DIR) "
-             "and give that directory instead")
+    local = (
+        f"download it where there is network (huggingface-cli download {name} --local-dir DIR) "
+        "and give that directory instead"
+    )
     repo = f"openai-community/{name}" if name in GPT2_NAMES else name
     try:
         from huggingface_hub import snapshot_download
@@ -133,9 +149,11 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     elif (directory / "model.safetensors").is_file():
         files = ["model.safetensors"]
     elif any(directory.glob("pytorch_model*.bin")):
-        raise UserError(f"{directory} has only pytorch_model.bin weights: a pickle, which can run code when loaded, so "
-                        "quillgpt reads safetensors only (load it once with transformers and save_pretrained it, "
-                        "which writes model.safetensors)")
+        raise UserError(
+            f"{directory} has only pytorch_model.bin weights: a pickle, which can run code when loaded, so "
+            "quillgpt reads safetensors only (load it once with transformers and save_pretrained it, "
+            "which writes model.safetensors)"
+        )
     else:
         raise UserError(f"{directory} has config.json but no model.safetensors")
     state = {}
@@ -154,14 +172,19 @@ def read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
 
 def family_of(hf: dict, source: str) -> str:
     archs = hf.get("architectures") or []
-    arch = archs[0] if isinstance(archs, list) and archs else ARCHITECTURES.get(hf.get("model_type"), hf.get("model_type"))
+    arch = (
+        archs[0] if isinstance(archs, list) and archs else ARCHITECTURES.get(hf.get("model_type"), hf.get("model_type"))
+    )
     if arch not in FAMILY_OF:
-        raise UserError(f"{source}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES.values())})")
+        raise UserError(
+            f"{source}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES.values())})"
+        )
     return FAMILY_OF[arch]
 
 
 def config_from_hf(family: str, hf: dict, source: str, dropout: float) -> GPTConfig:
     """config.json -> GPTConfig; a setting model.py would compute differently is refused, naming it."""
+
     def need(key: str) -> int:
         value = hf.get(key)
         if not isinstance(value, int) or isinstance(value, bool):
@@ -184,15 +207,26 @@ def gpt2_args(hf: dict, need, refuse) -> dict:
     activation = hf.get("activation_function", "gelu_new")
     if activation not in GELU:
         raise refuse(f"activation_function is {activation!r} (supported: {', '.join(GELU)})")
-    for key, expected in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                          ("add_cross_attention", False), ("tie_word_embeddings", True)):
+    for key, expected in (
+        ("scale_attn_weights", True),
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("add_cross_attention", False),
+        ("tie_word_embeddings", True),
+    ):
         if hf.get(key, expected) != expected:
             raise refuse(f"{key} is {hf[key]}, which model.py cannot reproduce")
     n_embd = need("n_embd")
-    return dict(block_size=need("n_positions"), vocab_size=need("vocab_size"), n_layer=need("n_layer"),
-                n_head=need("n_head"), n_embd=n_embd, bias=True, gelu_approx=GELU[activation],
-                mlp_hidden=None if hf.get("n_inner") in (None, 4 * n_embd) else hf["n_inner"],
-                norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+    return dict(
+        block_size=need("n_positions"),
+        vocab_size=need("vocab_size"),
+        n_layer=need("n_layer"),
+        n_head=need("n_head"),
+        n_embd=n_embd,
+        bias=True,
+        gelu_approx=GELU[activation],
+        mlp_hidden=None if hf.get("n_inner") in (None, 4 * n_embd) else hf["n_inner"],
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+    )
 
 
 def llama_args(family: str, hf: dict, need, refuse) -> dict:
@@ -206,24 +240,42 @@ def llama_args(family: str, hf: dict, need, refuse) -> dict:
         raise refuse(f"rope scaling {rope_type!r} is not supported (supported: default, llama3)")
     attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
     if mlp_bias and (family != "llama" or not attention_bias):
-        raise refuse("mlp_bias is true without attention_bias, which model.py cannot reproduce (model.bias switches both)")
+        raise refuse(
+            "mlp_bias is true without attention_bias, which model.py cannot reproduce (model.bias switches both)"
+        )
     n_embd, n_head = need("hidden_size"), need("num_attention_heads")
-    args = dict(block_size=need("max_position_embeddings"), vocab_size=need("vocab_size"),
-                n_layer=need("num_hidden_layers"), n_head=n_head, n_embd=n_embd, mlp_hidden=need("intermediate_size"),
-                n_kv_head=hf.get("num_key_value_heads") or None, head_dim=hf.get("head_dim") or None,
-                pos_emb="rope", norm="rmsnorm", mlp="swiglu", rope_theta=float(rope.get("rope_theta", 10000.0)),
-                norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                bias=mlp_bias, qkv_bias=family == "qwen2" or attention_bias and not mlp_bias, qk_norm=family == "qwen3")
+    args = dict(
+        block_size=need("max_position_embeddings"),
+        vocab_size=need("vocab_size"),
+        n_layer=need("num_hidden_layers"),
+        n_head=n_head,
+        n_embd=n_embd,
+        mlp_hidden=need("intermediate_size"),
+        n_kv_head=hf.get("num_key_value_heads") or None,
+        head_dim=hf.get("head_dim") or None,
+        pos_emb="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bias=mlp_bias,
+        qkv_bias=family == "qwen2" or attention_bias and not mlp_bias,
+        qk_norm=family == "qwen3",
+    )
     if args["n_kv_head"] == n_head:
         args["n_kv_head"] = None
     if args["head_dim"] == n_embd // n_head and n_embd % n_head == 0:
         args["head_dim"] = None
     if rope_type == "llama3":
         try:
-            args.update(rope_scaling="llama3", rope_factor=float(rope["factor"]),
-                        rope_low_freq_factor=float(rope["low_freq_factor"]),
-                        rope_high_freq_factor=float(rope["high_freq_factor"]),
-                        rope_original_context=int(rope["original_max_position_embeddings"]))
+            args.update(
+                rope_scaling="llama3",
+                rope_factor=float(rope["factor"]),
+                rope_low_freq_factor=float(rope["low_freq_factor"]),
+                rope_high_freq_factor=float(rope["high_freq_factor"]),
+                rope_original_context=int(rope["original_max_position_embeddings"]),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise refuse(f"config.json's llama3 rope scaling lacks a valid {e}") from None
     return args
@@ -240,8 +292,10 @@ def directory_tokenizer(family: str, directory: Path, hf_config: dict, vocab_siz
     if family == "gpt2" and tok.vocab_size == GPT2_VOCAB_SIZE:
         return GPT2_TOKENIZER  # the same encoding as tiktoken's gpt2, which datasets prepared with --tokenizer gpt2 use
     if tok.vocab_size > vocab_size:
-        raise UserError(f"{directory / 'tokenizer.json'} has {tok.vocab_size} tokens, more than the model's "
-                        f"{vocab_size} embedding rows: it is not this model's tokenizer")
+        raise UserError(
+            f"{directory / 'tokenizer.json'} has {tok.vocab_size} tokens, more than the model's "
+            f"{vocab_size} embedding rows: it is not this model's tokenizer"
+        )
     return tok.to_dict()
 
 
@@ -269,10 +323,14 @@ def state_from_hf(family: str, model: GPT, hf_state: dict[str, torch.Tensor], so
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith(IGNORED)}
     for name, _ in missing_biases(family, model, model.state_dict()):  # attention_bias without an output bias
         if name in hf_state and hf_state.pop(name).any():
-            raise UserError(f"{source}: tensor {name} is not zero: a bias on the attention output, which model.py "
-                            "cannot reproduce (it has biases on the query, key and value only, or on every layer)")
+            raise UserError(
+                f"{source}: tensor {name} is not zero: a bias on the attention output, which model.py "
+                "cannot reproduce (it has biases on the query, key and value only, or on every layer)"
+            )
     if family == "gpt2":  # OpenAI's hub files name GPT2Model's weights bare
-        hf_state = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in hf_state.items()}
+        hf_state = {
+            k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in hf_state.items()
+        }
     tied = model.config.tie_embeddings
     state, used = {}, {"lm_head.weight"} if tied else set()  # a tied head some files store anyway
     for key, target in model.state_dict().items():
@@ -282,14 +340,15 @@ def state_from_hf(family: str, model: GPT, hf_state: dict[str, torch.Tensor], so
         parts = []
         for name, rows in zip(names, piece_sizes(model, key, names)):
             if name not in hf_state:
-                raise UserError(f"{source}: tensor {name} is missing from its weights (config.json describes a model "
-                                "that has it)")
+                raise UserError(
+                    f"{source}: tensor {name} is missing from its weights (config.json describes a model that has it)"
+                )
             tensor = hf_state[name].t() if transposed(family, key) else hf_state[name]
             expected = (rows, *target.shape[1:])
             if tuple(tensor.shape) != expected:
-                shown = lambda s: list(s)[::-1] if transposed(family, key) else list(s)  # noqa: E731 (HF's orientation)
-                raise UserError(f"{source}: tensor {name} has shape {shown(tensor.shape)}, but config.json implies "
-                                f"{shown(expected)}")
+                flip = transposed(family, key)  # shapes as HF stores them
+                given, implied = (list(s)[::-1] if flip else list(s) for s in (tensor.shape, expected))
+                raise UserError(f"{source}: tensor {name} has shape {given}, but config.json implies {implied}")
             parts.append(tensor)
             used.add(name)
         state[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -298,12 +357,14 @@ def state_from_hf(family: str, model: GPT, hf_state: dict[str, torch.Tensor], so
     unexpected = sorted(set(hf_state) - used)
     if unexpected:
         more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
-        raise UserError(f"{source}: tensor {unexpected[0]}{more} has no place in the {NAMES[family]} model config.json "
-                        "describes")
+        raise UserError(
+            f"{source}: tensor {unexpected[0]}{more} has no place in the {NAMES[family]} model config.json describes"
+        )
     return state
 
 
 # ---- out --------------------------------------------------------------------------------------------------
+
 
 def export_family(config: GPTConfig, source: str, tokenizer: dict | None = None) -> str:
     """The HF family a model exports as; UserError naming each switch no family expresses (and the nearest that does).
@@ -311,22 +372,34 @@ def export_family(config: GPTConfig, source: str, tokenizer: dict | None = None)
     c = config
     if c.pos_emb == "learned":
         family = "gpt2"
-        nearest = {"norm": "layernorm", "qk_norm": False, "mlp": "gelu", "tie_embeddings": True, "logit_softcap": 0.0,
-                   "n_kv_head": None, "head_dim": None}
+        nearest = {
+            "norm": "layernorm",
+            "qk_norm": False,
+            "mlp": "gelu",
+            "tie_embeddings": True,
+            "logit_softcap": 0.0,
+            "n_kv_head": None,
+            "head_dim": None,
+        }
         if c.n_kv_head == c.n_head:
             nearest.pop("n_kv_head")
         if c.head_dim is not None and c.head_dim * c.n_head == c.n_embd:
             nearest.pop("head_dim")
     else:
-        family = "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias and not c.bias and qwen_tokenizer(tokenizer) else "llama"
+        family = (
+            "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias and not c.bias and qwen_tokenizer(tokenizer) else "llama"
+        )
         nearest = {"norm": "rmsnorm", "mlp": "swiglu", "logit_softcap": 0.0}
         if family == "qwen3":
             nearest["bias"] = False  # Qwen3's MLP has no bias
-    blockers = [f"model.{k} = {getattr(c, k)!r} (nearest that exports: {v!r})" for k, v in nearest.items()
-                if getattr(c, k) != v]
+    blockers = [
+        f"model.{k} = {getattr(c, k)!r} (nearest that exports: {v!r})" for k, v in nearest.items() if getattr(c, k) != v
+    ]
     if blockers:
-        raise UserError(f"{source} cannot be exported as Hugging Face {NAMES[family]}: {'; '.join(blockers)} "
-                        "(export it with --safetensors instead)")
+        raise UserError(
+            f"{source} cannot be exported as Hugging Face {NAMES[family]}: {'; '.join(blockers)} "
+            "(export it with --safetensors instead)"
+        )
     return family
 
 
@@ -341,22 +414,54 @@ def hf_config(family: str, model: GPT, tokenizer: Tokenizer | None) -> dict:
     eos = tokenizer.eot_id if tokenizer is not None else None
     bos = tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id is not None else eos
     hidden = model.transformer.h[0].mlp.c_fc.out_features
-    common = {"architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": c.vocab_size,
-              "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32"}
+    common = {
+        "architectures": [ARCHITECTURES[family]],
+        "model_type": family,
+        "vocab_size": c.vocab_size,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+    }
     if family == "gpt2":
-        return {**common, "n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
-                "n_inner": hidden, "activation_function": "gelu_new" if c.gelu_approx == "tanh" else "gelu",
-                "layer_norm_epsilon": c.norm_eps, "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
-                "attn_pdrop": c.dropout, "scale_attn_weights": True, "tie_word_embeddings": True}
-    out = {**common, "hidden_size": c.n_embd, "intermediate_size": hidden, "num_hidden_layers": c.n_layer,
-           "num_attention_heads": c.n_head, "num_key_value_heads": c.kv_heads, "head_dim": c.head_width,
-           "hidden_act": "silu", "max_position_embeddings": c.block_size, "rms_norm_eps": c.norm_eps,
-           "rope_theta": c.rope_theta, "rope_scaling": None, "tie_word_embeddings": c.tie_embeddings,
-           "attention_dropout": 0.0}
+        return {
+            **common,
+            "n_positions": c.block_size,
+            "n_embd": c.n_embd,
+            "n_layer": c.n_layer,
+            "n_head": c.n_head,
+            "n_inner": hidden,
+            "activation_function": "gelu_new" if c.gelu_approx == "tanh" else "gelu",
+            "layer_norm_epsilon": c.norm_eps,
+            "resid_pdrop": c.dropout,
+            "embd_pdrop": c.dropout,
+            "attn_pdrop": c.dropout,
+            "scale_attn_weights": True,
+            "tie_word_embeddings": True,
+        }
+    out = {
+        **common,
+        "hidden_size": c.n_embd,
+        "intermediate_size": hidden,
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.kv_heads,
+        "head_dim": c.head_width,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.block_size,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": c.tie_embeddings,
+        "attention_dropout": 0.0,
+    }
     if c.rope_scaling == "llama3":
-        out["rope_scaling"] = {"rope_type": "llama3", "factor": c.rope_factor, "low_freq_factor": c.rope_low_freq_factor,
-                               "high_freq_factor": c.rope_high_freq_factor,
-                               "original_max_position_embeddings": c.rope_original_context}
+        out["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": c.rope_factor,
+            "low_freq_factor": c.rope_low_freq_factor,
+            "high_freq_factor": c.rope_high_freq_factor,
+            "original_max_position_embeddings": c.rope_original_context,
+        }
     if family == "llama":
         out.update(attention_bias=c.bias or c.qkv_bias, mlp_bias=c.bias)
     if family == "qwen3":
@@ -385,9 +490,13 @@ def hf_state(family: str, model: GPT) -> dict[str, torch.Tensor]:
 def missing_biases(family: str, model: GPT, own: dict[str, torch.Tensor]) -> list[tuple[str, int]]:
     c = model.config
     if family == "gpt2":  # every Linear and LayerNorm has one
-        return [(k.removesuffix("weight") + "bias", v.shape[0]) for k, v in own.items()
-                if k.endswith("weight") and not k.startswith(("transformer.wte", "transformer.wpe", "lm_head"))
-                and k.removesuffix("weight") + "bias" not in own]
+        return [
+            (k.removesuffix("weight") + "bias", v.shape[0])
+            for k, v in own.items()
+            if k.endswith("weight")
+            and not k.startswith(("transformer.wte", "transformer.wpe", "lm_head"))
+            and k.removesuffix("weight") + "bias" not in own
+        ]
     if family in ("llama", "qwen3") and c.qkv_bias and not c.bias:  # attention_bias covers the output projection too
         return [(f"model.layers.{i}.self_attn.o_proj.bias", c.n_embd) for i in range(c.n_layer)]
     return []

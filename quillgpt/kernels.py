@@ -69,7 +69,9 @@ def random_words(count: int) -> np.ndarray:
 def keep_mask(like: torch.Tensor, dropped: int) -> torch.Tensor:
     """0/1 shaped and typed like `like`, 0 with probability dropped / 65536: the kernel of cpu_keep_mask."""
     n = like.numel()
-    bits = torch.from_numpy(random_words((n + 3) // 4).view(np.int16)[:n]).view(like.shape)  # uniform over [-32768, 32767]
+    bits = torch.from_numpy(random_words((n + 3) // 4).view(np.int16)[:n]).view(
+        like.shape
+    )  # uniform over [-32768, 32767]
     if like.dtype in ONE_AS_INT16:
         # 0/1 in int16 times the bit pattern of 1.0, read as like's dtype: a compare into bf16 converts through a
         # temporary (0.25 vs 0.4 ms at (8, 6, 256, 256) alone; in the training step that compare took ~1.7 ms)
@@ -101,7 +103,7 @@ def causal_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     broadcast mask made it slower than the matmul (2.3 vs 1.8 ms at (8, 6, 256, 256) in bf16)."""
     B, nh, T, hs = q.shape
     future = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-    scores = torch.baddbmm(future, q.reshape(B * nh, T, hs), k.reshape(B * nh, T, hs).transpose(-2, -1), alpha=hs ** -0.5)
+    scores = torch.baddbmm(future, q.reshape(B * nh, T, hs), k.reshape(B * nh, T, hs).transpose(-2, -1), alpha=hs**-0.5)
     return scores.view(B, nh, T, T)
 
 
@@ -168,7 +170,9 @@ class CPUCausalAttention(torch.autograd.Function):
         return ds @ k, ds.transpose(-2, -1) @ q, dv
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, is_causal: bool) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, is_causal: bool
+) -> torch.Tensor:
     """Attention as the model computes it: q (B, nh, T, hs), k and v (B, nkv, S, hs) -> (B, nh, T, hs), where
     nh is a multiple of nkv (grouped-query attention: each key/value head serves nh / nkv query heads).
 

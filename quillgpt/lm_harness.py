@@ -46,8 +46,13 @@ class QuillLM(LM):
             start, ids = encode_pair(self.tokenizer, "", text)
             ids = np.array(start + ids, dtype=np.int64)
             every_token = np.ones_like(self.token_bytes)  # nats of every token, special or not
-            out.append(-score_text(self.model, [ids], every_token, stride=self.model.config.block_size,
-                                   autocast=self.autocast).nats if len(ids) > 1 else 0.0)
+            out.append(
+                -score_text(
+                    self.model, [ids], every_token, stride=self.model.config.block_size, autocast=self.autocast
+                ).nats
+                if len(ids) > 1
+                else 0.0
+            )
         return out
 
     @torch.inference_mode()
@@ -72,8 +77,15 @@ class QuillLM(LM):
         return out
 
 
-def run_tasks(model: GPT, tokenizer: Tokenizer, tasks: list[str], task_dir: str | None, limit: int | None,
-              num_fewshot: int | None, autocast=None) -> dict:
+def run_tasks(
+    model: GPT,
+    tokenizer: Tokenizer,
+    tasks: list[str],
+    task_dir: str | None,
+    limit: int | None,
+    num_fewshot: int | None,
+    autocast=None,
+) -> dict:
     """The harness's results dict for the tasks; an unknown task is a UserError with the harness's own message."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -83,15 +95,29 @@ def run_tasks(model: GPT, tokenizer: Tokenizer, tasks: list[str], task_dir: str 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes on defaults it assumed are not ours to show
     manager = TaskManager(include_path=task_dir)
     try:
-        results = simple_evaluate(model=QuillLM(model, tokenizer, autocast), tasks=tasks, limit=limit,
-                                  num_fewshot=num_fewshot, task_manager=manager, log_samples=False,
-                                  bootstrap_iters=0, verbosity="ERROR")
+        results = simple_evaluate(
+            model=QuillLM(model, tokenizer, autocast),
+            tasks=tasks,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            task_manager=manager,
+            log_samples=False,
+            bootstrap_iters=0,
+            verbosity="ERROR",
+        )
     except (KeyError, ValueError) as e:  # the harness names an unknown task so
         first = (str(e).strip().strip("'\"").splitlines() or [type(e).__name__])[0]
         raise UserError(f"lm-evaluation-harness: {first}") from None
     except ConnectionError as e:
-        raise UserError(f"lm-evaluation-harness could not fetch a task's dataset ({str(e).splitlines()[0]}): "
-                        "offline, only tasks over local files run (--task-dir)") from None
-    return {task: {k.removesuffix(",none"): v for k, v in metrics.items()  # "acc,none": a metric under no filter
-                   if "," in k and isinstance(v, (int, float)) and not math.isnan(v)}
-            for task, metrics in results["results"].items()}
+        raise UserError(
+            f"lm-evaluation-harness could not fetch a task's dataset ({str(e).splitlines()[0]}): "
+            "offline, only tasks over local files run (--task-dir)"
+        ) from None
+    return {
+        task: {
+            k.removesuffix(",none"): v
+            for k, v in metrics.items()  # "acc,none": a metric under no filter
+            if "," in k and isinstance(v, (int, float)) and not math.isnan(v)
+        }
+        for task, metrics in results["results"].items()
+    }

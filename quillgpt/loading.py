@@ -71,6 +71,7 @@ def is_hf_source(name_or_dir: str | Path) -> bool:
 
 # ---- quillgpt checkpoints --------------------------------------------------------------------------
 
+
 def model_config_from_args(args: dict, path: str | Path = "checkpoint") -> GPTConfig:
     """A checkpoint's model_args as a GPTConfig, checked by the config schema."""
     if not isinstance(args, dict) or not isinstance(args.get("vocab_size"), int):
@@ -91,7 +92,9 @@ def model_from_checkpoint(ckpt: dict, path: str | Path = "checkpoint", dropout: 
 
 def load_model_weights(model: GPT, state: dict, path: str | Path = "checkpoint") -> None:
     """load_state_dict with a message that names the first mismatch instead of a traceback."""
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
         raise UserError(f"{path}: its model weights are not a dict of named tensors")
     state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
     own = model.state_dict()
@@ -101,12 +104,15 @@ def load_model_weights(model: GPT, state: dict, path: str | Path = "checkpoint")
         raise UserError(f"{path} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     for k, v in state.items():
         if tuple(v.shape) != tuple(own[k].shape):
-            raise UserError(f"{path} does not match the model: {k} is {list(v.shape)} in the checkpoint, "
-                            f"{list(own[k].shape)} in the model (different architecture or vocabulary)")
+            raise UserError(
+                f"{path} does not match the model: {k} is {list(v.shape)} in the checkpoint, "
+                f"{list(own[k].shape)} in the model (different architecture or vocabulary)"
+            )
     model.load_state_dict(state)
 
 
 # ---- safetensors files from export.py --------------------------------------------------------------
+
 
 def read_safetensors(path: Path) -> Loaded:
     """A file written by export.export_safetensors: weights, with the model arguments and tokenizer in its metadata."""
@@ -131,7 +137,9 @@ def read_safetensors_metadata(path: Path) -> tuple[GPTConfig, dict | None]:
     if "model_args" not in metadata:
         raise UserError(f"{path} has no model_args metadata: only files written by export.py --safetensors load here")
     try:
-        return (GPTConfig.from_dict(json.loads(metadata["model_args"])),
-                json.loads(metadata["tokenizer"]) if "tokenizer" in metadata else None)
+        return (
+            GPTConfig.from_dict(json.loads(metadata["model_args"])),
+            json.loads(metadata["tokenizer"]) if "tokenizer" in metadata else None,
+        )
     except (TypeError, ValueError) as e:
         raise UserError(f"{path}: malformed metadata: {e}") from None

@@ -24,8 +24,17 @@ if TYPE_CHECKING:
     import torch
 
 # Dense bf16/fp16 tensor-core peaks of common accelerators (FLOP/s); fp32 is taken as 1/2 of TF32-less peak.
-CUDA_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10": 125e12, "L4": 121e12, "4090": 165e12,
-              "3090": 71e12, "V100": 125e12, "T4": 65e12}
+CUDA_PEAKS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "A100": 312e12,
+    "A10": 125e12,
+    "L4": 121e12,
+    "4090": 165e12,
+    "3090": 71e12,
+    "V100": 125e12,
+    "T4": 65e12,
+}
 
 
 def format_duration(seconds: float) -> str:
@@ -129,22 +138,60 @@ class MetricsLog:
         except ImportError:
             raise UserError("logging.wandb_project is set but wandb is not installed: pip install '.[wandb]'") from None
         run_id = run_id or uuid.uuid4().hex[:8]  # stored in the checkpoint so a resumed run continues it
-        self.wandb = wandb.init(project=project, name=run_name, id=run_id, resume="allow", config=config,
-                                dir=str(self.run_dir))
+        self.wandb = wandb.init(
+            project=project, name=run_name, id=run_id, resume="allow", config=config, dir=str(self.run_dir)
+        )
         return run_id
 
-    def step(self, it: int, max_iters: int, loss: float, lr: float, grad_norm: float, seconds_per_step: float,
-             tokens_per_s: float, mfu: float, tokens: int) -> None:
-        print(format_step_line(it, max_iters, loss, lr, grad_norm, seconds_per_step, tokens_per_s, mfu,
-                               (max_iters - it) * seconds_per_step), flush=True)
-        self.record({"kind": "train", "iter": it, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                     "ms_per_iter": seconds_per_step * 1000, "tokens_per_s": tokens_per_s, "mfu": mfu, "tokens": tokens})
+    def step(
+        self,
+        it: int,
+        max_iters: int,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        seconds_per_step: float,
+        tokens_per_s: float,
+        mfu: float,
+        tokens: int,
+    ) -> None:
+        print(
+            format_step_line(
+                it,
+                max_iters,
+                loss,
+                lr,
+                grad_norm,
+                seconds_per_step,
+                tokens_per_s,
+                mfu,
+                (max_iters - it) * seconds_per_step,
+            ),
+            flush=True,
+        )
+        self.record(
+            {
+                "kind": "train",
+                "iter": it,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "ms_per_iter": seconds_per_step * 1000,
+                "tokens_per_s": tokens_per_s,
+                "mfu": mfu,
+                "tokens": tokens,
+            }
+        )
 
     def evaluation(self, it: int, metrics: dict[str, float], improved: bool, tokens: int) -> None:
         hellaswag = f" | hellaswag {metrics['hellaswag_acc_norm']:.4f}" if "hellaswag_acc_norm" in metrics else ""
-        print(f"eval {it}: train {metrics['train_loss']:.4f} | val {metrics['val_loss']:.4f} "
-              f"(ppl {metrics['val_ppl']:.2f}, acc {metrics['val_acc']:.3f}, {metrics['val_bpb']:.4f} bits/byte)"
-              + hellaswag + (" *best" if improved else ""), flush=True)
+        print(
+            f"eval {it}: train {metrics['train_loss']:.4f} | val {metrics['val_loss']:.4f} "
+            f"(ppl {metrics['val_ppl']:.2f}, acc {metrics['val_acc']:.3f}, {metrics['val_bpb']:.4f} bits/byte)"
+            + hellaswag
+            + (" *best" if improved else ""),
+            flush=True,
+        )
         self.record({"kind": "eval", "iter": it, **metrics, "tokens": tokens})
 
     def record(self, point: dict) -> None:
@@ -175,8 +222,9 @@ class MetricsLog:
         points = [p for p in self.history if p["kind"] in ("train", "eval")]
         png = (self.run_dir / "loss_curve.png").resolve()
         cmd = [sys.executable, "-m", "quillgpt.metrics", "--plot", str(png), self.run_dir.name]
-        self._plotter = subprocess.Popen(cmd, stdin=subprocess.PIPE, text=True, start_new_session=True,
-                                         cwd=Path(__file__).resolve().parents[1])
+        self._plotter = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, text=True, start_new_session=True, cwd=Path(__file__).resolve().parents[1]
+        )
         with self._plotter.stdin as pipe:  # the child reads it all before importing matplotlib
             pipe.write(json.dumps(points))
 
@@ -195,13 +243,17 @@ class MetricsLog:
 
 def render_loss_curve(history: list[dict], path: Path, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")  # no display, no browser
     import matplotlib.pyplot as plt
 
     train = [(p["iter"], p["loss"]) for p in history if p["kind"] == "train"]
     evals = [p for p in history if p["kind"] == "eval"]
-    scores = [(key, label) for key, label in (("val_bpb", "val bits per byte"), ("hellaswag_acc_norm", "HellaSwag acc_norm"))
-              if any(key in p for p in evals)]
+    scores = [
+        (key, label)
+        for key, label in (("val_bpb", "val bits per byte"), ("hellaswag_acc_norm", "HellaSwag acc_norm"))
+        if any(key in p for p in evals)
+    ]
     fig, axes = plt.subplots(1, 1 + bool(scores), figsize=(7 + 5 * bool(scores), 4), dpi=100, squeeze=False)
     ax = axes[0][0]
     if train:
@@ -237,10 +289,21 @@ def draw_scores(ax, evals: list[dict], scores: list[tuple[str, str]]) -> None:
     ax.grid(alpha=0.3)
 
 
-def format_step_line(it: int, max_iters: int, loss: float, lr: float, grad_norm: float, dt: float,
-                     tokens_per_s: float, mfu: float, eta_s: float) -> str:
-    return (f"iter {it:>6}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | norm {grad_norm:.2f} | "
-            f"{dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu * 100:.1f}% | eta {format_duration(eta_s)}")
+def format_step_line(
+    it: int,
+    max_iters: int,
+    loss: float,
+    lr: float,
+    grad_norm: float,
+    dt: float,
+    tokens_per_s: float,
+    mfu: float,
+    eta_s: float,
+) -> str:
+    return (
+        f"iter {it:>6}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | norm {grad_norm:.2f} | "
+        f"{dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu * 100:.1f}% | eta {format_duration(eta_s)}"
+    )
 
 
 def rss_mb() -> float:
@@ -250,6 +313,7 @@ def rss_mb() -> float:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
     except OSError:
         import psutil
+
         return psutil.Process().memory_info().rss / 1e6
 
 

@@ -12,7 +12,10 @@ from quillgpt.errors import UserError
 def check_hub_reachable(what: str, offline: str) -> None:
     """One line at once instead of the hub client's minute of retries when there is no network.
     what: the sentence's subject ("the dataset X streams from the Hugging Face hub"); offline: what to do instead."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "") or os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("0", ""):
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "") or os.environ.get("HF_DATASETS_OFFLINE", "0") not in (
+        "0",
+        "",
+    ):
         raise UserError(f"{what}, but HF_HUB_OFFLINE is set; {offline}")
     endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):

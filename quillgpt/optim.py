@@ -44,15 +44,23 @@ def make_optimizers(model: nn.Module, o: OptimizerConfig, device_type: str) -> l
     adam_kw = dict(betas=betas, fused=True) if fused else dict(betas=betas, foreach=False, fused=False)
     lr = o.learning_rate
     if o.name == "adamw":
-        groups = [{"params": hidden + embed, "weight_decay": o.weight_decay, "base_lr": lr},
-                  {"params": flat, "weight_decay": 0.0, "base_lr": lr}]
+        groups = [
+            {"params": hidden + embed, "weight_decay": o.weight_decay, "base_lr": lr},
+            {"params": flat, "weight_decay": 0.0, "base_lr": lr},
+        ]
         return [torch.optim.AdamW(groups, lr=lr, **adam_kw)]
     if o.name == "muon":
-        groups = [{"params": embed, "weight_decay": o.weight_decay, "base_lr": lr},
-                  {"params": flat, "weight_decay": 0.0, "base_lr": lr}]
+        groups = [
+            {"params": embed, "weight_decay": o.weight_decay, "base_lr": lr},
+            {"params": flat, "weight_decay": 0.0, "base_lr": lr},
+        ]
         adam = torch.optim.AdamW(groups, lr=lr, **adam_kw)
-        muon = make_muon([{"params": hidden, "base_lr": o.muon_lr}], lr=o.muon_lr, momentum=o.muon_momentum,
-                         weight_decay=o.weight_decay)
+        muon = make_muon(
+            [{"params": hidden, "base_lr": o.muon_lr}],
+            lr=o.muon_lr,
+            momentum=o.muon_momentum,
+            weight_decay=o.weight_decay,
+        )
         return [muon, adam]
     raise ValueError(f"unknown optimizer {o.name!r}")
 
@@ -81,6 +89,7 @@ def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> float:
 
 
 # ---- Muon ----------------------------------------------------------------------------------------
+
 
 def make_muon(groups: list[dict], lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
     return Muon(groups, lr=lr, momentum=momentum, weight_decay=weight_decay)

@@ -88,6 +88,7 @@ META_FIELDS = {"tokenizer": dict, "vocab_size": int, "train_tokens": int, "val_t
 @dataclass(frozen=True)
 class Recipe:
     """A corpus users know by name, streamed from the Hugging Face hub."""
+
     hf_dataset: str
     hf_config: str | None
     tokenizer: str
@@ -96,12 +97,27 @@ class Recipe:
 
 
 RECIPES = {
-    "openwebtext": Recipe("Skylion007/openwebtext", None, "gpt2", 0.0005,
-                          "~9.04B train / ~4.4M val tokens from 8,013,769 documents (nanoGPT's openwebtext/prepare.py)"),
-    "fineweb-edu-10B": Recipe("HuggingFaceFW/fineweb-edu", "sample-10BT", "gpt2", 0.01,
-                              "~10B tokens (build-nanogpt and llm.c write it as 100 shards of 100M)"),
-    "tinystories": Recipe("roneneldan/TinyStories", None, "gpt2", 0.01,
-                          "~470M train tokens (a nanoGPT port reports 471,650,941 for its train split)"),
+    "openwebtext": Recipe(
+        "Skylion007/openwebtext",
+        None,
+        "gpt2",
+        0.0005,
+        "~9.04B train / ~4.4M val tokens from 8,013,769 documents (nanoGPT's openwebtext/prepare.py)",
+    ),
+    "fineweb-edu-10B": Recipe(
+        "HuggingFaceFW/fineweb-edu",
+        "sample-10BT",
+        "gpt2",
+        0.01,
+        "~10B tokens (build-nanogpt and llm.c write it as 100 shards of 100M)",
+    ),
+    "tinystories": Recipe(
+        "roneneldan/TinyStories",
+        None,
+        "gpt2",
+        0.01,
+        "~470M train tokens (a nanoGPT port reports 471,650,941 for its train split)",
+    ),
 }
 KNOWN_DATASETS = ("shakespeare_char", "shakespeare", "pystdlib", *RECIPES)
 
@@ -110,6 +126,7 @@ KNOWN_DATASETS = ("shakespeare_char", "shakespeare", "pystdlib", *RECIPES)
 class Request:
     """What a dataset is made from and how: recorded in meta.json; a dataset is reused only for the same request.
     (The number of workers is not part of it: the output does not depend on it.)"""
+
     inputs: list[str] = field(default_factory=list)  # absolute paths; [] for a named dataset
     hf_dataset: str | None = None
     hf_config: str | None = None
@@ -129,6 +146,7 @@ class Request:
 @dataclass
 class Settings:
     """How a dataset is made, as opposed to what (Request): the output does not depend on these."""
+
     verbose: bool = True
     bpe_train_bytes: int = BPE_TRAIN_BYTES
     workers: int = 1
@@ -136,6 +154,7 @@ class Settings:
 
 
 # ---- the entry point ----------------------------------------------------------------------------
+
 
 def prepare_dataset(
     dataset: str,
@@ -170,10 +189,23 @@ def prepare_dataset(
     if bpe_train_bytes <= 0:
         raise UserError(f"bpe_train_bytes must be positive, got {bpe_train_bytes}")
     inputs = [input_path] if isinstance(input_path, str) else list(input_path or [])
-    request = make_request(dataset, inputs, tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction,
-                           max_bytes=max_bytes, glob=glob, text_field=text_field, hf_dataset=hf_dataset,
-                           hf_config=hf_config, hf_split=hf_split, hf_revision=hf_revision, split=split,
-                           split_seed=split_seed, skip_bad_records=skip_bad_records)
+    request = make_request(
+        dataset,
+        inputs,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        val_fraction=val_fraction,
+        max_bytes=max_bytes,
+        glob=glob,
+        text_field=text_field,
+        hf_dataset=hf_dataset,
+        hf_config=hf_config,
+        hf_split=hf_split,
+        hf_revision=hf_revision,
+        split=split,
+        split_seed=split_seed,
+        skip_bad_records=skip_bad_records,
+    )
     out_dir = Path(data_dir) / dataset
     if (out_dir / "meta.json").exists() and not reset:
         meta = reusable(out_dir, request, sourced=bool(inputs) or hf_dataset is not None or dataset in KNOWN_DATASETS)
@@ -187,8 +219,17 @@ def prepare_dataset(
     return out_dir
 
 
-def make_request(dataset: str, inputs: list[str], *, tokenizer: str | None, vocab_size: int | None,
-                 val_fraction: float | None, max_bytes: int | None, split: str, **kw) -> Request:
+def make_request(
+    dataset: str,
+    inputs: list[str],
+    *,
+    tokenizer: str | None,
+    vocab_size: int | None,
+    val_fraction: float | None,
+    max_bytes: int | None,
+    split: str,
+    **kw,
+) -> Request:
     """The request, with the defaults of the named datasets and recipes resolved; UserError for contradictions."""
     for path in inputs:
         if not Path(path).exists():
@@ -208,21 +249,37 @@ def make_request(dataset: str, inputs: list[str], *, tokenizer: str | None, voca
         max_bytes = PYSTDLIB_MAX_BYTES
     spec = canonical_spec(tokenizer or (recipe.tokenizer if recipe else "gpt2" if dataset == "shakespeare" else "char"))
     vocab_size = resolve_vocab_size(tokenizer_kind(spec), vocab_size)
-    one_text = (len(inputs) == 1 and not Path(inputs[0]).is_dir() and corpus.file_source(Path(inputs[0])).kind == "text") \
-        or (not inputs and kw["hf_dataset"] is None and dataset in ("shakespeare_char", "shakespeare"))
+    one_text = (
+        len(inputs) == 1 and not Path(inputs[0]).is_dir() and corpus.file_source(Path(inputs[0])).kind == "text"
+    ) or (not inputs and kw["hf_dataset"] is None and dataset in ("shakespeare_char", "shakespeare"))
     if split == "auto":
         split = "tail" if one_text else "docs"
     if split not in ("tail", "docs"):
         raise UserError(f"split must be auto, docs or tail, got {split!r}")
     if split == "tail" and not one_text:
-        raise UserError("--split tail cuts one text file by bytes (nanoGPT's rule); a corpus of documents "
-                        "splits by document (--split docs)")
-    return Request(inputs=[str(Path(p).resolve()) for p in inputs], tokenizer=spec, vocab_size=vocab_size, split=split,
-                   val_fraction=val_fraction, max_bytes=max_bytes, **kw)
+        raise UserError(
+            "--split tail cuts one text file by bytes (nanoGPT's rule); a corpus of documents "
+            "splits by document (--split docs)"
+        )
+    return Request(
+        inputs=[str(Path(p).resolve()) for p in inputs],
+        tokenizer=spec,
+        vocab_size=vocab_size,
+        split=split,
+        val_fraction=val_fraction,
+        max_bytes=max_bytes,
+        **kw,
+    )
 
 
-def build(dataset: str, out_dir: Path, request: Request, settings: Settings, given: Tokenizer | None = None,
-          extra_meta: dict | None = None) -> None:
+def build(
+    dataset: str,
+    out_dir: Path,
+    request: Request,
+    settings: Settings,
+    given: Tokenizer | None = None,
+    extra_meta: dict | None = None,
+) -> None:
     """Encode the request's corpus into out_dir/.prepare (continuing an interrupted run of the same request), then
     move the files into out_dir, meta.json last. given: a tokenizer to use instead of making one.
 
@@ -235,8 +292,10 @@ def build(dataset: str, out_dir: Path, request: Request, settings: Settings, giv
         if progress is None or not progress["finished"]:
             sources, spans = resolve_sources(dataset, request, out_dir, settings.verbose)
             if settings.verbose:
-                print(f"{'continuing' if progress else 'preparing'} {out_dir} from {', '.join(s.path for s in sources)} "
-                      f"({request.split} split, {settings.workers} worker{'s' * (settings.workers > 1)})")
+                print(
+                    f"{'continuing' if progress else 'preparing'} {out_dir} from {', '.join(s.path for s in sources)} "
+                    f"({request.split} split, {settings.workers} worker{'s' * (settings.workers > 1)})"
+                )
             if progress is None:
                 tok = given or make_tokenizer(request, sources, spans, settings)
                 progress = work.start(request, tok, settings.chunk_bytes)
@@ -261,13 +320,17 @@ def token_dtype(vocab_size: int) -> str:
 Span = tuple[str, int, int, str]  # (text file, start byte, end byte, split) of a corpus split by bytes
 
 
-def resolve_sources(dataset: str, request: Request, out_dir: Path, verbose: bool) -> tuple[list[Source], list[Span] | None]:
+def resolve_sources(
+    dataset: str, request: Request, out_dir: Path, verbose: bool
+) -> tuple[list[Source], list[Span] | None]:
     """The sources to read; for a split by bytes also its spans (a tail split: its one file cut at
     int(n_bytes * (1 - val_fraction)); given splits: train.txt and val.txt)."""
     if request.split == "given":
         train, val = request.inputs
-        return [Source("text", train), Source("text", val)], [(train, 0, os.path.getsize(train), "train"),
-                                                              (val, 0, os.path.getsize(val), "val")]
+        return [Source("text", train), Source("text", val)], [
+            (train, 0, os.path.getsize(train), "train"),
+            (val, 0, os.path.getsize(val), "val"),
+        ]
     if request.inputs:
         sources = corpus.local_sources(request.inputs, request.glob)
     elif request.hf_dataset is not None:
@@ -279,16 +342,24 @@ def resolve_sources(dataset: str, request: Request, out_dir: Path, verbose: bool
     elif dataset == "pystdlib":
         sources = [corpus.stdlib_source()]
     elif (out_dir / WORK_DIR).is_dir() or (out_dir / "train.bin").exists():
-        raise UserError(f"{out_dir} is incomplete (no meta.json): run the prepare.py command that made it again "
-                        "to finish it, or pass --input FILE (data.input) to prepare it from a file")
+        raise UserError(
+            f"{out_dir} is incomplete (no meta.json): run the prepare.py command that made it again "
+            "to finish it, or pass --input FILE (data.input) to prepare it from a file"
+        )
     else:
-        raise UserError(f"unknown dataset {dataset!r}: pass --input FILE to prepare your own text, "
-                        f"or use one of {', '.join(KNOWN_DATASETS)}")
+        raise UserError(
+            f"unknown dataset {dataset!r}: pass --input FILE to prepare your own text, "
+            f"or use one of {', '.join(KNOWN_DATASETS)}"
+        )
     if request.split == "docs":
         return sources, None
     path = sources[0].path
     size = os.path.getsize(path)
-    end = size if request.max_bytes is None or request.max_bytes >= size else char_start_at_or_before(path, request.max_bytes)
+    end = (
+        size
+        if request.max_bytes is None or request.max_bytes >= size
+        else char_start_at_or_before(path, request.max_bytes)
+    )
     if end == 0:
         raise UserError(f"input {path} is empty")
     cut = char_start_at_or_after(path, int(end * (1 - request.val_fraction)), end)
@@ -327,13 +398,16 @@ def download_shakespeare(path: Path, verbose: bool) -> None:
         raise UserError(f"cannot download tiny Shakespeare (no network? {reason}): {offline_hint}") from None
     digest = hashlib.sha256(data).hexdigest()
     if digest != SHAKESPEARE_SHA256:
-        raise UserError(f"downloaded tiny Shakespeare has sha256 {digest}, expected {SHAKESPEARE_SHA256}: {offline_hint}")
+        raise UserError(
+            f"downloaded tiny Shakespeare has sha256 {digest}, expected {SHAKESPEARE_SHA256}: {offline_hint}"
+        )
     with atomic_write(path) as f:
         f.write(data)
 
 
-def chunk_stream(request: Request, sources: list[Source], spans: list[Span] | None, chunk_bytes: int,
-                 hub_state: dict | None = None) -> Iterator[tuple[Chunk, dict | None]]:
+def chunk_stream(
+    request: Request, sources: list[Source], spans: list[Span] | None, chunk_bytes: int, hub_state: dict | None = None
+) -> Iterator[tuple[Chunk, dict | None]]:
     """(chunk, the hub stream's state after it or None) for every chunk of the corpus, in order; a hub stream
     starts from hub_state when given."""
     if spans is not None:  # already cut at max_bytes
@@ -366,9 +440,11 @@ def total_bytes(sources: list[Source], request: Request, spans: list[Span] | Non
 
 # ---- parallel work ------------------------------------------------------------------------------
 
+
 @dataclass
 class Done:
     """What the main process keeps of a chunk while a worker has it: not the chunk's data."""
+
     split: str | None  # a TextSpan's split; None for documents, whose split their index decides
     size: int  # input bytes (the progress bar's unit)
     state: dict | None  # a hub stream's state after the chunk
@@ -379,8 +455,9 @@ def done(item: tuple[Chunk, dict | None]) -> Done:
     return Done(chunk.split if isinstance(chunk, TextSpan) else None, corpus.chunk_size(chunk), state)
 
 
-def ordered_map(fn: Callable, items: Iterable, workers: int, initializer: Callable | None = None,
-                initargs: tuple = ()) -> Iterator[tuple[Done, Any]]:
+def ordered_map(
+    fn: Callable, items: Iterable, workers: int, initializer: Callable | None = None, initargs: tuple = ()
+) -> Iterator[tuple[Done, Any]]:
     """(done(item), fn(item)) in the order of items, computed by `workers` forked processes (in this one for 1), at
     most 2 x workers items ahead of the consumer: memory stays bounded whatever the number of items."""
     if workers <= 1:
@@ -389,8 +466,9 @@ def ordered_map(fn: Callable, items: Iterable, workers: int, initializer: Callab
         yield from ((done(item), fn(item)) for item in items)
         return
     context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=start_pool_worker,
-                             initargs=(os.getpid(), initializer, initargs)) as pool:
+    with ProcessPoolExecutor(
+        workers, mp_context=context, initializer=start_pool_worker, initargs=(os.getpid(), initializer, initargs)
+    ) as pool:
         pending: deque = deque()
         try:
             for item in items:
@@ -411,6 +489,7 @@ def start_pool_worker(parent: int, initializer: Callable | None, initargs: tuple
     that every one of them holds open (Linux: the kernel sends SIGKILL when the parent goes)."""
     if sys.platform.startswith("linux"):
         import ctypes
+
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # the parent died before prctl took effect
@@ -476,16 +555,21 @@ def in_validation(seed: int, first: int, n: int, fraction: float) -> np.ndarray:
 
 # ---- the tokenizer ------------------------------------------------------------------------------
 
+
 def make_tokenizer(request: Request, sources: list[Source], spans: list[Span] | None, settings: Settings) -> Tokenizer:
     kind = tokenizer_kind(request.tokenizer)
     if kind in ("tiktoken", "hf"):
         tok = get_tiktoken(request.tokenizer) if kind == "tiktoken" else hf_tokenizer(request.tokenizer[3:])
         if request.vocab_size is not None and tok.vocab_size > request.vocab_size:
-            raise UserError(f"the {request.tokenizer} tokenizer has {tok.vocab_size} tokens, more than the requested "
-                            f"vocab_size {request.vocab_size}")
+            raise UserError(
+                f"the {request.tokenizer} tokenizer has {tok.vocab_size} tokens, more than the requested "
+                f"vocab_size {request.vocab_size}"
+            )
         if tok.eot_id is None and request.split == "docs":
-            raise UserError(f"the {request.tokenizer} tokenizer has no end-of-sequence token to end each document with "
-                            "(its tokenizer_config.json names no eos_token)")
+            raise UserError(
+                f"the {request.tokenizer} tokenizer has no end-of-sequence token to end each document with "
+                "(its tokenizer_config.json names no eos_token)"
+            )
         return tok
     chunks = chunk_stream(request, sources, spans, settings.chunk_bytes)
     if kind == "char":
@@ -499,8 +583,10 @@ def make_tokenizer(request: Request, sources: list[Source], spans: list[Span] | 
             raise UserError(f"the corpus has no documents ({skipped} records skipped or empty)")
         return char_tokenizer(sets, request.vocab_size, eot=request.split == "docs")
     if settings.verbose:
-        print(f"training a byte-level BPE with {request.vocab_size} tokens on up to "
-              f"{settings.bpe_train_bytes / 2**20:.0f} MiB of the train split...")
+        print(
+            f"training a byte-level BPE with {request.vocab_size} tokens on up to "
+            f"{settings.bpe_train_bytes / 2**20:.0f} MiB of the train split..."
+        )
     t0 = time.perf_counter()
     texts = bpe_training_texts(chunks, request, settings.workers, settings.bpe_train_bytes)
     if not texts:
@@ -522,7 +608,7 @@ def bpe_training_texts(chunks: Iterator, request: Request, workers: int, limit: 
             index += len(docs.texts)
         for text, is_train in zip(docs.texts, train):
             if is_train:
-                raw = text.encode()[:limit - size]
+                raw = text.encode()[: limit - size]
                 texts.append(raw.decode("utf-8", "ignore"))
                 size += len(raw)
         if size >= limit:
@@ -532,35 +618,57 @@ def bpe_training_texts(chunks: Iterator, request: Request, workers: int, limit: 
 
 # ---- encoding, with a journal to continue from -------------------------------------------------
 
-def encode(work: WorkDir, progress: dict, tok: Tokenizer, request: Request, sources: list[Source],
-           spans: list[Span] | None, settings: Settings) -> None:
+
+def encode(
+    work: WorkDir,
+    progress: dict,
+    tok: Tokenizer,
+    request: Request,
+    sources: list[Source],
+    spans: list[Span] | None,
+    settings: Settings,
+) -> None:
     """Encode every chunk not yet done into the work directory's train.bin and val.bin, journaling each one."""
     if any(s.kind == "hub" for s in sources):  # a stream continues from its saved state (and --max-bytes budget)
-        chunks = chunk_stream(replace(request, max_bytes=progress["budget_left"]), sources, spans, settings.chunk_bytes,
-                              progress["hub_state"])
+        chunks = chunk_stream(
+            replace(request, max_bytes=progress["budget_left"]),
+            sources,
+            spans,
+            settings.chunk_bytes,
+            progress["hub_state"],
+        )
     else:  # local chunks are derived again: skip the ones written
         chunks = islice(chunk_stream(request, sources, spans, settings.chunk_bytes), progress["chunks"], None)
     bins = PartialBins(work.path, token_dtype(tok.vocab_size), progress["train_bytes"], progress["val_bytes"])
     counts = progress["counts"]
     try:
-        with progress_bar(total_bytes(sources, request, spans), "encoding", settings.verbose,
-                          initial=progress["read_bytes"]) as bar:
+        with progress_bar(
+            total_bytes(sources, request, spans), "encoding", settings.verbose, initial=progress["read_bytes"]
+        ) as bar:
             for chunk, enc in ordered_map(encode_chunk, chunks, settings.workers, start_worker, (tok.to_dict(),)):
                 write_chunk(bins, enc, chunk.split, request, counts, tok.vocab_size)
-                progress.update(chunks=progress["chunks"] + 1, read_bytes=progress["read_bytes"] + chunk.size,
-                                hub_state=chunk.state, budget_left=None if request.max_bytes is None
-                                else max(0, progress["budget_left"] - chunk.size))
+                progress.update(
+                    chunks=progress["chunks"] + 1,
+                    read_bytes=progress["read_bytes"] + chunk.size,
+                    hub_state=chunk.state,
+                    budget_left=None if request.max_bytes is None else max(0, progress["budget_left"] - chunk.size),
+                )
                 progress["train_bytes"], progress["val_bytes"] = bins.sync()
                 work.journal(progress)
                 bar.update(chunk.size)
-                bar.set_postfix(docs=f"{counts['train_documents'] + counts['val_documents']:,}",
-                                tokens=f"{counts['train_tokens'] + counts['val_tokens']:,}", refresh=False)
+                bar.set_postfix(
+                    docs=f"{counts['train_documents'] + counts['val_documents']:,}",
+                    tokens=f"{counts['train_tokens'] + counts['val_tokens']:,}",
+                    refresh=False,
+                )
     finally:
         bins.close()
     check_splits(counts, request)
 
 
-def write_chunk(bins: PartialBins, enc: Encoded, split: str | None, request: Request, counts: dict, vocab_size: int) -> None:
+def write_chunk(
+    bins: PartialBins, enc: Encoded, split: str | None, request: Request, counts: dict, vocab_size: int
+) -> None:
     """Append a chunk's tokens to train.bin and val.bin: a TextSpan's to its split, each document to the split its
     index hashes to (split None)."""
     if enc.tokens.size and int(enc.tokens.max()) >= vocab_size:
@@ -586,16 +694,28 @@ def check_splits(counts: dict, request: Request) -> None:
     if request.split == "docs" and documents == 0:
         raise UserError(f"the corpus has no documents ({counts['skipped_records']} records skipped or empty)")
     if request.split == "docs" and (counts["val_documents"] == 0 or counts["train_documents"] == 0):
-        raise UserError(f"none of the {documents} documents fell into the {'val' if counts['val_documents'] == 0 else 'train'} "
-                        f"split (val_fraction {request.val_fraction}): use more documents or another --val-fraction")
+        raise UserError(
+            f"none of the {documents} documents fell into the {'val' if counts['val_documents'] == 0 else 'train'} "
+            f"split (val_fraction {request.val_fraction}): use more documents or another --val-fraction"
+        )
     if min(counts["train_tokens"], counts["val_tokens"]) < 2:
-        raise UserError(f"the input is too small for a validation split ({counts['train_tokens']} train / "
-                        f"{counts['val_tokens']} val tokens; each split needs at least 2)")
+        raise UserError(
+            f"the input is too small for a validation split ({counts['train_tokens']} train / "
+            f"{counts['val_tokens']} val tokens; each split needs at least 2)"
+        )
 
 
 def progress_bar(total: int | None, desc: str, verbose: bool, initial: int = 0) -> tqdm:
-    return tqdm(total=total, initial=initial, desc=desc, unit="B", unit_scale=True, disable=None if verbose else True, leave=False,
-                dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        disable=None if verbose else True,
+        leave=False,
+        dynamic_ncols=True,
+    )
 
 
 class PartialBins:
@@ -644,10 +764,12 @@ class WorkDir:
             shutil.rmtree(self.path, ignore_errors=True)
             return None
         if progress.get("request") != asdict(request):
-            raise UserError(f"{self.path.parent} holds an unfinished prepare of another request (from "
-                            f"{', '.join(progress.get('request', {}).get('inputs') or ['its named source'])}, with the "
-                            f"{progress.get('request', {}).get('tokenizer')} tokenizer): run that prepare.py command "
-                            "again to finish it, or pass --reset to discard it")
+            raise UserError(
+                f"{self.path.parent} holds an unfinished prepare of another request (from "
+                f"{', '.join(progress.get('request', {}).get('inputs') or ['its named source'])}, with the "
+                f"{progress.get('request', {}).get('tokenizer')} tokenizer): run that prepare.py command "
+                "again to finish it, or pass --reset to discard it"
+            )
         if progress.get("chunk_bytes") != chunk_bytes or not (self.path / "tokenizer.json").is_file():
             shutil.rmtree(self.path, ignore_errors=True)  # journaled in other units: start again
             return None
@@ -657,10 +779,27 @@ class WorkDir:
         """A fresh journal, with the tokenizer saved beside it; returns the journal."""
         self.path.mkdir(parents=True, exist_ok=True)
         save_tokenizer(tok, self.path / "tokenizer.json")
-        counts = {"train_tokens": 0, "val_tokens": 0, "train_documents": 0, "val_documents": 0, "max_token_id": -1,
-                  "skipped_records": 0, "invalid_utf8_replaced": 0}
-        progress = {"request": asdict(request), "chunk_bytes": chunk_bytes, "chunks": 0, "read_bytes": 0, "train_bytes": 0,
-                    "val_bytes": 0, "counts": counts, "hub_state": None, "budget_left": request.max_bytes, "finished": False}
+        counts = {
+            "train_tokens": 0,
+            "val_tokens": 0,
+            "train_documents": 0,
+            "val_documents": 0,
+            "max_token_id": -1,
+            "skipped_records": 0,
+            "invalid_utf8_replaced": 0,
+        }
+        progress = {
+            "request": asdict(request),
+            "chunk_bytes": chunk_bytes,
+            "chunks": 0,
+            "read_bytes": 0,
+            "train_bytes": 0,
+            "val_bytes": 0,
+            "counts": counts,
+            "hub_state": None,
+            "budget_left": request.max_bytes,
+            "finished": False,
+        }
         self.journal(progress)
         return progress
 
@@ -675,8 +814,11 @@ class WorkDir:
         progress = read_json(self.path / "progress.json", "prepare progress")
         counts = progress["counts"]
         if counts["invalid_utf8_replaced"]:
-            print(f"warning: the input has {counts['invalid_utf8_replaced']} invalid UTF-8 byte sequences; "
-                  "each became U+FFFD", file=sys.stderr)
+            print(
+                f"warning: the input has {counts['invalid_utf8_replaced']} invalid UTF-8 byte sequences; "
+                "each became U+FFFD",
+                file=sys.stderr,
+            )
         documents = request.split == "docs"
         meta = {
             "format_version": FORMAT_VERSION,
@@ -690,8 +832,11 @@ class WorkDir:
             "train_documents": counts["train_documents"] if documents else None,
             "val_documents": counts["val_documents"] if documents else None,
             "max_token_id": counts["max_token_id"],
-            "split": {"rule": request.split, "val_fraction": request.val_fraction,
-                      **({"seed": request.split_seed} if documents else {})},
+            "split": {
+                "rule": request.split,
+                "val_fraction": request.val_fraction,
+                **({"seed": request.split_seed} if documents else {}),
+            },
             "sources": [s.describe() for s in sources],
             "input_bytes": progress["read_bytes"],
             "skipped_records": counts["skipped_records"],
@@ -717,12 +862,15 @@ class WorkDir:
 
 # ---- reuse ----------------------------------------------------------------------------------------
 
+
 def check_meta_fields(meta: dict, path: Path) -> None:
     """The fields that reuse decisions and messages read must have their types (meta.json may be hand-edited)."""
     for key, kind in META_FIELDS.items():
         value = meta.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise UserError(f"{path} is malformed: {key!r} is missing or not a {kind.__name__}; pass --reset to re-prepare it")
+            raise UserError(
+                f"{path} is malformed: {key!r} is missing or not a {kind.__name__}; pass --reset to re-prepare it"
+            )
 
 
 def tokenizer_request_label(spec: str, vocab_size: int | None) -> str:
@@ -743,25 +891,36 @@ def reusable(out_dir: Path, request: Request, sourced: bool) -> dict | None:
         raise UserError(f"{out_dir} was prepared by another version of prepare.py; pass --reset to re-prepare it")
     made_with = tokenizer_request_label(old.get("tokenizer"), meta.get("vocab_size"))
     wanted = tokenizer_request_label(request.tokenizer, request.vocab_size)
-    if old.get("tokenizer") != request.tokenizer or (request.tokenizer == "bpe" and old.get("vocab_size") != request.vocab_size):
+    if old.get("tokenizer") != request.tokenizer or (
+        request.tokenizer == "bpe" and old.get("vocab_size") != request.vocab_size
+    ):
         raise UserError(f"{out_dir} was prepared with {made_with}; pass --reset to re-prepare it with {wanted}")
     if request.tokenizer != "bpe" and request.vocab_size is not None and meta["vocab_size"] > request.vocab_size:
-        raise UserError(f"{out_dir} was prepared with {made_with}, more than vocab_size {request.vocab_size}; "
-                        "pass --reset to re-prepare it")
+        raise UserError(
+            f"{out_dir} was prepared with {made_with}, more than vocab_size {request.vocab_size}; "
+            "pass --reset to re-prepare it"
+        )
     if old.get("max_bytes") != request.max_bytes:
-        raise UserError(f"{out_dir} was prepared from max_bytes={old.get('max_bytes')}; "
-                        f"pass --reset to re-prepare it with max_bytes={request.max_bytes}")
+        raise UserError(
+            f"{out_dir} was prepared from max_bytes={old.get('max_bytes')}; "
+            f"pass --reset to re-prepare it with max_bytes={request.max_bytes}"
+        )
     check_same_inputs(out_dir, meta, request)
     if not sourced:
         return meta
     if meta["format_version"] == 1:  # every dataset of the first format was split by bytes, into tail splits
         old = {**asdict(request), "split": "tail", "val_fraction": meta.get("val_fraction")}
-    differ = [k for k, v in asdict(request).items()
-              if k not in ("inputs", "tokenizer", "vocab_size", "max_bytes") and old.get(k) != v]
+    differ = [
+        k
+        for k, v in asdict(request).items()
+        if k not in ("inputs", "tokenizer", "vocab_size", "max_bytes") and old.get(k) != v
+    ]
     if differ:
         k = differ[0]
-        raise UserError(f"{out_dir} was prepared with {k} = {old.get(k)!r}; pass --reset to re-prepare it with "
-                        f"{k} = {getattr(request, k)!r}")
+        raise UserError(
+            f"{out_dir} was prepared with {k} = {old.get(k)!r}; pass --reset to re-prepare it with "
+            f"{k} = {getattr(request, k)!r}"
+        )
     return meta
 
 
@@ -772,24 +931,43 @@ def check_same_inputs(out_dir: Path, meta: dict, request: Request) -> None:
     first_format_source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
     old_inputs = meta["request"].get("inputs") or [first_format_source.get("path")]
     if old_inputs != request.inputs:
-        raise UserError(f"{out_dir} was prepared from {', '.join(map(str, old_inputs))}; pass --reset to re-prepare it "
-                        f"from {', '.join(request.inputs)}")
+        raise UserError(
+            f"{out_dir} was prepared from {', '.join(map(str, old_inputs))}; pass --reset to re-prepare it "
+            f"from {', '.join(request.inputs)}"
+        )
     recorded = meta.get("sources", [meta.get("source")])
-    size = recorded[0].get("bytes") if isinstance(recorded, list) and recorded and isinstance(recorded[0], dict) else None
-    if request.max_bytes is None and len(request.inputs) == 1 and Path(request.inputs[0]).is_file() \
-            and size != os.path.getsize(request.inputs[0]):
-        raise UserError(f"{request.inputs[0]} changed since {out_dir} was prepared from it; pass --reset to re-prepare it")
+    size = (
+        recorded[0].get("bytes") if isinstance(recorded, list) and recorded and isinstance(recorded[0], dict) else None
+    )
+    if (
+        request.max_bytes is None
+        and len(request.inputs) == 1
+        and Path(request.inputs[0]).is_file()
+        and size != os.path.getsize(request.inputs[0])
+    ):
+        raise UserError(
+            f"{request.inputs[0]} changed since {out_dir} was prepared from it; pass --reset to re-prepare it"
+        )
 
 
 def describe(meta: dict) -> str:
-    return (f"{tokenizer_label(meta['tokenizer'])} tokenizer, vocab {meta['vocab_size']}, {meta['train_tokens']:,} train / "
-            f"{meta['val_tokens']:,} val tokens")
+    return (
+        f"{tokenizer_label(meta['tokenizer'])} tokenizer, vocab {meta['vocab_size']}, {meta['train_tokens']:,} train / "
+        f"{meta['val_tokens']:,} val tokens"
+    )
 
 
 # ---- the data/processed layout: train.txt and val.txt, or train.npy and val.npy -----------------
 
-def prepare_txt_dir(processed_dir: str | Path, *, tokenizer: str = "char", vocab_size: int | None = None,
-                    verbose: bool = True, workers: int | None = None) -> Path:
+
+def prepare_txt_dir(
+    processed_dir: str | Path,
+    *,
+    tokenizer: str = "char",
+    vocab_size: int | None = None,
+    verbose: bool = True,
+    workers: int | None = None,
+) -> Path:
     """Tokenize processed_dir/{train,val}.txt (or take token ids from {train,val}.npy) into processed_dir/cache.
 
     The tokenizer comes from processed_dir/meta.json when it has one (our "tokenizer" section or
@@ -800,14 +978,24 @@ def prepare_txt_dir(processed_dir: str | Path, *, tokenizer: str = "char", vocab
     src = Path(processed_dir)
     if not src.is_dir():
         raise UserError(f"processed data directory not found: {src}")
-    names = ("train.txt", "val.txt") if (src / "train.txt").is_file() or (src / "val.txt").is_file() else ("train.npy", "val.npy")
+    names = (
+        ("train.txt", "val.txt")
+        if (src / "train.txt").is_file() or (src / "val.txt").is_file()
+        else ("train.npy", "val.npy")
+    )
     missing = [name for name in names if not (src / name).is_file()]
     if missing:
-        raise UserError(f"{src} needs train.txt and val.txt (or train.npy and val.npy of token ids); missing {', '.join(missing)}")
+        raise UserError(
+            f"{src} needs train.txt and val.txt (or train.npy and val.npy of token ids); missing {', '.join(missing)}"
+        )
     found = tokenizer_from_processed_meta(src)
     spec = found if isinstance(found, str) else found.kind if isinstance(found, Tokenizer) else tokenizer
-    request = Request(inputs=[str((src / n).resolve()) for n in names], tokenizer=spec, split="given",
-                      vocab_size=resolve_vocab_size(tokenizer_kind(spec), vocab_size) if not isinstance(found, Tokenizer) else None)
+    request = Request(
+        inputs=[str((src / n).resolve()) for n in names],
+        tokenizer=spec,
+        split="given",
+        vocab_size=resolve_vocab_size(tokenizer_kind(spec), vocab_size) if not isinstance(found, Tokenizer) else None,
+    )
     cache, fingerprint = src / "cache", {"fingerprint": files_fingerprint(src, (*names, "meta.json"))}
     meta = read_json(cache / "meta.json", "cache metadata") if (cache / "meta.json").is_file() else {}
     complete = all((cache / name).is_file() for name in ("train.bin", "val.bin", "tokenizer.json"))
@@ -819,7 +1007,9 @@ def prepare_txt_dir(processed_dir: str | Path, *, tokenizer: str = "char", vocab
     if names[0].endswith(".npy"):
         if tok is None:
             if tokenizer_kind(spec) != "tiktoken":
-                raise UserError(f"{src}/train.npy holds token ids, so {src}/meta.json must say which tokenizer made them")
+                raise UserError(
+                    f"{src}/train.npy holds token ids, so {src}/meta.json must say which tokenizer made them"
+                )
             tok = get_tiktoken(spec)
         write_token_arrays(cache, request, tok, [load_ids(src / n) for n in names], fingerprint)
     else:
@@ -869,8 +1059,11 @@ def nanogpt_char_tokenizer(meta: dict, path: Path) -> Tokenizer:
 
 
 def files_fingerprint(directory: Path, names: Iterable[str]) -> dict:
-    return {name: {"size": (directory / name).stat().st_size, "mtime_ns": (directory / name).stat().st_mtime_ns}
-            for name in names if (directory / name).is_file()}
+    return {
+        name: {"size": (directory / name).stat().st_size, "mtime_ns": (directory / name).stat().st_mtime_ns}
+        for name in names
+        if (directory / name).is_file()
+    }
 
 
 def load_ids(path: Path) -> np.ndarray:
@@ -893,10 +1086,12 @@ def write_token_arrays(out_dir: Path, request: Request, tok: Tokenizer, arrays: 
     try:
         for split, ids in zip(("train", "val"), arrays):
             for start in range(0, len(ids), corpus.CHUNK_BYTES // 4):
-                part = np.asarray(ids[start:start + corpus.CHUNK_BYTES // 4])
+                part = np.asarray(ids[start : start + corpus.CHUNK_BYTES // 4])
                 if part.size and (int(part.min()) < 0 or int(part.max()) >= tok.vocab_size):
-                    raise UserError(f"{request.inputs[split == 'val']} has token id {int(part.max())}, outside the "
-                                    f"vocabulary (size {tok.vocab_size})")
+                    raise UserError(
+                        f"{request.inputs[split == 'val']} has token id {int(part.max())}, outside the "
+                        f"vocabulary (size {tok.vocab_size})"
+                    )
                 bins.append(split, part)
                 counts[f"{split}_tokens"] += part.size
                 counts["max_token_id"] = max(counts["max_token_id"], int(part.max()) if part.size else -1)

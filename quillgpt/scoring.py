@@ -38,6 +38,7 @@ LOGITS_BUDGET = 2**22  # floats of logits per forward pass (16 MiB in fp32): few
 
 # ---- text: loss, perplexity, bits per byte ------------------------------------------------------
 
+
 @dataclass
 class TextScore:
     nats: float  # summed over the scored tokens
@@ -81,8 +82,14 @@ def windows(n: int, block: int, stride: int) -> list[tuple[int, int, int]]:
 
 
 @torch.inference_mode()
-def score_text(model: GPT, streams: list[np.ndarray], token_bytes: np.ndarray, stride: int | None = None,
-               autocast=None, progress: bool = False) -> TextScore:
+def score_text(
+    model: GPT,
+    streams: list[np.ndarray],
+    token_bytes: np.ndarray,
+    stride: int | None = None,
+    autocast=None,
+    progress: bool = False,
+) -> TextScore:
     """Loss, perplexity and bits per byte of token streams under the model (see the module docstring)."""
     block = model.config.block_size
     stride = stride or block // 2
@@ -95,15 +102,15 @@ def score_text(model: GPT, streams: list[np.ndarray], token_bytes: np.ndarray, s
     nats, tokens, nbytes = 0.0, 0, 0
     model.eval()
     for i in tqdm(range(0, len(jobs), rows), desc="text", leave=False, disable=None if progress else True):
-        batch = jobs[i:i + rows]
+        batch = jobs[i : i + rows]
         width = max(end - start for _, start, end, _ in batch)
         x = torch.zeros(len(batch), width, dtype=torch.long)
         y = torch.zeros(len(batch), width, dtype=torch.long)
         scored = torch.zeros(len(batch), width, dtype=torch.bool)
         for row, (stream, start, end, first) in enumerate(batch):
-            x[row, :end - start] = torch.from_numpy(stream[start:end])
-            y[row, :end - start] = torch.from_numpy(stream[start + 1:end + 1])
-            scored[row, first - 1 - start:end - start] = True
+            x[row, : end - start] = torch.from_numpy(stream[start:end])
+            y[row, : end - start] = torch.from_numpy(stream[start + 1 : end + 1])
+            scored[row, first - 1 - start : end - start] = True
         x, y, scored = x.to(device), y.to(device), scored.to(device)
         with autocast or nullcontext():
             logits, _ = model(x)
@@ -133,13 +140,16 @@ def map_unknown(tokenizer: Tokenizer, texts: list[str], allow: bool, what: str) 
     stand_in = next(c for c in ("\ufffd", " ", tokenizer.chars[0]) if c in tokenizer.chars)
     shown = "".join(unknown[:20]) + ("..." if len(unknown) > 20 else "")
     if not allow:
-        raise UserError(f"{what} has {len(unknown)} characters the model's char vocabulary lacks ({shown!r}): "
-                        f"pass --map-unknown to score them as {stand_in!r}")
+        raise UserError(
+            f"{what} has {len(unknown)} characters the model's char vocabulary lacks ({shown!r}): "
+            f"pass --map-unknown to score them as {stand_in!r}"
+        )
     table = str.maketrans({c: stand_in for c in unknown})
     return [t.translate(table) for t in texts], f"{len(unknown)} unknown characters ({shown!r}) scored as {stand_in!r}"
 
 
 # ---- continuations: HellaSwag and the harness ---------------------------------------------------
+
 
 @dataclass
 class Continuation:
@@ -149,8 +159,9 @@ class Continuation:
 
 
 @torch.inference_mode()
-def continuation_logprobs(model: GPT, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], autocast=None,
-                          rows: int | None = None) -> list[Continuation]:
+def continuation_logprobs(
+    model: GPT, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], autocast=None, rows: int | None = None
+) -> list[Continuation]:
     """Score each (context ids, continuation ids) pair, several in one forward pass. A context and continuation
     longer than the model's context keep their last block_size + 1 tokens."""
     block = model.config.block_size
@@ -159,14 +170,14 @@ def continuation_logprobs(model: GPT, pairs: Sequence[tuple[Sequence[int], Seque
     out = []
     model.eval()
     for i in range(0, len(pairs), rows):
-        seqs = [(list(ctx) + list(cont))[-(block + 1):] for ctx, cont in pairs[i:i + rows]]
-        lengths = [min(len(cont), len(s) - 1) for (_, cont), s in zip(pairs[i:i + rows], seqs)]
+        seqs = [(list(ctx) + list(cont))[-(block + 1) :] for ctx, cont in pairs[i : i + rows]]
+        lengths = [min(len(cont), len(s) - 1) for (_, cont), s in zip(pairs[i : i + rows], seqs)]
         width = max(len(s) - 1 for s in seqs)
         x = torch.zeros(len(seqs), width, dtype=torch.long)
         y = torch.zeros(len(seqs), width, dtype=torch.long)
         for row, s in enumerate(seqs):
-            x[row, :len(s) - 1] = torch.tensor(s[:-1])
-            y[row, :len(s) - 1] = torch.tensor(s[1:])
+            x[row, : len(s) - 1] = torch.tensor(s[:-1])
+            y[row, : len(s) - 1] = torch.tensor(s[1:])
         with autocast or nullcontext():
             logits, _ = model(x.to(device))
         logprobs = F.log_softmax(logits.float(), dim=-1).cpu()
@@ -231,10 +242,11 @@ def load_hellaswag(path: str | Path) -> list[HellaSwagItem]:
 def hellaswag_items(path: str | Path, tokenizer: Tokenizer, limit: int | None, allow_unknown: bool) -> tuple[list, str]:
     """The first `limit` items of a HellaSwag file, their text mapped for a char model when allowed (map_unknown);
     and the note about it, if any."""
-    items = load_hellaswag(path)[:limit or None]
-    texts, note = map_unknown(tokenizer, [t for item in items for t in (item.context, *item.endings)], allow_unknown,
-                              str(path))
-    return [HellaSwagItem(texts[5 * k], texts[5 * k + 1:5 * k + 5], item.label) for k, item in enumerate(items)], note
+    items = load_hellaswag(path)[: limit or None]
+    texts, note = map_unknown(
+        tokenizer, [t for item in items for t in (item.context, *item.endings)], allow_unknown, str(path)
+    )
+    return [HellaSwagItem(texts[5 * k], texts[5 * k + 1 : 5 * k + 5], item.label) for k, item in enumerate(items)], note
 
 
 def hellaswag_item(record: object, where: str) -> HellaSwagItem:
@@ -267,7 +279,7 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     ctx = tokenizer.encode(context) if context else []
     whole = tokenizer.encode(context + continuation)
-    cont = whole[len(ctx):] if ctx and whole[:len(ctx)] == ctx else tokenizer.encode(continuation)
+    cont = whole[len(ctx) :] if ctx and whole[: len(ctx)] == ctx else tokenizer.encode(continuation)
     if tokenizer.bos_id is not None:
         ctx = [tokenizer.bos_id] + ctx
     elif not ctx and tokenizer.eot_id is not None:
@@ -275,16 +287,29 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
     return ctx, cont
 
 
-def score_hellaswag(model: GPT, tokenizer: Tokenizer, items: Sequence[HellaSwagItem], autocast=None,
-                    items_per_pass: int = 4, progress: bool = False) -> HellaSwagScore:
+def score_hellaswag(
+    model: GPT,
+    tokenizer: Tokenizer,
+    items: Sequence[HellaSwagItem],
+    autocast=None,
+    items_per_pass: int = 4,
+    progress: bool = False,
+) -> HellaSwagScore:
     score = HellaSwagScore([], [], [], [])
-    for i in tqdm(range(0, len(items), items_per_pass), desc="hellaswag", unit="item", unit_scale=items_per_pass,
-                  leave=False, disable=None if progress else True):
-        batch = items[i:i + items_per_pass]
-        scores = continuation_logprobs(model, [p for item in batch for p in hellaswag_pairs(tokenizer, item)], autocast,
-                                       rows=4 * len(batch))
+    for i in tqdm(
+        range(0, len(items), items_per_pass),
+        desc="hellaswag",
+        unit="item",
+        unit_scale=items_per_pass,
+        leave=False,
+        disable=None if progress else True,
+    ):
+        batch = items[i : i + items_per_pass]
+        scores = continuation_logprobs(
+            model, [p for item in batch for p in hellaswag_pairs(tokenizer, item)], autocast, rows=4 * len(batch)
+        )
         for k, item in enumerate(batch):
-            endings = scores[4 * k:4 * k + 4]
+            endings = scores[4 * k : 4 * k + 4]
             sums = [e.logprob for e in endings]
             means = [e.logprob / max(1, e.tokens) for e in endings]
             score.right.append(int(np.argmax(sums)) == item.label)

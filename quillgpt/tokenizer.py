@@ -79,7 +79,7 @@ class Tokenizer:
         """The text ids add after context: decoding them alone can differ (a sentencepiece tokenizer drops the
         leading space of its first token). A few ids of context are enough."""
         head, full = self.decode(list(context)), self.decode(list(context) + list(ids))
-        return full[len(head):] if full.startswith(head) else self.decode(ids)
+        return full[len(head) :] if full.startswith(head) else self.decode(ids)
 
     def prompt_ids(self, text: str) -> list[int]:
         """A prompt's ids as documents begin in training: after the tokenizer's BOS, when it has one."""
@@ -100,7 +100,9 @@ def _check_ids(ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray:
     if arr.size == 0:
         return arr.astype(np.int64).reshape(-1)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise UserError(f"token ids must be a flat sequence of integers, got an array of shape {arr.shape} ({arr.dtype})")
+        raise UserError(
+            f"token ids must be a flat sequence of integers, got an array of shape {arr.shape} ({arr.dtype})"
+        )
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
@@ -227,8 +229,10 @@ class TiktokenTokenizer(Tokenizer):
 
     def token_bytes(self) -> np.ndarray:
         special = set(self.encoding._special_tokens.values())
-        return np.array([0 if i in special else len(self.encoding.decode_single_token_bytes(i))
-                         for i in range(self.vocab_size)], dtype=np.int64)
+        return np.array(
+            [0 if i in special else len(self.encoding.decode_single_token_bytes(i)) for i in range(self.vocab_size)],
+            dtype=np.int64,
+        )
 
 
 class NamedTiktokenTokenizer(TiktokenTokenizer):
@@ -256,8 +260,12 @@ class BPETokenizer(TiktokenTokenizer):
         if any(bytes([b]) not in ranks for b in range(256)):
             raise UserError("BPE vocabulary must contain all 256 single bytes")
         try:
-            encoding = tiktoken.Encoding(name=f"quillgpt_bpe_{len(ranks)}", pat_str=pattern, mergeable_ranks=ranks,
-                                         special_tokens={EOT: len(ranks)} if eot else {})
+            encoding = tiktoken.Encoding(
+                name=f"quillgpt_bpe_{len(ranks)}",
+                pat_str=pattern,
+                mergeable_ranks=ranks,
+                special_tokens={EOT: len(ranks)} if eot else {},
+            )
         except Exception as e:  # tiktoken reports a bad pattern as a plain ValueError from Rust
             raise UserError(f"BPE tokenizer could not be built: {e}") from None
         super().__init__(encoding)
@@ -292,8 +300,14 @@ class HFTokenizer(Tokenizer):
 
     kind = "hf"
 
-    def __init__(self, name: str, tokenizer_json: str, config: dict | None = None, eos_id: int | None = None,
-                 bos_id: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        tokenizer_json: str,
+        config: dict | None = None,
+        eos_id: int | None = None,
+        bos_id: int | None = None,
+    ):
         """name: the directory it came from (a label only). config: tokenizer_config.json, kept for export.
         eos_id / bos_id: as resolved by hf_tokenizer (bos_id only when the tokenizer prepends it)."""
         tokenizers = _import_tokenizers()
@@ -339,8 +353,15 @@ class HFTokenizer(Tokenizer):
         return sizes
 
     def to_dict(self) -> dict:
-        return {"kind": "hf", "name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eot_id,
-                "bos_id": self.bos_id, "tokenizer_json": self.json, "tokenizer_config": self.config}
+        return {
+            "kind": "hf",
+            "name": self.name,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eot_id,
+            "bos_id": self.bos_id,
+            "tokenizer_json": self.json,
+            "tokenizer_config": self.config,
+        }
 
 
 def hf_tokenizer(directory: str | os.PathLike, model_config: dict | None = None) -> HFTokenizer:
@@ -355,8 +376,11 @@ def hf_tokenizer(directory: str | os.PathLike, model_config: dict | None = None)
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read {path}: {e}") from None
-    config = read_json(directory / "tokenizer_config.json", "tokenizer config") \
-        if (directory / "tokenizer_config.json").is_file() else {}
+    config = (
+        read_json(directory / "tokenizer_config.json", "tokenizer config")
+        if (directory / "tokenizer_config.json").is_file()
+        else {}
+    )
     if model_config is None and (directory / "config.json").is_file():
         model_config = read_json(directory / "config.json", "Hugging Face config")
     try:
@@ -369,7 +393,11 @@ def hf_tokenizer(directory: str | os.PathLike, model_config: dict | None = None)
         eos = eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None
     bos = probe._tok.token_to_id(_special_token(config.get("bos_token")) or "") if config.get("bos_token") else None
     if bos is None:
-        bos = (model_config or {}).get("bos_token_id") if isinstance((model_config or {}).get("bos_token_id"), int) else None
+        bos = (
+            (model_config or {}).get("bos_token_id")
+            if isinstance((model_config or {}).get("bos_token_id"), int)
+            else None
+        )
     if config.get("add_bos_token") is False or (config.get("add_bos_token") is None and not prepends(probe, bos)):
         bos = None
     try:
@@ -384,17 +412,22 @@ def prepends(tok: HFTokenizer, bos: int | None) -> bool:
         return False
     plain = tok._tok.encode("a", add_special_tokens=False).ids
     full = tok._tok.encode("a", add_special_tokens=True).ids
-    return full[:1] == [bos] and full[1:1 + len(plain)] == plain
+    return full[:1] == [bos] and full[1 : 1 + len(plain)] == plain
 
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in character for each byte, as byte-level BPE vocabularies write tokens."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
 # ---- tokenizer.json for transformers -----------------------------------------------------------------
+
 
 def hf_files(tok: Tokenizer, max_length: int) -> dict[str, str]:
     """tokenizer.json and tokenizer_config.json that transformers.AutoTokenizer loads and that encode and decode as
@@ -416,9 +449,12 @@ def hf_files(tok: Tokenizer, max_length: int) -> dict[str, str]:
         vocab = {text(token): rank for token, rank in ranks.items()}
         merges = [(text(a), text(b)) for a, b in bpe_merges(ranks)]
         hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
-        hf.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(tok.encoding._pat_str), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(tok.encoding._pat_str), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
         hf.decoder = decoders.ByteLevel()
     else:
         raise UserError(f"no Hugging Face form for the {tok.kind} tokenizer")
@@ -429,8 +465,11 @@ def hf_files(tok: Tokenizer, max_length: int) -> dict[str, str]:
         if hf.get_vocab_size(with_added_tokens=True) != i:
             raise UserError(f"special token {content!r} has id {i}, not the next free id: no Hugging Face form")
         hf.add_special_tokens([AddedToken(content, special=True)])
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-              "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }
     if tok.eot_id is not None:
         config.update(bos_token=EOT, eos_token=EOT, unk_token=EOT)
     return {"tokenizer.json": hf.to_str(), "tokenizer_config.json": json.dumps(config, indent=2)}
@@ -477,8 +516,10 @@ def tokenizer_kind(spec: str) -> str:
         return "hf"
     known = tiktoken.list_encoding_names()
     if spec not in known:
-        raise UserError(f"unknown tokenizer {spec!r}: use char, bpe, hf:DIR (a Hugging Face tokenizer.json) "
-                        f"or a tiktoken encoding ({', '.join(known)})")
+        raise UserError(
+            f"unknown tokenizer {spec!r}: use char, bpe, hf:DIR (a Hugging Face tokenizer.json) "
+            f"or a tiktoken encoding ({', '.join(known)})"
+        )
     return "tiktoken"
 
 
@@ -516,8 +557,11 @@ def cache_gpt2_files_from_package() -> bool:
     if spec is None or spec.origin is None:
         return False
     shipped = Path(spec.origin).parent / "data"
-    cache = Path(os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
-                 or Path(tempfile.gettempdir()) / "data-gym-cache")
+    cache = Path(
+        os.environ.get("TIKTOKEN_CACHE_DIR")
+        or os.environ.get("DATA_GYM_CACHE_DIR")
+        or Path(tempfile.gettempdir()) / "data-gym-cache"
+    )
     if not all((shipped / name).is_file() for name in GPT2_FILES):
         return False
     for name, url in GPT2_FILES.items():
@@ -533,8 +577,9 @@ def resolve_vocab_size(kind: str, vocab_size: int | None) -> int | None:
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise UserError(f"vocab_size must be an integer, got {vocab_size!r}")
     if kind == "bpe" and vocab_size < MIN_BPE_VOCAB_SIZE:
-        raise UserError(f"BPE vocab_size must be at least {MIN_BPE_VOCAB_SIZE} (256 bytes and <|endoftext|>), "
-                        f"got {vocab_size}")
+        raise UserError(
+            f"BPE vocab_size must be at least {MIN_BPE_VOCAB_SIZE} (256 bytes and <|endoftext|>), got {vocab_size}"
+        )
     if vocab_size < 1:
         raise UserError(f"vocab_size must be positive, got {vocab_size}")
     return vocab_size
@@ -554,8 +599,10 @@ def char_tokenizer(codepoint_sets: Iterable[np.ndarray], vocab_size: int | None,
     if not chars:
         raise UserError("cannot build a char vocabulary from empty text")
     if vocab_size is not None and len(chars) + eot > vocab_size:
-        raise UserError(f"the text has {len(chars)} distinct characters{' and <|endoftext|>' if eot else ''}, "
-                        f"more than the requested vocab_size {vocab_size}")
+        raise UserError(
+            f"the text has {len(chars)} distinct characters{' and <|endoftext|>' if eot else ''}, "
+            f"more than the requested vocab_size {vocab_size}"
+        )
     return CharTokenizer(chars, eot)
 
 
@@ -622,8 +669,13 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
         ids = {k: d.get(k) for k in ("eos_id", "bos_id")}
         if any(v is not None and (not isinstance(v, int) or isinstance(v, bool)) for v in ids.values()):
             raise UserError("tokenizer fields 'eos_id' and 'bos_id' must be integers or null")
-        tok = HFTokenizer(_field(d, "name", str), _field(d, "tokenizer_json", str), d.get("tokenizer_config") or {},
-                          ids["eos_id"], ids["bos_id"])
+        tok = HFTokenizer(
+            _field(d, "name", str),
+            _field(d, "tokenizer_json", str),
+            d.get("tokenizer_config") or {},
+            ids["eos_id"],
+            ids["bos_id"],
+        )
     else:
         raise UserError(f"unknown tokenizer kind {kind!r} (expected char, bpe, tiktoken or hf)")
     if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:

@@ -47,9 +47,11 @@ from quillgpt.scoring import HellaSwagItem, hellaswag_items, score_hellaswag
 
 # ---- setup --------------------------------------------------------------------------------------
 
+
 @dataclass
 class Runtime:
     """Where and how this process computes, resolved once from the config and torchrun's environment."""
+
     device: torch.device
     precision: str  # fp32 / fp16 / bf16 ("auto" resolved)
     dist: DistInfo
@@ -64,8 +66,10 @@ def setup(cfg: Config, dist: DistInfo) -> Runtime:
     precision = resolve_precision(cfg.training.precision, device)
     compile = cfg.model.compile if cfg.model.compile is not None else device.type == "cuda"
     if compile and device.type == "cpu" and not has_cxx_compiler():
-        raise UserError("model.compile = true needs a C++ compiler on the CPU (inductor builds C++ kernels); "
-                        "install g++ or set --model.compile false")
+        raise UserError(
+            "model.compile = true needs a C++ compiler on the CPU (inductor builds C++ kernels); "
+            "install g++ or set --model.compile false"
+        )
     distributed.init_process_group(dist, device, cfg.distributed.backend, cfg.distributed.timeout_s)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -115,14 +119,19 @@ def has_cxx_compiler() -> bool:
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls several times faster than fp32 (without them bf16 is emulated, usually slower)."""
-    return any(getattr(torch.cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return any(
+        getattr(torch.cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    )
 
 
 @contextmanager
 def callers_determinism_restored() -> Iterator[None]:
     """setup() switches on deterministic algorithms for the CPU; a Python caller gets its own setting back."""
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.utils.deterministic.fill_uninitialized_memory)
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+    )
     try:
         yield
     finally:
@@ -132,9 +141,11 @@ def callers_determinism_restored() -> Iterator[None]:
 
 # ---- build ----------------------------------------------------------------------------------------
 
+
 @dataclass
 class Trainer:
     """Everything the loop works with, built once by build()."""
+
     cfg: Config  # the resolved config: what the run records
     rt: Runtime
     dataset: Dataset
@@ -158,8 +169,9 @@ def tokens_per_step(t: TrainingConfig, world_size: int, block_size: int) -> int:
     return t.batch_size * t.grad_accum_steps * world_size * block_size
 
 
-def build(cfg: Config, rt: Runtime, dataset: Dataset, run_dir: RunDir | None = None,
-          resume: TrainingCheckpoint | None = None) -> Trainer:
+def build(
+    cfg: Config, rt: Runtime, dataset: Dataset, run_dir: RunDir | None = None, resume: TrainingCheckpoint | None = None
+) -> Trainer:
     """The model (resumed, from run.init_from, or new) on its device, wrapped for DDP/FSDP and compiled as
     configured, its optimizers, the GradScaler and the batch source; with the config the run records."""
     raw_model = distributed.on_every_rank(build_model, rt.dist, cfg, dataset, resume)
@@ -167,18 +179,36 @@ def build(cfg: Config, rt: Runtime, dataset: Dataset, run_dir: RunDir | None = N
     raw_model.gradient_checkpointing = cfg.training.gradient_checkpointing
     cfg = resolved(cfg, run_dir.path.name if run_dir else cfg.run.name, raw_model.config, rt.compile)
     if cfg.distributed.fsdp and rt.dist.enabled and cfg.optimizer.name == "muon":
-        raise UserError("distributed.fsdp does not support optimizer.name = 'muon' (Muon orthogonalises whole "
-                        "matrices, FSDP shards them): use adamw, or DDP")
-    model = distributed.wrap_model(raw_model, rt.dist, rt.device, rt.compile, cfg.distributed.fsdp,
-                                   cfg.training.gradient_checkpointing)
+        raise UserError(
+            "distributed.fsdp does not support optimizer.name = 'muon' (Muon orthogonalises whole "
+            "matrices, FSDP shards them): use adamw, or DDP"
+        )
+    model = distributed.wrap_model(
+        raw_model, rt.dist, rt.device, rt.compile, cfg.distributed.fsdp, cfg.training.gradient_checkpointing
+    )
     optimizers = make_optimizers(raw_model, cfg.optimizer, rt.device.type)  # after wrapping: FSDP swaps the parameters
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
     batches = BatchSource(dataset, raw_model.config.block_size, cfg.training.batch_size, cfg.run.seed, rt.device)
     token_bytes = torch.as_tensor(dataset.tokenizer.token_bytes(), device=rt.device)
-    items = hellaswag_items(cfg.eval.hellaswag, dataset.tokenizer, cfg.eval.hellaswag_limit, cfg.eval.map_unknown)[0] \
-        if cfg.eval.hellaswag else None
-    return Trainer(cfg, rt, dataset, raw_model, model, optimizers, scaler, batches, run_dir, dataset.tokenizer.to_dict(),
-                   token_bytes, items)
+    items = (
+        hellaswag_items(cfg.eval.hellaswag, dataset.tokenizer, cfg.eval.hellaswag_limit, cfg.eval.map_unknown)[0]
+        if cfg.eval.hellaswag
+        else None
+    )
+    return Trainer(
+        cfg,
+        rt,
+        dataset,
+        raw_model,
+        model,
+        optimizers,
+        scaler,
+        batches,
+        run_dir,
+        dataset.tokenizer.to_dict(),
+        token_bytes,
+        items,
+    )
 
 
 def build_model(cfg: Config, dataset: Dataset, resume: TrainingCheckpoint | None) -> GPT:
@@ -188,8 +218,10 @@ def build_model(cfg: Config, dataset: Dataset, resume: TrainingCheckpoint | None
         margs = model_config_from_args(resume.model_args, "checkpoint")
         if margs.to_dict() != cfg.model_args():
             diff = [k for k, v in margs.to_dict().items() if cfg.model_args()[k] != v]
-            raise UserError(f"--resume: the config's model differs from the checkpoint's in {diff}; "
-                            "resume with the run's own config, or fine-tune with run.init_from instead")
+            raise UserError(
+                f"--resume: the config's model differs from the checkpoint's in {diff}; "
+                "resume with the run's own config, or fine-tune with run.init_from instead"
+            )
         check_vocab_compatible(margs.vocab_size, resume.tokenizer, dataset, "the checkpoint")
     elif cfg.run.init_from != "scratch":
         loaded = load_model(cfg.run.init_from, dropout=cfg.model.dropout)
@@ -233,8 +265,10 @@ def restore(tr: Trainer, ckpt: TrainingCheckpoint) -> TrainState:
     if ckpt.sharded:
         distributed.load_sharded(tr.raw_model, tr.optimizers, tr.run_dir.path / ckpt.sharded)
     elif distributed.is_sharded(tr.raw_model):
-        raise UserError("--resume with distributed.fsdp needs a checkpoint written under FSDP: resume this one without "
-                        "FSDP, or start a new run from its weights with run.init_from")
+        raise UserError(
+            "--resume with distributed.fsdp needs a checkpoint written under FSDP: resume this one without "
+            "FSDP, or start a new run from its weights with run.init_from"
+        )
     else:
         if len(ckpt.optimizers) != len(tr.optimizers):
             raise UserError("--resume: the checkpoint's optimizer differs from the config's (optimizer.name)")
@@ -248,12 +282,15 @@ def restore(tr: Trainer, ckpt: TrainingCheckpoint) -> TrainState:
     else:
         torch.manual_seed(hash((tr.cfg.run.seed, dist.rank, ckpt.state.iter_num)) & 0xFFFF_FFFF)
         if dist.is_main:
-            print(f"resuming a {ckpt.world_size}-rank checkpoint on {dist.world_size} ranks: "
-                  "data streams are re-derived from the step counter for the new world size, RNG streams re-seeded")
+            print(
+                f"resuming a {ckpt.world_size}-rank checkpoint on {dist.world_size} ranks: "
+                "data streams are re-derived from the step counter for the new world size, RNG streams re-seeded"
+            )
     return replace(ckpt.state)
 
 
 # ---- the run directory and the log --------------------------------------------------------------
+
 
 def start_run(tr: Trainer, state: TrainState, resumed: bool) -> MetricsLog | None:
     """On rank 0: print the start-up lines, write config.toml, remove the temp files a killed run left, and open
@@ -265,28 +302,39 @@ def start_run(tr: Trainer, state: TrainState, resumed: bool) -> MetricsLog | Non
     print_startup(tr, state)
     evaluating_only = cfg.training.eval_only
     if not evaluating_only:
-        atomic_write_text(run_dir.path / "config.toml", to_toml(cfg))  # creates the run directory; WriteError if it can't
+        atomic_write_text(
+            run_dir.path / "config.toml", to_toml(cfg)
+        )  # creates the run directory; WriteError if it can't
         run_dir.remove_temp_files()
     kw = dict(json_log=cfg.logging.json_log and not evaluating_only, plot=cfg.logging.plot and not evaluating_only)
     log = MetricsLog.resume(run_dir.path, state.iter_num, **kw) if resumed else MetricsLog(run_dir.path, **kw)
     if cfg.logging.wandb_project:
-        state.wandb_run_id = log.start_wandb(cfg.logging.wandb_project, cfg.logging.wandb_run_name or cfg.run.name,
-                                             state.wandb_run_id, cfg.to_dict())
+        state.wandb_run_id = log.start_wandb(
+            cfg.logging.wandb_project, cfg.logging.wandb_run_name or cfg.run.name, state.wandb_run_id, cfg.to_dict()
+        )
     return log
 
 
 def print_startup(tr: Trainer, state: TrainState) -> None:
     t, rt, model, dataset = tr.cfg.training, tr.rt, tr.raw_model, tr.dataset
     print(summary(tr.cfg))
-    print(f"data: {dataset.directory} | {dataset.tokenizer.kind} tokenizer, vocab {dataset.vocab_size} | "
-          f"train {dataset.lengths['train']:,} / val {dataset.lengths['val']:,} tokens")
+    print(
+        f"data: {dataset.directory} | {dataset.tokenizer.kind} tokenizer, vocab {dataset.vocab_size} | "
+        f"train {dataset.lengths['train']:,} / val {dataset.lengths['val']:,} tokens"
+    )
     print(f"model: {model.num_params() / 1e6:.2f}M parameters | {model.flops_per_token() / 1e6:.1f} MFLOPs/token")
-    print(f"batch: {t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks = "
-          f"{t.batch_size * t.grad_accum_steps * rt.dist.world_size} sequences, {tr.tokens_per_step:,} tokens per optimizer step")
+    print(
+        f"batch: {t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks = "
+        f"{t.batch_size * t.grad_accum_steps * rt.dist.world_size} sequences, {tr.tokens_per_step:,} tokens per optimizer step"
+    )
     if rt.device.type == "cpu" and rt.precision == "fp32":
-        print(f"device: cpu, fp32 ({torch.get_num_threads()} threads; set training.precision = \"bf16\" for bf16 autocast)")
+        print(
+            f'device: cpu, fp32 ({torch.get_num_threads()} threads; set training.precision = "bf16" for bf16 autocast)'
+        )
     elif rt.device.type == "cpu" and rt.precision == "bf16" and not cpu_has_native_bf16():
-        print("device: cpu, bf16 (emulated: this CPU has no AVX512-BF16/AMX, so fp32 is faster: --training.precision fp32)")
+        print(
+            "device: cpu, bf16 (emulated: this CPU has no AVX512-BF16/AMX, so fp32 is faster: --training.precision fp32)"
+        )
     else:
         print(f"device: {rt.device}, {rt.precision}" + (" with GradScaler" if rt.precision == "fp16" else ""))
     if state.iter_num:
@@ -296,14 +344,18 @@ def print_startup(tr: Trainer, state: TrainState) -> None:
 
 # ---- one optimizer step -------------------------------------------------------------------------
 
+
 def train_step(tr: Trainer, it: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Forward/backward over grad_accum_steps micro-batches, clip, step. Returns (loss, grad norm, stepped)."""
     accum, rank, world = tr.cfg.training.grad_accum_steps, tr.rt.dist.rank, tr.rt.dist.world_size
     total_loss = torch.zeros((), device=tr.rt.device)
     for micro in range(accum):
         index = micro_batch_index(it, rank, micro, accum, world)
-        upcoming = micro_batch_index(it, rank, micro + 1, accum, world) if micro + 1 < accum else \
-            micro_batch_index(it + 1, rank, 0, accum, world)
+        upcoming = (
+            micro_batch_index(it, rank, micro + 1, accum, world)
+            if micro + 1 < accum
+            else micro_batch_index(it + 1, rank, 0, accum, world)
+        )
         x, y = tr.batches.get("train", index, next_index=upcoming)
         with distributed.no_sync(tr.model, last=micro == accum - 1):
             with tr.rt.autocast:
@@ -340,6 +392,7 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 # ---- evaluation -----------------------------------------------------------------------------------
 
+
 @torch.no_grad()  # not inference_mode: FSDP's unsharded weights made here are reused by training
 def evaluate(tr: Trainer, batches: int | None = None) -> dict[str, float]:
     """Mean loss, perplexity, next-token accuracy and bits per byte over `batches` (default eval_iters) batches per
@@ -352,16 +405,26 @@ def evaluate(tr: Trainer, batches: int | None = None) -> dict[str, float]:
     n, rank, world, device = batches or tr.cfg.training.eval_iters, tr.rt.dist.rank, tr.rt.dist.world_size, tr.rt.device
     for split in ("train", "val"):
         sums = torch.zeros(5, device=device)  # loss, correct, count, nats of tokens with bytes, their bytes
-        for k in tqdm(range(rank, math.ceil(n / world) * world, world), desc=f"eval {split}", leave=False,
-                      disable=None if tr.rt.dist.is_main else True):
+        for k in tqdm(
+            range(rank, math.ceil(n / world) * world, world),
+            desc=f"eval {split}",
+            leave=False,
+            disable=None if tr.rt.dist.is_main else True,
+        ):
             x, y = tr.batches.get(split, k)
             with tr.rt.autocast:
                 logits, loss = tr.model(x, y)
             nbytes = tr.token_bytes[y]
             nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
-            sums += (k < n) * torch.stack([loss.float(), (logits.argmax(-1) == y).sum().float() / y.numel(),
-                                           torch.ones((), device=device), (nats * (nbytes.flatten() > 0)).sum(),
-                                           nbytes.sum().float()])
+            sums += (k < n) * torch.stack(
+                [
+                    loss.float(),
+                    (logits.argmax(-1) == y).sum().float() / y.numel(),
+                    torch.ones((), device=device),
+                    (nats * (nbytes.flatten() > 0)).sum(),
+                    nbytes.sum().float(),
+                ]
+            )
         sums = distributed.all_reduce_sum(sums)
         loss = (sums[0] / sums[2]).item()
         out[f"{split}_loss"] = loss
@@ -407,14 +470,18 @@ def evaluate_and_track(tr: Trainer, state: TrainState, log: MetricsLog | None, f
     if log:
         log.flush()
     if not improved and t.early_stopping and state.bad_evals >= t.early_stopping_patience:
-        return (f"early stopping: {t.best_metric} has not improved by {t.early_stopping_min_delta} for "
-                f"{state.bad_evals} evaluations (best {best_metric_value(state.best_score, t.best_metric):.4f})")
+        return (
+            f"early stopping: {t.best_metric} has not improved by {t.early_stopping_min_delta} for "
+            f"{state.bad_evals} evaluations (best {best_metric_value(state.best_score, t.best_metric):.4f})"
+        )
     return ""
 
 
 def best_metric_score(metrics: dict[str, float], name: str) -> float:
     """training.best_metric as a score where lower is better (HellaSwag's acc_norm is negated)."""
-    return {"val_loss": metrics["val_loss"], "bpb": metrics["val_bpb"]}.get(name, -metrics.get("hellaswag_acc_norm", 0.0))
+    return {"val_loss": metrics["val_loss"], "bpb": metrics["val_bpb"]}.get(
+        name, -metrics.get("hellaswag_acc_norm", 0.0)
+    )
 
 
 def best_metric_value(score: float, name: str) -> float:
@@ -423,6 +490,7 @@ def best_metric_value(score: float, name: str) -> float:
 
 # ---- checkpoints ----------------------------------------------------------------------------------
 
+
 def save(tr: Trainer, state: TrainState, kind: str, final: bool = False) -> None:
     """Save a checkpoint: "last" (ckpt_last.pt, `latest` and a pruned step checkpoint) or "best" (ckpt_best.pt).
 
@@ -430,11 +498,16 @@ def save(tr: Trainer, state: TrainState, kind: str, final: bool = False) -> None
     rank writes its shards first); rank 0 writes the file (RunDir.save: a failed periodic save is a warning,
     a failed final one a UserError naming the last good checkpoint)."""
     ckpt = TrainingCheckpoint(
-        model=distributed.model_state_dict(tr.raw_model), model_args=tr.raw_model.config.to_dict(),
+        model=distributed.model_state_dict(tr.raw_model),
+        model_args=tr.raw_model.config.to_dict(),
         optimizers=[distributed.optimizer_state_dict(tr.raw_model, o) for o in tr.optimizers],
-        config=tr.cfg.to_dict(), rng=distributed.gather_objects(rng_state()), state=state,
-        scaler=tr.scaler.state_dict() if tr.scaler.is_enabled() else None, tokenizer=tr.tokenizer,
-        world_size=tr.rt.dist.world_size)
+        config=tr.cfg.to_dict(),
+        rng=distributed.gather_objects(rng_state()),
+        state=state,
+        scaler=tr.scaler.state_dict() if tr.scaler.is_enabled() else None,
+        tokenizer=tr.tokenizer,
+        world_size=tr.rt.dist.world_size,
+    )
     if kind == "last" and distributed.is_sharded(tr.raw_model):
         directory = tr.run_dir.sharded(state.iter_num)
         ckpt.sharded = distributed.save_sharded(tr.raw_model, tr.optimizers, directory, tr.rt.dist).name
@@ -443,6 +516,7 @@ def save(tr: Trainer, state: TrainState, kind: str, final: bool = False) -> None
 
 
 # ---- the loop -------------------------------------------------------------------------------------
+
 
 class StopRequest:
     """SIGINT or SIGTERM during training: finish the step, save, stop with reason "signal"; a second Ctrl-C aborts.
@@ -542,16 +616,32 @@ def save_due(it: int, t: TrainingConfig, ending: bool) -> bool:
     return ending or bool(t.save_interval and it % t.save_interval == 0)
 
 
-def log_step(tr: Trainer, state: TrainState, log: MetricsLog | None, loss: torch.Tensor, lr: float,
-             norm: torch.Tensor, clock: StepClock) -> float:
+def log_step(
+    tr: Trainer,
+    state: TrainState,
+    log: MetricsLog | None,
+    loss: torch.Tensor,
+    lr: float,
+    norm: torch.Tensor,
+    clock: StepClock,
+) -> float:
     """The step's loss averaged over the ranks (a collective); rank 0 prints and records it with lr, gradient
     norm, speed, MFU and ETA."""
     mean_loss = distributed.mean_over_ranks(loss, tr.rt.dist)
     if log:
         seconds = clock.seconds_per_step
         tokens_per_s = tr.tokens_per_step / seconds
-        log.step(state.iter_num, tr.cfg.training.max_iters, mean_loss, lr, float(norm), seconds, tokens_per_s,
-                 tr.raw_model.estimate_mfu(tokens_per_s, tr.rt.peak_flops), state.tokens_seen)
+        log.step(
+            state.iter_num,
+            tr.cfg.training.max_iters,
+            mean_loss,
+            lr,
+            float(norm),
+            seconds,
+            tokens_per_s,
+            tr.raw_model.estimate_mfu(tokens_per_s, tr.rt.peak_flops),
+            state.tokens_seen,
+        )
     return mean_loss
 
 
@@ -562,9 +652,13 @@ def count_nonfinite(state: TrainState, stepped: bool, limit: int, main: bool) ->
         return ""
     state.nonfinite_streak += 1
     if main:
-        print(f"iter {state.iter_num}: non-finite loss or gradient, step skipped ({state.nonfinite_streak} in a row)",
-              flush=True)
+        print(
+            f"iter {state.iter_num}: non-finite loss or gradient, step skipped ({state.nonfinite_streak} in a row)",
+            flush=True,
+        )
     if state.nonfinite_streak < limit:
         return ""
-    return (f"stopped: {state.nonfinite_streak} consecutive non-finite steps; the last good checkpoint is intact "
-            "(lower the learning rate or use bf16/fp32)")
+    return (
+        f"stopped: {state.nonfinite_streak} consecutive non-finite steps; the last good checkpoint is intact "
+        "(lower the learning rate or use bf16/fp32)"
+    )

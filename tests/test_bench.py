@@ -20,8 +20,18 @@ from quillgpt.errors import UserError
 from quillgpt.prepare import prepare_dataset
 
 TEXT = "".join(f"Line {i}: the quick brown fox jumps over {i * 7} lazy dogs, said the king.\n" for i in range(600))
-TINY_MODEL = ["--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "16", "--model.block_size", "16",
-              "--training.batch_size", "2"]
+TINY_MODEL = [
+    "--model.n_layer",
+    "1",
+    "--model.n_head",
+    "2",
+    "--model.n_embd",
+    "16",
+    "--model.block_size",
+    "16",
+    "--training.batch_size",
+    "2",
+]
 
 
 @pytest.fixture
@@ -65,7 +75,9 @@ def test_training_table_and_baseline_ratio(tiny, capsys):
 def test_against_a_commit_alternates_both_codes(tiny, capsys):
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True).returncode:
         pytest.skip("not a git checkout")
-    bench.main(["--against", "HEAD", "--rounds", "2", "--warmup", "1", "--iters", "2", "--model.compile", "false", *tiny])
+    bench.main(
+        ["--against", "HEAD", "--rounds", "2", "--warmup", "1", "--iters", "2", "--model.compile", "false", *tiny]
+    )
     out = capsys.readouterr().out
     rows = {row[0]: row for row in table_rows(out)}
     assert len(rows["this checkout"][1].split(",")) == 2 and len(rows["HEAD"][1].split(",")) == 2
@@ -74,8 +86,24 @@ def test_against_a_commit_alternates_both_codes(tiny, capsys):
 
 def test_json_output_and_profile_trace(tiny, tmp_path, capsys):
     trace_dir = tmp_path / "prof"
-    bench.main([*tiny, "--warmup", "1", "--iters", "2", "--repeats", "1", "--json", "--profile", str(trace_dir),
-                "--profile-steps", "1", "--model.compile", "false"])  # eager, as in the table test above
+    bench.main(
+        [
+            *tiny,
+            "--warmup",
+            "1",
+            "--iters",
+            "2",
+            "--repeats",
+            "1",
+            "--json",
+            "--profile",
+            str(trace_dir),
+            "--profile-steps",
+            "1",
+            "--model.compile",
+            "false",
+        ]
+    )  # eager, as in the table test above
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(result) == 1 and result[0]["name"] == "optimised"
     assert result[0]["tokens_per_s"] > 0 and result[0]["peak_mb"] > 0 and result[0]["first_step_s"] > 0
@@ -94,8 +122,19 @@ def test_baseline_batches_equal_vectorised_batches(tiny):
 
 
 def test_sample_mode(capsys):
-    bench.main(["--sample", *TINY_MODEL, "--model.block_size", "32", "--new-tokens", "40", "--repeats", "1",
-                "--no-compile-decoding"])  # compiled decoding: test_model.py
+    bench.main(
+        [
+            "--sample",
+            *TINY_MODEL,
+            "--model.block_size",
+            "32",
+            "--new-tokens",
+            "40",
+            "--repeats",
+            "1",
+            "--no-compile-decoding",
+        ]
+    )  # compiled decoding: test_model.py
     out = capsys.readouterr().out
     rows = {tuple(row[:3]): row for row in table_rows(out) if row[0] != "weights"}
     assert set(rows) == {("fp32", "off", "no"), ("fp32", "on", "no"), ("bf16", "on", "no"), ("int8", "on", "no")}
@@ -108,7 +147,9 @@ def test_muon_mode(tiny, capsys):
     bench.main(["--muon", *tiny, "--optimizer.name", "muon", "--warmup", "1", "--iters", "2", "--repeats", "1"])
     out = capsys.readouterr().out
     rows = {row[0]: row for row in table_rows(out)}
-    assert float(rows["torch.optim.Muon (a chain per matrix)"][1]) > 0 and rows["optim.Muon (a chain per shape)"][2].endswith("%")
+    assert float(rows["torch.optim.Muon (a chain per matrix)"][1]) > 0 and rows["optim.Muon (a chain per shape)"][
+        2
+    ].endswith("%")
 
 
 @pytest.mark.xdist_group("compiled_step")
@@ -120,8 +161,20 @@ def test_kernels_mode_clocks_each_kernel_of_the_compiled_step_and_puts_them_back
     # test_train's compiled run (the defaults and these overrides, no preset), so inductor's cache has its code
     overrides = tiny_overrides(tiny_data, tmp_path, **TINY_COMPILED, **{"data.input": tiny_data / "tiny.txt"})
     (tmp_path / "defaults.toml").write_text("")
-    bench.main(["--kernels", "--config", str(tmp_path / "defaults.toml"), "--warmup", "2", "--iters", "3", "--top", "100",
-                *[a for k, v in overrides.items() for a in (f"--{k}", str(v))]])
+    bench.main(
+        [
+            "--kernels",
+            "--config",
+            str(tmp_path / "defaults.toml"),
+            "--warmup",
+            "2",
+            "--iters",
+            "3",
+            "--top",
+            "100",
+            *[a for k, v in overrides.items() for a in (f"--{k}", str(v))],
+        ]
+    )
     out = capsys.readouterr().out
     rows = {row[0]: row for row in table_rows(out) if row[0] != "kernel"}
     matmuls = [row for name, row in rows.items() if name.startswith(("mm ", "bmm ", "addmm ", "baddbmm "))]
@@ -134,7 +187,12 @@ def test_kernels_mode_clocks_each_kernel_of_the_compiled_step_and_puts_them_back
     assert "of the matmul ceiling measured just before" in out
     modules = [m for m in PyCodeCache.modules if hasattr(m, "call")]
     assert all(type(m.extern_kernels).__name__ != "_TimedMatmuls" for m in modules)
-    assert all(getattr(fn, "__name__", "") != "wrapper" for m in modules for n, fn in vars(m).items() if n.startswith("cpp_fused"))
+    assert all(
+        getattr(fn, "__name__", "") != "wrapper"
+        for m in modules
+        for n, fn in vars(m).items()
+        if n.startswith("cpp_fused")
+    )
     assert type(torch.ops.quill.keep_mask.default).__name__ == "OpOverload"
 
 
@@ -191,8 +249,18 @@ def test_precision_curves_stop_at_a_signal(tiny):
     with a non-zero exit, instead of going on to the bf16 run."""
     import signal
 
-    cmd = [sys.executable, "bench.py", "--precision-curves", *tiny, "--iters", "100000", "--eval-interval", "10",
-           "--training.eval_iters", "2"]
+    cmd = [
+        sys.executable,
+        "bench.py",
+        "--precision-curves",
+        *tiny,
+        "--iters",
+        "100000",
+        "--eval-interval",
+        "10",
+        "--training.eval_iters",
+        "2",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
@@ -227,16 +295,35 @@ def test_speedrun_times_rungs_seeds_and_variants(tiny, tmp_path):
     configs = []
     for name in ("slow", "fast"):
         path = tmp_path / f"{name}.toml"
-        path.write_text("[run]\ndevice = \"cpu\"\n[training]\nmax_iters = 4\neval_iters = 2\neval_interval = 2\n")
+        path.write_text('[run]\ndevice = "cpu"\n[training]\nmax_iters = 4\neval_iters = 2\neval_interval = 2\n')
         configs.append(str(path))
-    result = subprocess.run([sys.executable, "speedrun.py", "--configs", *configs, "--targets", "100", "0.01",
-                             "--seeds", "1", "--variant", "a=--optimizer.learning_rate 1e-2", "--final-batches", "3",
-                             "--keep", str(tmp_path / "kept"), *tiny],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "speedrun.py",
+            "--configs",
+            *configs,
+            "--targets",
+            "100",
+            "0.01",
+            "--seeds",
+            "1",
+            "--variant",
+            "a=--optimizer.learning_rate 1e-2",
+            "--final-batches",
+            "3",
+            "--keep",
+            str(tmp_path / "kept"),
+            *tiny,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [r for r in table_rows(result.stdout) if r[0] != "config"]
-    assert sorted((r[0], r[1], r[2]) for r in rows) == sorted(
-        (Path(c).name, "a", "1") for c in configs)
+    assert sorted((r[0], r[1], r[2]) for r in rows) == sorted((Path(c).name, "a", "1") for c in configs)
     for row in rows:
         assert re.fullmatch(r"[\d.]+s @0", row[3])  # the iter-0 eval is already below 100
         assert row[4] == "—"  # 0.01 is never reached
@@ -249,9 +336,25 @@ def test_speedrun_times_rungs_seeds_and_variants(tiny, tmp_path):
 
 def test_speedrun_stops_a_run_at_its_budget_once_per_seed(tiny, tmp_path):
     config = tmp_path / "long.toml"
-    config.write_text("[run]\ndevice = \"cpu\"\n[training]\nmax_iters = 100000\neval_iters = 2\neval_interval = 5\n")
-    result = subprocess.run([sys.executable, "speedrun.py", "--configs", str(config), "--budget-minutes", "0.0001",
-                             "--seeds", "5", "6", *tiny], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    config.write_text('[run]\ndevice = "cpu"\n[training]\nmax_iters = 100000\neval_iters = 2\neval_interval = 5\n')
+    result = subprocess.run(
+        [
+            sys.executable,
+            "speedrun.py",
+            "--configs",
+            str(config),
+            "--budget-minutes",
+            "0.0001",
+            "--seeds",
+            "5",
+            "6",
+            *tiny,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [r for r in table_rows(result.stdout) if r[0] != "config"]
     assert [r[2] for r in rows] == ["5", "6"] and all("over budget (best" in r[-3] for r in rows)
@@ -266,14 +369,17 @@ def test_speedrun_budget_scales_up_on_slower_machines_only():
 
 def test_speedrun_ratio_when_the_baseline_never_reaches_the_target():
     def run(config: str, seconds: float | None, total: float) -> speedrun.Run:
-        return speedrun.Run(config, "", 1, 400.0, 1200.0, {} if seconds is None else {1.88: (seconds, 100)},
-                            seconds=total)
+        return speedrun.Run(
+            config, "", 1, 400.0, 1200.0, {} if seconds is None else {1.88: (seconds, 100)}, seconds=total
+        )
 
     base, fast = run("a.toml", None, 60.0), run("b.toml", 20.0, 20.0)
     line = speedrun.ratio_line([base, fast], 1.88)
     assert "< 0.33" in line and "never reached" in line
     assert "did not reach" in speedrun.ratio_line([fast, base], 1.88)
-    assert np.isclose(float(re.search(r"= ([\d.]+) of", speedrun.ratio_line([fast, run("c", 20.0, 20.0)], 1.88))[1]), 1.0)
+    assert np.isclose(
+        float(re.search(r"= ([\d.]+) of", speedrun.ratio_line([fast, run("c", 20.0, 20.0)], 1.88))[1]), 1.0
+    )
 
 
 def test_vs_nanogpt_reads_both_trainers_iteration_lines_and_gives_nanogpt_our_data(tiny_data, tmp_path, capsys):
@@ -291,15 +397,19 @@ def test_vs_nanogpt_reads_both_trainers_iteration_lines_and_gives_nanogpt_our_da
     assert len(vs_nanogpt.OUR_ITER.findall(out)) == 6
     assert vs_nanogpt.iteration_ms(out, vs_nanogpt.OUR_ITER, skip=1) > 0
     nano_out = "step 0: train loss 4.2\niter 0: loss 4.2, time 900.00ms, mfu -100.00%\n" + "".join(
-        f"iter {i}: loss 3.{i}000, time {30 + i}.50ms, mfu 1.20%\n" for i in range(1, 6))
-    assert vs_nanogpt.iteration_ms(nano_out, vs_nanogpt.NANOGPT_ITER, skip=1) == 34.0  # iters 2-5: 32.5, 33.5, 34.5, 35.5
+        f"iter {i}: loss 3.{i}000, time {30 + i}.50ms, mfu 1.20%\n" for i in range(1, 6)
+    )
+    assert (
+        vs_nanogpt.iteration_ms(nano_out, vs_nanogpt.NANOGPT_ITER, skip=1) == 34.0
+    )  # iters 2-5: 32.5, 33.5, 34.5, 35.5
 
     nanogpt = tmp_path / "nanoGPT"
     (nanogpt / "config").mkdir(parents=True)
     (nanogpt / "configurator.py").write_text("")
     (tmp_path / "scratch").mkdir()
-    work = vs_nanogpt.nanogpt_workdir(nanogpt, replace(load_dataset(tiny_data / "tiny"), meta={"vocab_size": 77}),
-                                      tmp_path / "scratch")
+    work = vs_nanogpt.nanogpt_workdir(
+        nanogpt, replace(load_dataset(tiny_data / "tiny"), meta={"vocab_size": 77}), tmp_path / "scratch"
+    )
     data = work / "data" / "shakespeare_char"
     assert (data / "train.bin").read_bytes() == (tiny_data / "tiny" / "train.bin").read_bytes()
     assert pickle.loads((data / "meta.pkl").read_bytes()) == {"vocab_size": 77}

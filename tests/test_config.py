@@ -20,11 +20,15 @@ else:
 BAD_CONFIGS = [
     ("[trainig]\nbatch_size = 4", [], "unknown section [trainig] (did you mean 'training'?)"),
     ("[training]\nbatch_sise = 4", [], "unknown key 'training.batch_sise' (did you mean 'batch_size'?)"),
-    ("[training]\nlearning_rate = 1e-3", [], "unknown key 'training.learning_rate' (did you mean 'optimizer.learning_rate'?)"),
+    (
+        "[training]\nlearning_rate = 1e-3",
+        [],
+        "unknown key 'training.learning_rate' (did you mean 'optimizer.learning_rate'?)",
+    ),
     ("batch_size = 4", [], "top-level key 'batch_size' is not a section"),
     ("[training]\nbatch_size = 4.5", [], "training.batch_size = 4.5 has the wrong type, expected int"),
-    ("[training]\nbatch_size = \"8\"", [], "training.batch_size = '8' has the wrong type, expected int"),
-    ("[optimizer]\nlearning_rate = \"fast\"", [], "optimizer.learning_rate = 'fast' has the wrong type, expected float"),
+    ('[training]\nbatch_size = "8"', [], "training.batch_size = '8' has the wrong type, expected int"),
+    ('[optimizer]\nlearning_rate = "fast"', [], "optimizer.learning_rate = 'fast' has the wrong type, expected float"),
     ("[model]\nbias = 1", [], "model.bias = 1 has the wrong type, expected bool"),
     ("[training]\nbatch_size = 0", [], "training.batch_size = 0 must be positive"),
     ("[training]\ngrad_accum_steps = -2", [], "training.grad_accum_steps = -2 must be positive"),
@@ -36,19 +40,30 @@ BAD_CONFIGS = [
     ("[training]\nsave_interval = -1", [], "training.save_interval = -1 must be >= 0"),
     ("[training]\nlog_interval = -10", [], "training.log_interval = -10 must be >= 0"),
     ("[optimizer]\nweight_decay = -0.1", [], "optimizer.weight_decay = -0.1 must be >= 0"),
-    ("[training]\nprecision = \"fp8\"", [], "training.precision = 'fp8' must be one of fp32 | fp16 | bf16 | auto"),
+    ('[training]\nprecision = "fp8"', [], "training.precision = 'fp8' must be one of fp32 | fp16 | bf16 | auto"),
     ("[model]\nn_embd = 100\nn_head = 3", [], "model.n_embd = 100 is not divisible by model.n_head = 3"),
     ("[model]\ndropout = 1.0", [], "model.dropout = 1.0 must be in [0, 1)"),
     ("[model]\ndropout = -0.1", [], "model.dropout = -0.1 must be in [0, 1)"),
-    ("[training]\nglobal_batch_size = 64\nbatch_size = 12\ngrad_accum_steps = 2", [],
-     "training.global_batch_size = 64 but batch_size 12 x grad_accum_steps 2 x world_size 1 = 24"),
-    ("[training]\nglobal_batch_size = 8\nbatch_size = 12", [], "training.batch_size = 12 exceeds training.global_batch_size = 8"),
-    ("[run]\ndevice = \"tpu\"", [], "run.device = 'tpu' must be auto | cpu | cuda | cuda:N | mps"),
+    (
+        "[training]\nglobal_batch_size = 64\nbatch_size = 12\ngrad_accum_steps = 2",
+        [],
+        "training.global_batch_size = 64 but batch_size 12 x grad_accum_steps 2 x world_size 1 = 24",
+    ),
+    (
+        "[training]\nglobal_batch_size = 8\nbatch_size = 12",
+        [],
+        "training.batch_size = 12 exceeds training.global_batch_size = 8",
+    ),
+    ('[run]\ndevice = "tpu"', [], "run.device = 'tpu' must be auto | cpu | cuda | cuda:N | mps"),
     ("[training\nbatch_size = 4", [], "invalid TOML"),
-    ("[model]\npos_emb = \"alibi\"", [], "model.pos_emb = 'alibi' must be one of learned | rope"),
-    ("[optimizer]\nname = \"sgd\"", [], "optimizer.name = 'sgd' must be one of adamw | muon"),
+    ('[model]\npos_emb = "alibi"', [], "model.pos_emb = 'alibi' must be one of learned | rope"),
+    ('[optimizer]\nname = "sgd"', [], "optimizer.name = 'sgd' must be one of adamw | muon"),
     ("[optimizer]\nmin_lr = 0.1\nlearning_rate = 0.01", [], "optimizer.min_lr = 0.1 must be in [0, learning_rate]"),
-    (None, ["--training.batch_size", "many"], "command line: training.batch_size = 'many' has the wrong type, expected int"),
+    (
+        None,
+        ["--training.batch_size", "many"],
+        "command line: training.batch_size = 'many' has the wrong type, expected int",
+    ),
     (None, ["--max-iter", "5"], "unknown option '--max-iter' (did you mean 'max-iters'?)"),
     (None, ["--model.n_layer"], "--model.n_layer needs a value"),
     (None, ["--device", "cuda"], "run.device = 'cuda' but this machine has no CUDA device"),
@@ -57,6 +72,7 @@ BAD_CONFIGS = [
 
 def run_cli(argv, capsys) -> tuple[int, str]:
     import train
+
     with pytest.raises(SystemExit) as exc:
         run_main(lambda: train.main(argv))
     return exc.value.code, capsys.readouterr().err
@@ -66,6 +82,7 @@ def run_cli(argv, capsys) -> tuple[int, str]:
 def test_bad_config_exits_2_with_one_line(toml, args, fragment, tmp_path, capsys, tiny_data):
     if "cuda" in fragment:
         import torch
+
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
     argv = list(args) + [f"--data.data_dir={tiny_data}", "--data.dataset=tiny", f"--run.out_dir={tmp_path}"]
@@ -90,20 +107,21 @@ def test_data_dependent_errors(tiny_data, tmp_path, capsys):
 
 def test_all_errors_in_a_file_are_reported_together(tmp_path):
     path = tmp_path / "many.toml"
-    path.write_text("[training]\nbatch_size = 0\nmax_iters = -1\nprecision = \"x\"\n[model]\ndropout = 2.0\nbogus = 1\n")
+    path.write_text('[training]\nbatch_size = 0\nmax_iters = -1\nprecision = "x"\n[model]\ndropout = 2.0\nbogus = 1\n')
     with pytest.raises(ConfigError) as exc:
         load_config(path)
     lines = str(exc.value).splitlines()
     assert len(lines) == 5
-    assert any("bogus" in l for l in lines) and any("dropout" in l for l in lines)
+    assert any("bogus" in line for line in lines) and any("dropout" in line for line in lines)
 
 
 @pytest.mark.slow
 def test_real_subprocess_error_has_no_traceback(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[model]\nn_embd = 100\nn_head = 3\n")
-    proc = subprocess.run([sys.executable, "train.py", "--config", str(path)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--config", str(path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: model.n_embd = 100 is not divisible by model.n_head = 3"
 
@@ -112,28 +130,31 @@ def test_precedence_defaults_toml_cli(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[training]\nbatch_size = 7\nmax_iters = 100\n[optimizer]\nlearning_rate = 1e-3\n")
     cfg = load_config(path, ["--training.max_iters", "5", "--optimizer.learning_rate=2e-3"])
-    assert cfg.training.batch_size == 7          # TOML over default
-    assert cfg.training.max_iters == 5           # CLI over TOML
+    assert cfg.training.batch_size == 7  # TOML over default
+    assert cfg.training.max_iters == 5  # CLI over TOML
     assert cfg.optimizer.learning_rate == 2e-3
-    assert cfg.training.grad_accum_steps == 1    # default
+    assert cfg.training.grad_accum_steps == 1  # default
 
 
-@pytest.mark.parametrize("arg,key,expected", [
-    ("--training.max_iters=12", "training.max_iters", 12),                 # int
-    ("--optimizer.learning_rate=3e-4", "optimizer.learning_rate", 3e-4),   # float
-    ("--optimizer.learning_rate=1", "optimizer.learning_rate", 1.0),       # int for a float field
-    ("--model.bias=false", "model.bias", False),                           # bool
-    ("--model.bias=True", "model.bias", True),
-    ("--training.eval_only=yes", "training.eval_only", True),
-    ("--run.name=my run", "run.name", "my run"),                           # bare str
-    ("--run.name=\"1e3\"", "run.name", "1e3"),                             # quoted str that looks numeric
-    ("--data.input=none", "data.input", None),                             # optional -> None
-    ("--model.vocab_size=512", "model.vocab_size", 512),                   # optional int
-    ("--model.compile=true", "model.compile", True),                       # optional bool
-    ("--max-iters=9", "training.max_iters", 9),                            # short flags
-    ("--device=cpu", "run.device", "cpu"),
-    ("--tokenizer=bpe", "data.tokenizer", "bpe"),
-])
+@pytest.mark.parametrize(
+    "arg,key,expected",
+    [
+        ("--training.max_iters=12", "training.max_iters", 12),  # int
+        ("--optimizer.learning_rate=3e-4", "optimizer.learning_rate", 3e-4),  # float
+        ("--optimizer.learning_rate=1", "optimizer.learning_rate", 1.0),  # int for a float field
+        ("--model.bias=false", "model.bias", False),  # bool
+        ("--model.bias=True", "model.bias", True),
+        ("--training.eval_only=yes", "training.eval_only", True),
+        ("--run.name=my run", "run.name", "my run"),  # bare str
+        ('--run.name="1e3"', "run.name", "1e3"),  # quoted str that looks numeric
+        ("--data.input=none", "data.input", None),  # optional -> None
+        ("--model.vocab_size=512", "model.vocab_size", 512),  # optional int
+        ("--model.compile=true", "model.compile", True),  # optional bool
+        ("--max-iters=9", "training.max_iters", 9),  # short flags
+        ("--device=cpu", "run.device", "cpu"),
+        ("--tokenizer=bpe", "data.tokenizer", "bpe"),
+    ],
+)
 def test_override_parsing_for_every_type(arg, key, expected):
     cfg = build_config(None, parse_overrides([arg]))
     section, name = key.split(".")
@@ -147,6 +168,7 @@ def test_override_parsing_for_every_type(arg, key, expected):
 def test_list_fields_parse():
     """No field is a list yet; the coercion for list types still works for when one is added."""
     from quillgpt.config import coerce
+
     assert coerce([1, 2], list[int]) == [1, 2]
     with pytest.raises(TypeError):
         coerce([1, "x"], list[int])
@@ -154,8 +176,17 @@ def test_list_fields_parse():
 
 
 def test_saved_config_reloads_equal():
-    cfg = build_config(None, {"run.name": "x\"y", "training.max_iters": 77, "model.bias": False,
-                              "optimizer.learning_rate": 1.5e-4, "model.vocab_size": 321, "data.input": "a\\b.txt"})
+    cfg = build_config(
+        None,
+        {
+            "run.name": 'x"y',
+            "training.max_iters": 77,
+            "model.bias": False,
+            "optimizer.learning_rate": 1.5e-4,
+            "model.vocab_size": 321,
+            "data.input": "a\\b.txt",
+        },
+    )
     again = build_config(tomllib.loads(to_toml(cfg)))
     assert again == cfg
     assert build_config(config_mod.layer_from_dict(cfg.to_dict())) == cfg  # as stored in checkpoints
@@ -180,7 +211,12 @@ def test_the_documented_presets_exist():
 def test_nanogpt_shakespeare_presets_match_nanogpt():
     gpu = load_config(REPO_ROOT / "configs/shakespeare_char/gpu.toml")
     assert (gpu.model.n_layer, gpu.model.n_head, gpu.model.n_embd, gpu.model.block_size) == (6, 6, 384, 256)
-    assert (gpu.training.batch_size, gpu.training.max_iters, gpu.optimizer.learning_rate, gpu.model.dropout) == (64, 5000, 1e-3, 0.2)
+    assert (gpu.training.batch_size, gpu.training.max_iters, gpu.optimizer.learning_rate, gpu.model.dropout) == (
+        64,
+        5000,
+        1e-3,
+        0.2,
+    )
     cpu = load_config(REPO_ROOT / "configs/shakespeare_char/cpu.toml")
     assert (cpu.model.n_layer, cpu.model.n_head, cpu.model.n_embd, cpu.model.block_size) == (4, 4, 128, 64)
     assert (cpu.training.batch_size, cpu.training.max_iters, cpu.optimizer.lr_decay_iters) == (12, 2000, 2000)
@@ -189,9 +225,17 @@ def test_nanogpt_shakespeare_presets_match_nanogpt():
 
 def test_config_keys_users_know_from_other_trainers_exist():
     names = {f"{s}.{f.name}" for s in config_mod.SECTIONS for f in dataclasses.fields(config_mod.SECTIONS[s])}
-    assert {"training.batch_size", "training.grad_accum_steps", "training.precision", "training.early_stopping",
-            "training.early_stopping_patience", "training.early_stopping_min_delta", "training.save_best",
-            "training.data_format", "data.processed_dir"} <= names
+    assert {
+        "training.batch_size",
+        "training.grad_accum_steps",
+        "training.precision",
+        "training.early_stopping",
+        "training.early_stopping_patience",
+        "training.early_stopping_min_delta",
+        "training.save_best",
+        "training.data_format",
+        "data.processed_dir",
+    } <= names
 
 
 def test_every_field_has_a_description():
@@ -204,26 +248,48 @@ def test_readme_config_reference_is_generated_from_the_schema():
     readme = (REPO_ROOT / "README.md").read_text()
     start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
     assert start in readme and end in readme
-    assert readme.split(start)[1].split(end)[0] == markdown_reference(), \
+    assert readme.split(start)[1].split(end)[0] == markdown_reference(), (
         "README config reference is stale: python -m quillgpt.config --markdown, paste between the markers"
+    )
 
 
 def test_validate_reports_feasibility(tiny_data, tmp_path, capsys):
-    argv = [f"--data.data_dir={tiny_data}", "--data.dataset=tiny", f"--run.out_dir={tmp_path}", "--validate",
-            *[f"--{k}={v}" for k, v in tiny_overrides(tiny_data, tmp_path).items()]]
+    argv = [
+        f"--data.data_dir={tiny_data}",
+        "--data.dataset=tiny",
+        f"--run.out_dir={tmp_path}",
+        "--validate",
+        *[f"--{k}={v}" for k, v in tiny_overrides(tiny_data, tmp_path).items()],
+    ]
     import train
+
     with pytest.raises(SystemExit) as exc:
         run_main(lambda: train.main(argv))
     out = capsys.readouterr().out
     assert exc.value.code == 0
-    for fragment in ("parameters", "tokens per optimizer step: 128", "memory estimate", "ms/iter", "estimated run", "ok:"):
+    for fragment in (
+        "parameters",
+        "tokens per optimizer step: 128",
+        "memory estimate",
+        "ms/iter",
+        "estimated run",
+        "ok:",
+    ):
         assert fragment in out
     assert not (tmp_path / "t").exists()  # validating writes nothing
 
 
 def test_validate_refuses_what_cannot_fit(tiny_data, tmp_path, capsys):
-    argv = [f"--data.data_dir={tiny_data}", "--data.dataset=tiny", f"--run.out_dir={tmp_path}", "--validate",
-            "--model.n_layer=96", "--model.n_embd=8192", "--model.n_head=64", "--model.block_size=64",
-            "--training.batch_size=256"]
+    argv = [
+        f"--data.data_dir={tiny_data}",
+        "--data.dataset=tiny",
+        f"--run.out_dir={tmp_path}",
+        "--validate",
+        "--model.n_layer=96",
+        "--model.n_embd=8192",
+        "--model.n_head=64",
+        "--model.block_size=64",
+        "--training.batch_size=256",
+    ]
     code, err = run_cli(argv, capsys)
     assert code == 2 and "would not fit" in err

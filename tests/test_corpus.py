@@ -77,7 +77,7 @@ def documents_of(out_dir: Path) -> tuple[list[str], list[str], dict]:
         ids = np.fromfile(out_dir / f"{split}.bin", dtype=meta["dtype"])
         assert ids[-1] == meta["eot_id"] == tok.eot_id
         ends = np.flatnonzero(ids == tok.eot_id)
-        splits.append([tok.decode(ids[a + 1 if a >= 0 else 0:b]) for a, b in zip(np.r_[-1, ends[:-1]], ends)])
+        splits.append([tok.decode(ids[a + 1 if a >= 0 else 0 : b]) for a, b in zip(np.r_[-1, ends[:-1]], ends)])
     return *splits, meta
 
 
@@ -97,8 +97,15 @@ def test_every_source_kind_gives_its_documents_each_ended_by_endoftext(corpus_fi
 
 
 def test_a_directory_is_read_recursively_one_document_per_file(corpus_files, tmp_path):
-    out = prepare_dataset("folder", input_path=str(corpus_files["folder"]), glob="*.md", tokenizer="bpe",
-                          vocab_size=300, data_dir=tmp_path, verbose=False)
+    out = prepare_dataset(
+        "folder",
+        input_path=str(corpus_files["folder"]),
+        glob="*.md",
+        tokenizer="bpe",
+        vocab_size=300,
+        data_dir=tmp_path,
+        verbose=False,
+    )
     train, val, meta = documents_of(out)
     paths = sorted(p for p in corpus_files["folder"].rglob("*.md") if not p.name.startswith("."))
     assert sorted(train + val) == sorted(p.read_text() for p in paths) and len(paths) == 30
@@ -121,8 +128,16 @@ def test_output_is_byte_identical_for_any_number_of_workers(corpus_files, tmp_pa
     inputs = [str(corpus_files[k]) for k in ("jsonl", "zst", "parquet")]
     outputs = []
     for workers in (1, 2, 3):
-        out = prepare_dataset(f"w{workers}", input_path=inputs, tokenizer=tokenizer, vocab_size=300 if tokenizer == "bpe" else None,
-                              data_dir=tmp_path, verbose=False, workers=workers, chunk_bytes=2048)
+        out = prepare_dataset(
+            f"w{workers}",
+            input_path=inputs,
+            tokenizer=tokenizer,
+            vocab_size=300 if tokenizer == "bpe" else None,
+            data_dir=tmp_path,
+            verbose=False,
+            workers=workers,
+            chunk_bytes=2048,
+        )
         outputs.append([(out / name).read_bytes() for name in ("train.bin", "val.bin", "tokenizer.json")])
     assert outputs[0] == outputs[1] == outputs[2]
 
@@ -135,8 +150,12 @@ def test_hub_datasets_stream_through_datasets_like_local_files(corpus_files, tmp
     hub.mkdir()
     write_parquet(hub / "train-0.parquet", DOCS[:120])
     write_parquet(hub / "train-1.parquet", DOCS[120:])
-    local = prepare_dataset("local", input_path=[str(hub / "train-0.parquet"), str(hub / "train-1.parquet")],
-                            data_dir=tmp_path, verbose=False)
+    local = prepare_dataset(
+        "local",
+        input_path=[str(hub / "train-0.parquet"), str(hub / "train-1.parquet")],
+        data_dir=tmp_path,
+        verbose=False,
+    )
     streamed = prepare_dataset("streamed", hf_dataset=str(hub), data_dir=tmp_path, verbose=False, chunk_bytes=4096)
     for name in ("train.bin", "val.bin", "tokenizer.json"):
         assert (local / name).read_bytes() == (streamed / name).read_bytes()
@@ -206,8 +225,20 @@ def test_restarts_after_sigkill_end_with_the_uninterrupted_files(tmp_path):
     stopped, and until then the folder never passes for a complete dataset."""
     docs = [word_salad(random.Random(i).randint(50, 900), seed=i) for i in range(24_000)]
     source = write_jsonl(tmp_path / "big.jsonl", docs)
-    cmd = [sys.executable, str(REPO_ROOT / "prepare.py"), "--input", str(source), "--tokenizer", "gpt2",
-           "--chunk-bytes", "32768", "--data-dir", str(tmp_path / "data"), "--workers", "2"]
+    cmd = [
+        sys.executable,
+        str(REPO_ROOT / "prepare.py"),
+        "--input",
+        str(source),
+        "--tokenizer",
+        "gpt2",
+        "--chunk-bytes",
+        "32768",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--workers",
+        "2",
+    ]
     reference = subprocess.run([*cmd, "--dataset", "straight"], capture_output=True, text=True, timeout=300)
     assert reference.returncode == 0, reference.stderr
     journal = tmp_path / "data" / "killed" / ".prepare" / "progress.json"
@@ -239,11 +270,14 @@ def test_restarts_after_sigkill_end_with_the_uninterrupted_files(tmp_path):
     print(f"\n{len(stopped_at)} kills, with the journal at chunks {stopped_at}")
     assert len(stopped_at) == 12 and stopped_at == sorted(stopped_at) and len(set(stopped_at)) >= 8
     for name in ("train.bin", "val.bin", "tokenizer.json"):
-        digest = [hashlib.sha256((tmp_path / "data" / d / name).read_bytes()).hexdigest() for d in ("straight", "killed")]
+        digest = [
+            hashlib.sha256((tmp_path / "data" / d / name).read_bytes()).hexdigest() for d in ("straight", "killed")
+        ]
         assert digest[0] == digest[1], name
     metas = [json.loads((tmp_path / "data" / d / "meta.json").read_text()) for d in ("straight", "killed")]
     assert [{k: v for k, v in m.items() if k != "dataset"} for m in metas][0] == {
-        k: v for k, v in metas[1].items() if k != "dataset"}
+        k: v for k, v in metas[1].items() if k != "dataset"
+    }
     assert not journal.parent.exists()
 
 
@@ -261,8 +295,15 @@ def test_outputs_beyond_2_to_the_31_tokens_are_addressed_with_64_bit_offsets(tmp
         f.write(np.arange(1, 8, dtype=np.uint16).tobytes())
     np.tile(np.arange(8, dtype=np.uint16), 100).tofile(directory / "val.bin")
     save_tokenizer(tok, directory / "tokenizer.json")
-    (directory / "meta.json").write_text(json.dumps({"tokenizer": {"kind": "char", "name": None, "file": "tokenizer.json"},
-                                                     "vocab_size": tok.vocab_size, "dtype": "uint16"}))
+    (directory / "meta.json").write_text(
+        json.dumps(
+            {
+                "tokenizer": {"kind": "char", "name": None, "file": "tokenizer.json"},
+                "vocab_size": tok.vocab_size,
+                "dtype": "uint16",
+            }
+        )
+    )
     dataset = load_dataset(directory)  # checks every token id, 4.25 GiB of them
     assert dataset.lengths["train"] == n
     rows = gather_rows(dataset.path("train"), dataset.dtype, np.array([2**31 + 999]), 8)
@@ -276,10 +317,12 @@ def test_outputs_beyond_2_to_the_31_tokens_are_addressed_with_64_bit_offsets(tmp
 
 # ---- bad input: one line, exit 2, nothing half-written -------------------------------------------
 
+
 def run_prepare(*args: str, env: dict | None = None, code: str | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, str(REPO_ROOT / "prepare.py"), *args]
-    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}
+    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -291,15 +334,18 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) ->
     return lines[0]
 
 
-BAD_JSON = 'not json\n'
+BAD_JSON = "not json\n"
 
 
 @pytest.fixture(scope="module")
 def bad_inputs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("bad")
     write_jsonl(root / "good.jsonl", DOCS[:50])
-    (root / "broken.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:30]) + BAD_JSON
-                                       + "".join(json.dumps({"text": d}) + "\n" for d in DOCS[30:60]))
+    (root / "broken.jsonl").write_text(
+        "".join(json.dumps({"text": d}) + "\n" for d in DOCS[:30])
+        + BAD_JSON
+        + "".join(json.dumps({"text": d}) + "\n" for d in DOCS[30:60])
+    )
     (root / "nofield.jsonl").write_text(json.dumps({"text": "a b c"}) + "\n" + json.dumps({"body": "x"}) + "\n")
     (root / "number.jsonl").write_text(json.dumps({"text": 42}) + "\n")
     (root / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n" * 3)
@@ -312,20 +358,32 @@ def bad_inputs(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, fragments", [
-    (["--input", "{root}/broken.jsonl"], ["broken.jsonl:31: not a JSON object", "--skip-bad-records"]),
-    (["--input", "{root}/nofield.jsonl"], ["nofield.jsonl:2: the record has no 'text' field (it has 'body')", "--text-field"]),
-    (["--input", "{root}/number.jsonl"], ["number.jsonl:1: field 'text' is a int, not a string"]),
-    (["--input", "{root}/nocolumn.parquet"], ["nocolumn.parquet has no column 'text' (it has 'body', 'n')"]),
-    (["--input", "{root}/ints.parquet"], ["ints.parquet: column 'text' holds int64, not strings"]),
-    (["--input", "{root}/empty.jsonl"], ["the corpus has no documents (1 records skipped or empty)"]),
-    (["--input", "{root}", "--glob", "*.pdf"], ["--glob '*.pdf' matches no file under"]),
-    (["--input", "{root}/good.jsonl", "--split", "tail"], ["--split tail cuts one text file by bytes"]),
-    (["--hf-dataset", "{root}/nodata"], ["--hf-dataset", "nodata"]),
-    (["--hf-dataset", "nobody/no-such-dataset"], ["the dataset nobody/no-such-dataset streams from the Hugging Face hub",
-                                                 "127.0.0.1", "pass them with --input"]),
-    (["--dataset", "openwebtext"], ["Skylion007/openwebtext", "needs the network", "--input"]),
-])
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--input", "{root}/broken.jsonl"], ["broken.jsonl:31: not a JSON object", "--skip-bad-records"]),
+        (
+            ["--input", "{root}/nofield.jsonl"],
+            ["nofield.jsonl:2: the record has no 'text' field (it has 'body')", "--text-field"],
+        ),
+        (["--input", "{root}/number.jsonl"], ["number.jsonl:1: field 'text' is a int, not a string"]),
+        (["--input", "{root}/nocolumn.parquet"], ["nocolumn.parquet has no column 'text' (it has 'body', 'n')"]),
+        (["--input", "{root}/ints.parquet"], ["ints.parquet: column 'text' holds int64, not strings"]),
+        (["--input", "{root}/empty.jsonl"], ["the corpus has no documents (1 records skipped or empty)"]),
+        (["--input", "{root}", "--glob", "*.pdf"], ["--glob '*.pdf' matches no file under"]),
+        (["--input", "{root}/good.jsonl", "--split", "tail"], ["--split tail cuts one text file by bytes"]),
+        (["--hf-dataset", "{root}/nodata"], ["--hf-dataset", "nodata"]),
+        (
+            ["--hf-dataset", "nobody/no-such-dataset"],
+            [
+                "the dataset nobody/no-such-dataset streams from the Hugging Face hub",
+                "127.0.0.1",
+                "pass them with --input",
+            ],
+        ),
+        (["--dataset", "openwebtext"], ["Skylion007/openwebtext", "needs the network", "--input"]),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2_and_leaves_nothing(bad_inputs, tmp_path, args, fragments):
     args = [a.replace("{root}", str(bad_inputs)) for a in args]
     dataset = [] if "--dataset" in args else ["--dataset", "bad"]
@@ -336,17 +394,26 @@ def test_bad_input_is_one_line_and_exit_2_and_leaves_nothing(bad_inputs, tmp_pat
 
 
 def test_skip_bad_records_counts_and_skips(bad_inputs, tmp_path):
-    out = prepare_dataset("skipped", input_path=[str(bad_inputs / "broken.jsonl"), str(bad_inputs / "nofield.jsonl")],
-                          data_dir=tmp_path, verbose=False, skip_bad_records=True)
+    out = prepare_dataset(
+        "skipped",
+        input_path=[str(bad_inputs / "broken.jsonl"), str(bad_inputs / "nofield.jsonl")],
+        data_dir=tmp_path,
+        verbose=False,
+        skip_bad_records=True,
+    )
     train, val, meta = documents_of(out)
     assert meta["skipped_records"] == 2 and sorted(train + val) == sorted(DOCS[:60] + ["a b c"])
 
 
 @pytest.mark.slow
 def test_zst_without_zstandard_names_the_extra(bad_inputs, tmp_path):
-    code = ("import sys; sys.modules['zstandard'] = None; sys.argv[0] = 'prepare.py'; sys.path.insert(0, '.'); "
-            "import prepare; from quillgpt.errors import run_main; run_main(prepare.main)")
-    proc = run_prepare("--dataset", "z", "--input", str(bad_inputs / "c.jsonl.zst"), "--data-dir", str(tmp_path), code=code)
+    code = (
+        "import sys; sys.modules['zstandard'] = None; sys.argv[0] = 'prepare.py'; sys.path.insert(0, '.'); "
+        "import prepare; from quillgpt.errors import run_main; run_main(prepare.main)"
+    )
+    proc = run_prepare(
+        "--dataset", "z", "--input", str(bad_inputs / "c.jsonl.zst"), "--data-dir", str(tmp_path), code=code
+    )
     assert_one_line_error(proc, "c.jsonl.zst needs the zstandard package: pip install '.[data]'")
 
 
@@ -355,7 +422,9 @@ def test_a_failed_new_prepare_keeps_the_previous_dataset(bad_inputs, tmp_path):
     good = prepare_dataset("keep", input_path=str(bad_inputs / "good.jsonl"), data_dir=tmp_path, verbose=False)
     before = {p.name: p.read_bytes() for p in good.iterdir()}
     with pytest.raises(UserError, match="not a JSON object"):
-        prepare_dataset("keep", input_path=str(bad_inputs / "broken.jsonl"), data_dir=tmp_path, verbose=False, reset=True)
+        prepare_dataset(
+            "keep", input_path=str(bad_inputs / "broken.jsonl"), data_dir=tmp_path, verbose=False, reset=True
+        )
     assert {p.name: p.read_bytes() for p in good.iterdir()} == before and load_dataset(good).lengths["val"] > 0
 
 
@@ -365,7 +434,10 @@ def test_another_requests_unfinished_work_is_not_thrown_away(bad_inputs, tmp_pat
         with pytest.raises(KeyboardInterrupt):
             prepare_dataset("busy", input_path=str(bad_inputs / "good.jsonl"), data_dir=tmp_path, verbose=False)
     with pytest.raises(UserError, match="holds an unfinished prepare of another request .* --reset to discard it"):
-        prepare_dataset("busy", input_path=str(bad_inputs / "good.jsonl"), tokenizer="bpe", data_dir=tmp_path, verbose=False)
+        prepare_dataset(
+            "busy", input_path=str(bad_inputs / "good.jsonl"), tokenizer="bpe", data_dir=tmp_path, verbose=False
+        )
     assert (tmp_path / "busy" / ".prepare" / "progress.json").is_file()
-    prepare_dataset("busy", input_path=str(bad_inputs / "good.jsonl"), tokenizer="bpe", data_dir=tmp_path, verbose=False,
-                    reset=True)
+    prepare_dataset(
+        "busy", input_path=str(bad_inputs / "good.jsonl"), tokenizer="bpe", data_dir=tmp_path, verbose=False, reset=True
+    )

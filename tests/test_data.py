@@ -33,7 +33,7 @@ def test_gathered_rows_are_the_file_slices(tiny_data):
     data = np.memmap(ds.path("train"), dtype=ds.dtype, mode="r")
     assert rows.dtype == np.int64 and rows.shape == (6, 33)
     for row, s in zip(rows, starts):
-        assert np.array_equal(row, data[s:s + 33])
+        assert np.array_equal(row, data[s : s + 33])
 
 
 def test_a_train_bin_cut_short_after_loading_is_a_user_error(tmp_path, tiny_data):
@@ -50,8 +50,11 @@ def test_two_ranks_accum_one_see_one_rank_accum_two(tiny_data):
     source = BatchSource(load_dataset(tiny_data / "tiny"), 16, 4, seed=1, device=torch.device("cpu"))
 
     def step_batches(step: int, world: int, accum: int) -> list[torch.Tensor]:
-        return [source.get("train", micro_batch_index(step, rank, micro, accum, world))[0]
-                for rank in range(world) for micro in range(accum)]
+        return [
+            source.get("train", micro_batch_index(step, rank, micro, accum, world))[0]
+            for rank in range(world)
+            for micro in range(accum)
+        ]
 
     seen = []
     for step in range(4):
@@ -66,8 +69,11 @@ def test_processed_dir_falls_back_to_parent_in_bin_mode(tiny_data, tmp_path):
     root = tmp_path / "data"
     shutil.copytree(tiny_data / "tiny", root)
     (root / "processed").mkdir()
-    over = tiny_overrides(tiny_data, tmp_path / "ck", **{"data.processed_dir": str(root / "processed"),
-                                                          "training.max_iters": 2, "training.eval_interval": 0})
+    over = tiny_overrides(
+        tiny_data,
+        tmp_path / "ck",
+        **{"data.processed_dir": str(root / "processed"), "training.max_iters": 2, "training.eval_interval": 0},
+    )
     result = train(None, overrides=over)
     assert result.iterations == 2
 
@@ -77,10 +83,18 @@ def test_txt_mode_tokenizes_once_and_caches(tmp_path):
     processed.mkdir(parents=True)
     text = "To be, or not to be, that is the question:\n" * 300
     (processed / "train.txt").write_text(text[: len(text) * 9 // 10])
-    (processed / "val.txt").write_text(text[len(text) * 9 // 10:])
-    over = tiny_overrides(tmp_path, tmp_path / "ck", **{"training.data_format": "txt",
-                                                       "data.processed_dir": str(processed), "model.block_size": 16,
-                                                       "training.max_iters": 2, "training.eval_interval": 0})
+    (processed / "val.txt").write_text(text[len(text) * 9 // 10 :])
+    over = tiny_overrides(
+        tmp_path,
+        tmp_path / "ck",
+        **{
+            "training.data_format": "txt",
+            "data.processed_dir": str(processed),
+            "model.block_size": 16,
+            "training.max_iters": 2,
+            "training.eval_interval": 0,
+        },
+    )
     train(None, overrides=over)
     meta = json.loads((processed / "cache" / "meta.json").read_text())
     assert meta["vocab_size"] == len(set(text)) and meta["train_tokens"] + meta["val_tokens"] == len(text)
@@ -91,6 +105,7 @@ def test_txt_mode_tokenizes_once_and_caches(tmp_path):
 
 def test_tokenizer_mismatch_with_config_is_refused(tiny_data, tmp_path):
     from quillgpt.errors import UserError
+
     with pytest.raises(UserError, match="prepared with the char tokenizer but the config asks for bpe"):
         load_dataset(tiny_data / "tiny", expect_tokenizer="bpe")
 

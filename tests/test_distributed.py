@@ -24,15 +24,18 @@ from conftest import REPO_ROOT, word_salad
 
 from quillgpt import distributed
 from quillgpt.checkpoint import load_checkpoint
-from quillgpt.prepare import prepare_dataset
 from quillgpt.generate import load_for_sampling
+from quillgpt.prepare import prepare_dataset
 from train import train
 
 ITERS = 12
 STOP = 6  # where interrupted runs stop; also save_interval and eval_interval
 # OMP_NUM_THREADS=1: two single-process "nodes" on two cores would otherwise oversubscribe them
-ENV = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
-       "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {
+    **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
 
 SEA_WORDS = "the king and queen of a far land rode out to see what the sea had left upon the sand".split()
 CONFIG = """
@@ -73,7 +76,8 @@ def workdir(tmp_path_factory) -> Path:
     prepare_dataset("gen", input_path=str(root / "input.txt"), tokenizer="char", data_dir=root / "data", verbose=False)
     for dropout in (0.0, 0.1):
         (root / f"dropout{dropout}.toml").write_text(
-            CONFIG.format(data_dir=root / "data", dropout=dropout, iters=ITERS, stop=STOP))
+            CONFIG.format(data_dir=root / "data", dropout=dropout, iters=ITERS, stop=STOP)
+        )
     return root
 
 
@@ -82,14 +86,23 @@ def config(workdir: Path, dropout: float) -> str:
 
 
 def torchrun(*args, nproc: int = 2, timeout: float = 180) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "train.py",
+        *args,
+    ]
     return finished(subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=timeout))
 
 
 def self_launch(*args, nproc: int = 2, **popen) -> subprocess.Popen:
     cmd = [sys.executable, "train.py", "--nproc-per-node", str(nproc), *args]
-    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            **popen)
+    return subprocess.Popen(
+        cmd, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+    )
 
 
 def finished(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -149,6 +162,7 @@ def free_port() -> int:
 
 # ---- shared runs -----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def ddp_dropout(workdir) -> Path:
     """2 ranks with dropout, uninterrupted: the reference for exact resume."""
@@ -176,11 +190,29 @@ def single_accum2(workdir) -> Path:
 
 # ---- tests -----------------------------------------------------------------------------------------
 
+
 def test_without_flag_strips_every_spelling():
-    argv = ["--config", "c.toml", "--nproc-per-node", "2", "--max-iters", "5", "--nproc-per-node=4", "--nproc", "3",
-            "--training.batch_size", "4"]
-    assert distributed.without_flag(argv, "--nproc-per-node") == ["--config", "c.toml", "--max-iters", "5",
-                                                                   "--training.batch_size", "4"]
+    argv = [
+        "--config",
+        "c.toml",
+        "--nproc-per-node",
+        "2",
+        "--max-iters",
+        "5",
+        "--nproc-per-node=4",
+        "--nproc",
+        "3",
+        "--training.batch_size",
+        "4",
+    ]
+    assert distributed.without_flag(argv, "--nproc-per-node") == [
+        "--config",
+        "c.toml",
+        "--max-iters",
+        "5",
+        "--training.batch_size",
+        "4",
+    ]
 
 
 def test_root_cause_skips_the_ranks_that_only_lost_their_peer():
@@ -207,6 +239,7 @@ def test_two_ranks_equal_one_rank_with_accumulation(ddp_plain, single_accum2):
 def test_mfu_is_over_the_peak_of_every_rank(ddp_plain, single_accum2):
     """tokens/s count all ranks' tokens, so MFU divides by all ranks' peak: at the same logging.peak_tflops per
     device, 2 ranks report half the MFU of 1 process for the same tokens/s (it once reported 2x the truth)."""
+
     def mfu_per_token_per_s(run: Path) -> float:
         points = [p for p in json.loads((run / "train_log.json").read_text())["history"] if p["kind"] == "train"]
         return statistics.median(p["mfu"] / p["tokens_per_s"] for p in points)
@@ -277,13 +310,41 @@ def test_two_node_job_on_localhost_agrees_on_early_stopping(workdir):
     stops both ranks at the same step, so the job ends instead of hanging."""
     out = workdir / "two_nodes"
     port = free_port()
-    common = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-              "--master_addr=127.0.0.1", f"--master_port={port}"]
-    args = ["train.py", "--config", config(workdir, 0.0), "--run.out_dir", str(out),
-            "--training.early_stopping", "true", "--training.early_stopping_patience", "1",
-            "--training.early_stopping_min_delta", "10.0", "--distributed.timeout_s", "60"]
-    nodes = [subprocess.Popen(common + [f"--node_rank={r}"] + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    common = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+    ]
+    args = [
+        "train.py",
+        "--config",
+        config(workdir, 0.0),
+        "--run.out_dir",
+        str(out),
+        "--training.early_stopping",
+        "true",
+        "--training.early_stopping_patience",
+        "1",
+        "--training.early_stopping_min_delta",
+        "10.0",
+        "--distributed.timeout_s",
+        "60",
+    ]
+    nodes = [
+        subprocess.Popen(
+            common + [f"--node_rank={r}"] + args,
+            cwd=REPO_ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outputs = [ended(node, timeout=180)[0] for node in nodes]
     for node, output in zip(nodes, outputs):
         assert node.returncode == 0, output[-3000:]
@@ -296,9 +357,22 @@ def test_two_node_job_on_localhost_agrees_on_early_stopping(workdir):
 @pytest.mark.slow
 def test_killed_rank_ends_the_job_quickly_and_leaves_a_loadable_checkpoint(workdir):
     out = workdir / "killed"
-    launcher = self_launch("--config", config(workdir, 0.0), "--run.out_dir", str(out), "--max-iters", "100000",
-                           "--training.save_interval", "5", "--training.eval_interval", "0",
-                           "--training.log_interval", "100", "--distributed.timeout_s", "30")
+    launcher = self_launch(
+        "--config",
+        config(workdir, 0.0),
+        "--run.out_dir",
+        str(out),
+        "--max-iters",
+        "100000",
+        "--training.save_interval",
+        "5",
+        "--training.eval_interval",
+        "0",
+        "--training.log_interval",
+        "100",
+        "--distributed.timeout_s",
+        "30",
+    )
     wait_for(out / "run" / "ckpt_last.pt", launcher)
     worker(launcher, rank=1).send_signal(signal.SIGKILL)
     output, elapsed = ended(launcher, timeout=60)
@@ -313,9 +387,20 @@ def test_killed_rank_ends_the_job_quickly_and_leaves_a_loadable_checkpoint(workd
 @pytest.mark.slow
 def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(workdir):
     out = workdir / "sigterm"
-    launcher = self_launch("--config", config(workdir, 0.0), "--run.out_dir", str(out), "--max-iters", "100000",
-                           "--training.save_interval", "5", "--training.eval_interval", "0",
-                           "--training.log_interval", "100")
+    launcher = self_launch(
+        "--config",
+        config(workdir, 0.0),
+        "--run.out_dir",
+        str(out),
+        "--max-iters",
+        "100000",
+        "--training.save_interval",
+        "5",
+        "--training.eval_interval",
+        "0",
+        "--training.log_interval",
+        "100",
+    )
     wait_for(out / "run" / "ckpt_last.pt", launcher)
     worker(launcher, rank=1).send_signal(signal.SIGTERM)
     output, _ = ended(launcher, timeout=60)
@@ -326,10 +411,13 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(workdir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("override, message", [
-    (("--data.dataset", "no_such_dataset"), "error: unknown dataset 'no_such_dataset'"),  # found by rank 0 alone
-    (("--model.block_size", "50000"), "fewer than block_size + 1 = 50001"),  # found by every rank
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (("--data.dataset", "no_such_dataset"), "error: unknown dataset 'no_such_dataset'"),  # found by rank 0 alone
+        (("--model.block_size", "50000"), "fewer than block_size + 1 = 50001"),  # found by every rank
+    ],
+)
 def test_self_launch_reports_a_worker_user_error_in_one_line(workdir, override, message):
     launcher = self_launch("--config", config(workdir, 0.0), "--run.out_dir", str(workdir / "bad"), *override)
     output, _ = ended(launcher, timeout=120)
@@ -373,12 +461,31 @@ def test_compile_with_ddp_and_gradient_checkpointing(workdir):
     """Dynamo's DDP graph splitter is switched off for checkpointed blocks; the combination trains on 2 gloo ranks."""
     out = workdir / "compiled"
     env_threads = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no compile worker pool per rank on a small machine
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-           "--config", config(workdir, 0.1), "--run.out_dir", str(out), "--max-iters", "4",
-           "--training.eval_interval", "0", "--training.eval_iters", "1",
-           "--model.compile", "true", "--training.gradient_checkpointing", "true"]
-    proc = finished(subprocess.run(cmd, cwd=REPO_ROOT, env={**ENV, **env_threads}, capture_output=True, text=True,
-                                   timeout=600))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        "--config",
+        config(workdir, 0.1),
+        "--run.out_dir",
+        str(out),
+        "--max-iters",
+        "4",
+        "--training.eval_interval",
+        "0",
+        "--training.eval_iters",
+        "1",
+        "--model.compile",
+        "true",
+        "--training.gradient_checkpointing",
+        "true",
+    ]
+    proc = finished(
+        subprocess.run(cmd, cwd=REPO_ROOT, env={**ENV, **env_threads}, capture_output=True, text=True, timeout=600)
+    )
     assert "Dynamo's DDP graph splitting is off" in proc.stdout
     losses = log(out / "run")
     assert len(losses) == 4 and all(0 < v < 10 for v in losses.values())
@@ -392,11 +499,29 @@ def test_hellaswag_dealt_to_two_ranks_scores_as_one_rank(workdir, ddp_plain, tmp
     from test_eval import write_hellaswag
 
     hs = write_hellaswag(tmp_path / "hs.jsonl", n=12)
-    args = ["--config", config(workdir, 0.0), "--run.out_dir", str(tmp_path), "--run.name", "ev",
-            "--training.eval_only", "true", "--run.init_from", str(ddp_plain), "--eval.hellaswag", str(hs),
-            "--eval.hellaswag_limit", "9", "--eval.map_unknown", "true"]
-    one = finished(subprocess.run([sys.executable, "train.py", *args], cwd=REPO_ROOT, env=ENV, capture_output=True,
-                                  text=True, timeout=180))
+    args = [
+        "--config",
+        config(workdir, 0.0),
+        "--run.out_dir",
+        str(tmp_path),
+        "--run.name",
+        "ev",
+        "--training.eval_only",
+        "true",
+        "--run.init_from",
+        str(ddp_plain),
+        "--eval.hellaswag",
+        str(hs),
+        "--eval.hellaswag_limit",
+        "9",
+        "--eval.map_unknown",
+        "true",
+    ]
+    one = finished(
+        subprocess.run(
+            [sys.executable, "train.py", *args], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=180
+        )
+    )
     two = torchrun(*args)
     lines = [re.search(r"^eval 0: .*$", p.stdout, re.M)[0] for p in (one, two)]
     assert "bits/byte" in lines[0] and "hellaswag" in lines[0] and lines[0] == lines[1]

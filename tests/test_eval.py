@@ -29,10 +29,22 @@ from quillgpt.tokenizer import get_tiktoken
 from train import train
 
 SUBJECTS = ["A man", "The woman", "A child", "Two dogs", "The chef", "A student"]
-ACTIONS = ["is sitting on a roof.", "walks into the kitchen.", "opens the old door.", "throws a red ball.",
-           "reads a long letter.", "paints the fence white."]
-ENDINGS = ["he starts pulling up roofing.", "she picks up a knife and cuts the bread.", "they run across the field.",
-           "it falls into the water with a splash.", "he puts the book back on the shelf.", "she smiles and waves."]
+ACTIONS = [
+    "is sitting on a roof.",
+    "walks into the kitchen.",
+    "opens the old door.",
+    "throws a red ball.",
+    "reads a long letter.",
+    "paints the fence white.",
+]
+ENDINGS = [
+    "he starts pulling up roofing.",
+    "she picks up a knife and cuts the bread.",
+    "they run across the field.",
+    "it falls into the water with a splash.",
+    "he puts the book back on the shelf.",
+    "she smiles and waves.",
+]
 
 
 def write_hellaswag(path: Path, n: int = 36, seed: int = 0) -> Path:
@@ -41,9 +53,18 @@ def write_hellaswag(path: Path, n: int = 36, seed: int = 0) -> Path:
     with open(path, "w") as f:
         for i in range(n):
             a, b = rng.choice(SUBJECTS), rng.choice(ACTIONS)
-            item = {"ind": i, "activity_label": "Everyday life", "ctx_a": f"{a} {b}", "ctx_b": "then",
-                    "ctx": f"{a} {b} then", "split": "val", "split_type": "indomain", "label": rng.randrange(4),
-                    "endings": rng.sample(ENDINGS, 4), "source_id": f"synthetic~{i}"}
+            item = {
+                "ind": i,
+                "activity_label": "Everyday life",
+                "ctx_a": f"{a} {b}",
+                "ctx_b": "then",
+                "ctx": f"{a} {b} then",
+                "split": "val",
+                "split_type": "indomain",
+                "label": rng.randrange(4),
+                "endings": rng.sample(ENDINGS, 4),
+                "source_id": f"synthetic~{i}",
+            }
             f.write(json.dumps(item) + "\n")
     return path
 
@@ -77,7 +98,7 @@ def test_hellaswag_and_bits_per_byte_equal_a_straightforward_transformers_comput
     for item, logprobs in zip(items, ours.logprobs):
         theirs = []
         for ctx, ending in hellaswag_pairs(tok, item):
-            theirs.append((float(hf_token_logprobs(hf, ctx + ending)[-len(ending):].sum()), len(ending)))
+            theirs.append((float(hf_token_logprobs(hf, ctx + ending)[-len(ending) :].sum()), len(ending)))
         assert max(abs(a - b) for a, (b, _) in zip(logprobs, theirs)) < 1e-4
         right += int(np.argmax([lp for lp, _ in theirs])) == item.label
         right_norm += int(np.argmax([lp / n for lp, n in theirs])) == item.label
@@ -131,28 +152,35 @@ def test_harness_adapter_runs_a_local_task_and_equals_our_scorer(gpt2_dir, tmp_p
         "task: local_hellaswag\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
         f"    validation: {hs}\noutput_type: multiple_choice\nvalidation_split: validation\n"
         'doc_to_text: "{{ctx}}"\ndoc_to_target: "{{label}}"\ndoc_to_choice: "{{endings}}"\n'
-        "metric_list:\n  - metric: acc\n")
+        "metric_list:\n  - metric: acc\n"
+    )
     items = load_hellaswag(hs)
     ours = score_hellaswag(model, tok, items)
     results = run_tasks(model, tok, ["local_hellaswag"], str(tmp_path / "tasks"), None, None)
     assert results["local_hellaswag"]["acc"] == pytest.approx(ours.acc)
     lm = QuillLM(model, tok)
-    requests = [Instance("loglikelihood", {}, (item.context, " " + ending), i)
-                for i, item in enumerate(items) for ending in item.endings]
+    requests = [
+        Instance("loglikelihood", {}, (item.context, " " + ending), i)
+        for i, item in enumerate(items)
+        for ending in item.endings
+    ]
     adapter = [lp for lp, _ in lm.loglikelihood(requests)]
     assert adapter == pytest.approx([lp for row in ours.logprobs for lp in row], abs=1e-4)  # batched differently
     rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("A man walks in.",), 0)])[0]
     direct = continuation_logprobs(model, [([tok.eot_id], tok.encode("A man walks in."))])[0].logprob
     assert rolling == pytest.approx(direct, abs=1e-6)
     text = lm.generate_until([Instance("generate_until", {}, ("A man", {"until": ["."], "max_gen_toks": 12}), 0)])[0]
-    greedy = model.generate(torch.tensor([tok.encode("A man")]), 12, temperature=0)[0, len(tok.encode("A man")):]
+    greedy = model.generate(torch.tensor([tok.encode("A man")]), 12, temperature=0)[0, len(tok.encode("A man")) :]
     assert text == tok.decode(greedy.tolist()).split(".")[0]
 
 
 # ---- the command line ---------------------------------------------------------------------------
 
+
 def run_eval(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "eval.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "eval.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +197,20 @@ def test_eval_cli_reports_bits_per_byte_first_and_writes_every_figure(char_run, 
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": line}) + "\n" for line in text.read_text().split("\n\n") if line))
     hs = write_hellaswag(tmp_path / "hs.jsonl", n=8)
-    proc = run_eval("--ckpt", str(char_run), "--split", "val", "--text", str(text), str(docs), "--hellaswag", str(hs),
-                    "--map-unknown", "--json", str(tmp_path / "r.json"))
+    proc = run_eval(
+        "--ckpt",
+        str(char_run),
+        "--split",
+        "val",
+        "--text",
+        str(text),
+        str(docs),
+        "--hellaswag",
+        str(hs),
+        "--map-unknown",
+        "--json",
+        str(tmp_path / "r.json"),
+    )
     assert proc.returncode == 0, proc.stderr
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| text | bits per byte |") and len(table) == 5  # header, rule, 3 texts
@@ -185,23 +225,39 @@ def test_eval_cli_reports_bits_per_byte_first_and_writes_every_figure(char_run, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case, make, fragments", [
-    ("hellaswag_field", lambda p: p.write_text('{"ctx": "a", "endings": ["x", "y"], "label": 0}\n'),
-     ["hs.jsonl:1: field 'endings' must be a list of 4 non-empty strings"]),
-    ("hellaswag_json", lambda p: p.write_text('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 1}\nnot json\n'),
-     ["hs.jsonl:2: not a JSON object"]),
-    ("short_text", lambda p: p.write_text("F"), ["shorter than 2 tokens"]),
-    ("unseen_chars", lambda p: p.write_text("Ωμέγα and ∑ are not in tiny Shakespeare"),
-     ["characters the model's char vocabulary lacks", "--map-unknown"]),
-    ("unknown_task", None, ["lm-evaluation-harness: ", "no_such_task"]),
-])
+@pytest.mark.parametrize(
+    "case, make, fragments",
+    [
+        (
+            "hellaswag_field",
+            lambda p: p.write_text('{"ctx": "a", "endings": ["x", "y"], "label": 0}\n'),
+            ["hs.jsonl:1: field 'endings' must be a list of 4 non-empty strings"],
+        ),
+        (
+            "hellaswag_json",
+            lambda p: p.write_text('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 1}\nnot json\n'),
+            ["hs.jsonl:2: not a JSON object"],
+        ),
+        ("short_text", lambda p: p.write_text("F"), ["shorter than 2 tokens"]),
+        (
+            "unseen_chars",
+            lambda p: p.write_text("Ωμέγα and ∑ are not in tiny Shakespeare"),
+            ["characters the model's char vocabulary lacks", "--map-unknown"],
+        ),
+        ("unknown_task", None, ["lm-evaluation-harness: ", "no_such_task"]),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(char_run, tmp_path, case, make, fragments):
     path = tmp_path / ("hs.jsonl" if case.startswith("hellaswag") else "text.txt")
     if make is not None:
         make(path)
-    args = {"hellaswag_field": ["--hellaswag", str(path)], "hellaswag_json": ["--hellaswag", str(path)],
-            "short_text": ["--text", str(path)], "unseen_chars": ["--text", str(path)],
-            "unknown_task": ["--tasks", "no_such_task"]}[case]
+    args = {
+        "hellaswag_field": ["--hellaswag", str(path)],
+        "hellaswag_json": ["--hellaswag", str(path)],
+        "short_text": ["--text", str(path)],
+        "unseen_chars": ["--text", str(path)],
+        "unknown_task": ["--tasks", "no_such_task"],
+    }[case]
     if case == "unknown_task":
         pytest.importorskip("lm_eval")
     proc = run_eval("--ckpt", str(char_run), *args)
@@ -225,15 +281,29 @@ def test_offline_hellaswag_without_a_file_names_the_option(char_run, tmp_path, m
 
 # ---- during training ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("metric", ["hellaswag", "bpb"])
 def test_training_logs_bits_per_byte_and_hellaswag_and_keeps_the_best_by_either(tiny_data, tmp_path, metric):
     """Every evaluation logs val bits per byte and HellaSwag; ckpt_best.pt is the evaluation that last improved
     training.best_metric (HellaSwag's acc_norm, higher is better; bits per byte, lower is better)."""
     hs = write_hellaswag(tmp_path / "hs.jsonl", n=16)
-    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{
-        "training.max_iters": 40, "training.eval_interval": 10, "model.block_size": 64, "eval.hellaswag": str(hs),
-        "eval.hellaswag_limit": 12, "eval.map_unknown": True, "training.best_metric": metric,
-        "logging.plot": metric == "bpb"}))
+    result = train(
+        None,
+        overrides=tiny_overrides(
+            tiny_data,
+            tmp_path,
+            **{
+                "training.max_iters": 40,
+                "training.eval_interval": 10,
+                "model.block_size": 64,
+                "eval.hellaswag": str(hs),
+                "eval.hellaswag_limit": 12,
+                "eval.map_unknown": True,
+                "training.best_metric": metric,
+                "logging.plot": metric == "bpb",
+            },
+        ),
+    )
     run = tmp_path / "t"
     evals = [p for p in json.loads((run / "train_log.json").read_text())["history"] if p["kind"] == "eval"]
     assert [p["iter"] for p in evals] == [0, 10, 20, 30, 40]
@@ -252,6 +322,7 @@ def test_training_logs_bits_per_byte_and_hellaswag_and_keeps_the_best_by_either(
     assert result.best_val_loss == min(p["val_loss"] for p in evals)
     if metric == "bpb":
         import matplotlib.image
+
         assert matplotlib.image.imread(run / "loss_curve.png").shape[1] > 1000  # a second panel: the evaluations
 
 

@@ -44,10 +44,13 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_script(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, script, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, script, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 # ---- import ------------------------------------------------------------------------------------------
+
 
 def test_local_hf_gpt2_imports_with_equal_logits(hf_dir):
     directory, hf = hf_dir
@@ -74,11 +77,14 @@ def test_gpt2_with_its_own_epsilon_and_mlp_width_imports_with_equal_logits(trans
     assert max_diff(our_logits(model, x), hf_logits(hf, x)) <= 1e-4
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"activation_function": "relu"}, "activation_function is 'relu'"),
-    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx is True, which model.py cannot"),
-    ({"architectures": ["LlamaForCausalLM"]}, "config.json has no integer hidden_size, which a Llama model needs"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"activation_function": "relu"}, "activation_function is 'relu'"),
+        ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx is True, which model.py cannot"),
+        ({"architectures": ["LlamaForCausalLM"]}, "config.json has no integer hidden_size, which a Llama model needs"),
+    ],
+)
 def test_unsupported_hf_configs_are_refused(hf_dir, tmp_path, change, message):
     directory, _ = hf_dir
     (tmp_path / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
@@ -108,11 +114,14 @@ def test_gpt2_name_offline_is_a_one_line_error(transformers, tmp_path):
     result = run_script("sample.py", "--ckpt", "gpt2", "--prompt", "Hello", env=env)
     assert result.returncode == 2
     [line] = result.stderr.splitlines()
-    assert line.startswith("error: gpt2 is a Hugging Face hub model, but HF_HUB_OFFLINE is set; download it where "
-                           "there is network (huggingface-cli download gpt2 --local-dir DIR)")
+    assert line.startswith(
+        "error: gpt2 is a Hugging Face hub model, but HF_HUB_OFFLINE is set; download it where "
+        "there is network (huggingface-cli download gpt2 --local-dir DIR)"
+    )
 
 
 # ---- export to Hugging Face ------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("model_args", [dict(), dict(bias=False), dict(gelu_approx="tanh", block_size=48)])
 def test_export_hf_loads_in_transformers_with_equal_logits(transformers, tmp_path, model_args):
@@ -139,11 +148,14 @@ def test_imported_gpt2_exports_back_unchanged(hf_dir, transformers, tmp_path):
 
 def test_modern_model_export_exits_2_with_the_reason(tmp_path):
     ckpt = write_char_checkpoint(tmp_path / "ckpt.pt", pos_emb="rope", norm="rmsnorm")
-    result = run_script("export.py", "--ckpt", str(ckpt), "--hf", str(tmp_path / "hf"),
-                        "--safetensors", str(tmp_path / "m.safetensors"))
+    result = run_script(
+        "export.py", "--ckpt", str(ckpt), "--hf", str(tmp_path / "hf"), "--safetensors", str(tmp_path / "m.safetensors")
+    )
     assert result.returncode == 2
-    assert result.stderr == (f"error: {ckpt} cannot be exported as Hugging Face Llama: model.mlp = 'gelu' (nearest that "
-                             "exports: 'swiglu') (export it with --safetensors instead)\n")
+    assert result.stderr == (
+        f"error: {ckpt} cannot be exported as Hugging Face Llama: model.mlp = 'gelu' (nearest that "
+        "exports: 'swiglu') (export it with --safetensors instead)\n"
+    )
     assert not (tmp_path / "hf").exists() and not (tmp_path / "m.safetensors").exists()
 
 
@@ -159,8 +171,14 @@ def test_gpt2_checkpoint_exports_its_tokenizer(transformers, tmp_path):
 def test_gpt2_tokenizer_files_skipped_offline_with_a_note(tmp_path):
     """Offline for real: an empty tiktoken cache and a proxy that refuses every connection."""
     model = GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16))
-    save_checkpoint(tmp_path / "ckpt.pt", {"model": model.state_dict(), "model_args": model.config.to_dict(),
-                                           "tokenizer": {"kind": "tiktoken", "name": "gpt2"}})
+    save_checkpoint(
+        tmp_path / "ckpt.pt",
+        {
+            "model": model.state_dict(),
+            "model_args": model.config.to_dict(),
+            "tokenizer": {"kind": "tiktoken", "name": "gpt2"},
+        },
+    )
     env = {k: v for k, v in os.environ.items() if k.lower() not in ("no_proxy", "tiktoken_cache_dir")}
     env.update(TIKTOKEN_CACHE_DIR=str(tmp_path / "empty-cache"), HTTPS_PROXY="http://127.0.0.1:9")
     result = run_script("export.py", "--ckpt", str(tmp_path / "ckpt.pt"), "--hf", str(tmp_path / "hf"), env=env)
@@ -172,7 +190,10 @@ def test_gpt2_tokenizer_files_skipped_offline_with_a_note(tmp_path):
 
 # ---- safetensors -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("model_args", [dict(), dict(pos_emb="rope", mlp="swiglu", tie_embeddings=False, logit_softcap=20.0)])
+
+@pytest.mark.parametrize(
+    "model_args", [dict(), dict(pos_emb="rope", mlp="swiglu", tie_embeddings=False, logit_softcap=20.0)]
+)
 def test_safetensors_round_trip_gives_identical_logits(tmp_path, model_args):
     ckpt = write_char_checkpoint(tmp_path / "ckpt.pt", **model_args)
     out = tmp_path / "model.safetensors"
@@ -198,6 +219,7 @@ def test_sample_reads_safetensors(tmp_path):
     from_file = run_script("sample.py", "--ckpt", str(tmp_path / "m.safetensors"), *args)
     assert from_file.returncode == 0, from_file.stderr
     from quillgpt import generate as sample
+
     model, tokenizer, _ = sample.load_for_sampling(ckpt, "cpu")
     [text], _ = sample.generate_texts(model, tokenizer, tokenizer.encode("abc"), 1, 30, temperature=0)
     assert from_file.stdout == "abc" + text + "\n"
@@ -214,20 +236,37 @@ def test_foreign_or_corrupt_safetensors_are_user_errors(hf_dir, tmp_path):
 
 # ---- fine-tuning -------------------------------------------------------------------------------------
 
+
 def words(alphabet: str, n: int = 3000, seed: int = 0) -> str:
     g = torch.Generator().manual_seed(seed)
     letters = torch.randint(0, len(alphabet), (n * 5,), generator=g).tolist()
-    return "\n".join("".join(alphabet[i] for i in letters[k:k + 5]) for k in range(0, len(letters), 5)) + "\n"
+    return "\n".join("".join(alphabet[i] for i in letters[k : k + 5]) for k in range(0, len(letters), 5)) + "\n"
 
 
 def tiny_run(tmp: Path, dataset: str, text: str, name: str, **overrides) -> dict:
     """train()'s overrides for a few steps of a tiny char model on `text`."""
     (tmp / f"{dataset}.txt").write_text(text)
-    return {"data.dataset": dataset, "data.input": str(tmp / f"{dataset}.txt"), "data.data_dir": str(tmp / "data"),
-            "data.tokenizer": "char", "run.out_dir": str(tmp / "runs"), "run.name": name, "run.device": "cpu",
-            "model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 32,
-            "training.batch_size": 8, "training.max_iters": 6, "training.eval_interval": 3, "training.eval_iters": 2,
-            "training.log_interval": 3, "optimizer.warmup_iters": 0, "logging.plot": False, **overrides}
+    return {
+        "data.dataset": dataset,
+        "data.input": str(tmp / f"{dataset}.txt"),
+        "data.data_dir": str(tmp / "data"),
+        "data.tokenizer": "char",
+        "run.out_dir": str(tmp / "runs"),
+        "run.name": name,
+        "run.device": "cpu",
+        "model.n_layer": 2,
+        "model.n_head": 2,
+        "model.n_embd": 32,
+        "model.block_size": 32,
+        "training.batch_size": 8,
+        "training.max_iters": 6,
+        "training.eval_interval": 3,
+        "training.eval_iters": 2,
+        "training.log_interval": 3,
+        "optimizer.warmup_iters": 0,
+        "logging.plot": False,
+        **overrides,
+    }
 
 
 def test_finetune_from_a_checkpoint_run_into_a_new_run(tmp_path):
@@ -238,9 +277,21 @@ def test_finetune_from_a_checkpoint_run_into_a_new_run(tmp_path):
     train(overrides=tiny_run(tmp_path, "a", text, "base", **{"optimizer.learning_rate": 1e-2}))
     base = tmp_path / "runs" / "base"
     before = {p.name: p.read_bytes() for p in base.glob("ckpt_*.pt")}
-    result = train(overrides=tiny_run(tmp_path, "a", text, "tuned", **{
-        "run.init_from": str(base), "optimizer.learning_rate": 1e-4, "optimizer.decay_lr": False,
-        "model.dropout": 0.1, "model.n_layer": 4}))  # architecture comes from the checkpoint, not the config
+    result = train(
+        overrides=tiny_run(
+            tmp_path,
+            "a",
+            text,
+            "tuned",
+            **{
+                "run.init_from": str(base),
+                "optimizer.learning_rate": 1e-4,
+                "optimizer.decay_lr": False,
+                "model.dropout": 0.1,
+                "model.n_layer": 4,
+            },
+        )
+    )  # architecture comes from the checkpoint, not the config
     assert {p.name: p.read_bytes() for p in base.glob("ckpt_*.pt")} == before  # the source run is untouched
     assert result.iterations == 6
     source, tuned = load_checkpoint(base / "ckpt_best.pt"), load_checkpoint(result.checkpoint_path)
@@ -269,7 +320,9 @@ def test_gpt2_init_refuses_a_char_dataset(hf_dir, tmp_path):
 
     directory, _ = hf_dir
     args = tiny_run(tmp_path, "a", words("abcdefgh "), "tuned", **{"run.init_from": str(directory)})
-    with pytest.raises(UserError, match="^vocabulary mismatch: .* gpt2 tokenizer of 100 tokens, .* uses char with 10: "):
+    with pytest.raises(
+        UserError, match="^vocabulary mismatch: .* gpt2 tokenizer of 100 tokens, .* uses char with 10: "
+    ):
         train(overrides=args)
 
 
@@ -280,8 +333,13 @@ def test_finetune_from_local_hf_gpt2_on_a_gpt2_dataset(transformers, tmp_path):
 
     directory = tmp_path / "hf"
     save_hf_gpt2(transformers, directory, vocab_size=50257)
-    args = tiny_run(tmp_path, "g", "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 300, "tuned",
-                    **{"data.tokenizer": "gpt2", "run.init_from": str(directory), "optimizer.learning_rate": 3e-4})
+    args = tiny_run(
+        tmp_path,
+        "g",
+        "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 300,
+        "tuned",
+        **{"data.tokenizer": "gpt2", "run.init_from": str(directory), "optimizer.learning_rate": 3e-4},
+    )
     result = train(overrides=args)
     assert result.iterations == 6 and result.best_val_loss < 11
     resumed = train(overrides={"training.max_iters": 8}, resume=str(tmp_path / "runs" / "tuned"))
@@ -297,16 +355,56 @@ def test_finetune_from_local_hf_gpt2_on_a_gpt2_dataset(transformers, tmp_path):
 @pytest.mark.slow
 def test_shakespeare_finetune_preset_end_to_end(shakespeare_path, tmp_path):
     """The commands in configs/finetune/shakespeare_from_checkpoint.toml, shortened, in temporary directories."""
-    where = ["--data.data_dir", str(tmp_path / "data"), "--run.out_dir", str(tmp_path / "runs"), "--logging.plot", "false",
-             "--data.input", str(shakespeare_path), "--training.eval_iters", "2"]
-    base = run_script("train.py", "--config", "configs/shakespeare_char/cpu.toml", "--max-iters", "4",
-                      "--training.eval_interval", "2", "--model.compile", "false", *where)  # 4 steps: no compile
+    where = [
+        "--data.data_dir",
+        str(tmp_path / "data"),
+        "--run.out_dir",
+        str(tmp_path / "runs"),
+        "--logging.plot",
+        "false",
+        "--data.input",
+        str(shakespeare_path),
+        "--training.eval_iters",
+        "2",
+    ]
+    base = run_script(
+        "train.py",
+        "--config",
+        "configs/shakespeare_char/cpu.toml",
+        "--max-iters",
+        "4",
+        "--training.eval_interval",
+        "2",
+        "--model.compile",
+        "false",
+        *where,
+    )  # 4 steps: no compile
     assert base.returncode == 0, base.stderr
-    tuned = run_script("train.py", "--config", "configs/finetune/shakespeare_from_checkpoint.toml", "--max-iters", "4",
-                       "--training.eval_interval", "2", "--device", "cpu",
-                       "--run.init_from", str(tmp_path / "runs" / "shakespeare-char-cpu"), *where)
+    tuned = run_script(
+        "train.py",
+        "--config",
+        "configs/finetune/shakespeare_from_checkpoint.toml",
+        "--max-iters",
+        "4",
+        "--training.eval_interval",
+        "2",
+        "--device",
+        "cpu",
+        "--run.init_from",
+        str(tmp_path / "runs" / "shakespeare-char-cpu"),
+        *where,
+    )
     assert tuned.returncode == 0, tuned.stderr
     assert (tmp_path / "runs" / "shakespeare-char-finetune" / "ckpt_last.pt").is_file()
-    sampled = run_script("sample.py", "--ckpt", str(tmp_path / "runs" / "shakespeare-char-finetune"),
-                         "--prompt", "ROMEO:", "--max-new-tokens", "20", "--seed", "1")
+    sampled = run_script(
+        "sample.py",
+        "--ckpt",
+        str(tmp_path / "runs" / "shakespeare-char-finetune"),
+        "--prompt",
+        "ROMEO:",
+        "--max-new-tokens",
+        "20",
+        "--seed",
+        "1",
+    )
     assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:"), sampled.stderr

@@ -52,6 +52,7 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
 
 # ---- TOML documents -----------------------------------------------------------------------------------
 
+
 def toml_value(v) -> str:
     """A TOML value for a tomllib-like Python value (the test's own serialiser: tomllib can't write)."""
     if isinstance(v, bool):
@@ -70,15 +71,19 @@ def toml_value(v) -> str:
 def toml_text(doc: dict) -> str:
     """Top-level keys first (TOML puts them before any [table]), then one [table] per dict value."""
     scalars = [f"{toml_value(k)} = {toml_value(v)}" for k, v in doc.items() if not isinstance(v, dict)]
-    tables = [f"[{toml_value(k)}]\n" + "".join(f"{toml_value(key)} = {toml_value(x)}\n" for key, x in v.items())
-              for k, v in doc.items() if isinstance(v, dict)]
+    tables = [
+        f"[{toml_value(k)}]\n" + "".join(f"{toml_value(key)} = {toml_value(x)}\n" for key, x in v.items())
+        for k, v in doc.items()
+        if isinstance(v, dict)
+    ]
     return "\n".join(scalars) + "\n" + "\n".join(tables)
 
 
 text = st.text(st.characters(exclude_categories=["Cs"]), max_size=12)  # TOML text can't hold lone surrogates
-scalars = st.one_of(st.booleans(), st.integers(-10**6, 10**6), st.integers(), st.floats(), text)
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
-                      max_leaves=6)
+scalars = st.one_of(st.booleans(), st.integers(-(10**6), 10**6), st.integers(), st.floats(), text)
+values = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3), max_leaves=6
+)
 
 
 def base_type(tp):
@@ -129,14 +134,24 @@ def assert_config_or_error(load, target: str) -> Config | None:
 @given(doc=documents)
 def test_any_toml_document_gives_a_config_or_a_config_error(doc, tmp_path):
     source = toml_text(doc)
-    assert json.dumps(tomllib.loads(source), sort_keys=True) == json.dumps(doc, sort_keys=True)  # the serialiser is right
+    assert json.dumps(tomllib.loads(source), sort_keys=True) == json.dumps(
+        doc, sort_keys=True
+    )  # the serialiser is right
     path = tmp_path / "fuzz.toml"
     path.write_text(source, encoding="utf-8")
     assert_config_or_error(lambda: load_config(path), "toml documents")
 
 
-FREE_TEXT_FIELDS = [("run", "name"), ("run", "out_dir"), ("run", "init_from"), ("data", "dataset"), ("data", "input"),
-                    ("data", "data_dir"), ("logging", "wandb_project"), ("logging", "wandb_run_name")]
+FREE_TEXT_FIELDS = [
+    ("run", "name"),
+    ("run", "out_dir"),
+    ("run", "init_from"),
+    ("data", "dataset"),
+    ("data", "input"),
+    ("data", "data_dir"),
+    ("logging", "wandb_project"),
+    ("logging", "wandb_run_name"),
+]
 
 
 @settings(FUZZ, max_examples=150)
@@ -150,23 +165,57 @@ def test_any_text_in_a_free_text_field_round_trips_through_config_toml(field, va
 
 
 @settings(FUZZ, max_examples=200)
-@given(raw=st.binary(max_size=300) | text.map(str.encode) | st.sampled_from([b"", b"\x00", b"\xff\xfe", b"[model]\nn_layer = \x00"]))
+@given(
+    raw=st.binary(max_size=300)
+    | text.map(str.encode)
+    | st.sampled_from([b"", b"\x00", b"\xff\xfe", b"[model]\nn_layer = \x00"])
+)
 def test_any_bytes_as_a_config_file(raw, tmp_path):
     path = tmp_path / "raw.toml"
     path.write_bytes(raw)
     assert_config_or_error(lambda: load_config(path), "raw config files")
 
 
-flags = st.sampled_from([f"--{s}.{k}" for s, names in FIELD_NAMES.items() for k in names] + list(SHORT_FLAGS)
-                        + ["--", "-", "--.", "---x", "--model", "--model.", "--.n_layer", "--a.b.c", "--model.n_layer.x"])
-cli_values = st.one_of(st.sampled_from(["1", "0", "-1", "1e-3", "1e999", "1" + "0" * 400, "true", "no", "none", "null",
-                                        "[1, 2]", "{a = 1}", '"quoted"', "nan", "inf", "", " ", "cpu", "cuda:x"]),
-                       st.text(max_size=10),
-                       st.text(st.characters(categories=["Cs"]), min_size=1, max_size=3))  # argv's invalid UTF-8
-arguments = st.lists(st.one_of(flags.flatmap(lambda f: st.sampled_from([[f], [f, "1"]]) | cli_values.map(lambda v: [f, v])),
-                               flags.flatmap(lambda f: cli_values.map(lambda v: [f"{f}={v}"])),
-                               cli_values.map(lambda v: [v])),
-                     max_size=6).map(lambda parts: sum(parts, []))
+flags = st.sampled_from(
+    [f"--{s}.{k}" for s, names in FIELD_NAMES.items() for k in names]
+    + list(SHORT_FLAGS)
+    + ["--", "-", "--.", "---x", "--model", "--model.", "--.n_layer", "--a.b.c", "--model.n_layer.x"]
+)
+cli_values = st.one_of(
+    st.sampled_from(
+        [
+            "1",
+            "0",
+            "-1",
+            "1e-3",
+            "1e999",
+            "1" + "0" * 400,
+            "true",
+            "no",
+            "none",
+            "null",
+            "[1, 2]",
+            "{a = 1}",
+            '"quoted"',
+            "nan",
+            "inf",
+            "",
+            " ",
+            "cpu",
+            "cuda:x",
+        ]
+    ),
+    st.text(max_size=10),
+    st.text(st.characters(categories=["Cs"]), min_size=1, max_size=3),
+)  # argv's invalid UTF-8
+arguments = st.lists(
+    st.one_of(
+        flags.flatmap(lambda f: st.sampled_from([[f], [f, "1"]]) | cli_values.map(lambda v: [f, v])),
+        flags.flatmap(lambda f: cli_values.map(lambda v: [f"{f}={v}"])),
+        cli_values.map(lambda v: [v]),
+    ),
+    max_size=6,
+).map(lambda parts: sum(parts, []))
 
 
 @settings(FUZZ, max_examples=400)
@@ -180,10 +229,20 @@ def config_cases(tmp: Path) -> dict[str, list[str]]:
     rng = random.Random(11)
     files = {
         "random_bytes": rng.randbytes(400),  # also invalid UTF-8 and NUL bytes
-        "odd_but_valid": toml_text({"run": {"name": "tab\there\nnew line \x7f \U0001F600 \"q\" \\"},
-                                    "optimizer": {"learning_rate": 1e-3, "min_lr": 0}}).encode(),
-        "many_mistakes": toml_text({"modle": {"n_layer": 2}, "model": {"n_layer": "two", "n_head": 0},
-                                    "optimizer": {"learning_rate": 10**400}, "top": 1}).encode(),
+        "odd_but_valid": toml_text(
+            {
+                "run": {"name": 'tab\there\nnew line \x7f \U0001f600 "q" \\'},
+                "optimizer": {"learning_rate": 1e-3, "min_lr": 0},
+            }
+        ).encode(),
+        "many_mistakes": toml_text(
+            {
+                "modle": {"n_layer": 2},
+                "model": {"n_layer": "two", "n_head": 0},
+                "optimizer": {"learning_rate": 10**400},
+                "top": 1,
+            }
+        ).encode(),
     }
     for name, raw in files.items():
         (tmp / f"{name}.toml").write_bytes(raw)
@@ -206,7 +265,7 @@ def test_config_cli_exits_0_or_2_without_traceback(tmp_path):
             assert stderr.startswith("error: "), (name, stderr)
     assert results["odd_but_valid"].returncode == 0
     printed = tomllib.loads(results["odd_but_valid"].stdout.decode("utf-8"))
-    assert printed["run"]["name"] == "tab\there\nnew line \x7f \U0001F600 \"q\" \\"
+    assert printed["run"]["name"] == 'tab\there\nnew line \x7f \U0001f600 "q" \\'
     assert results["many_mistakes"].stderr.decode().count("error: ") == 5  # every mistake, one line each
     assert results["argv_invalid_utf8"].returncode == 2 and b"not valid UTF-8" in results["argv_invalid_utf8"].stderr
 
@@ -216,8 +275,26 @@ def test_config_cli_exits_0_or_2_without_traceback(tmp_path):
 inputs = st.one_of(
     st.binary(max_size=2000),
     st.text(max_size=600).map(lambda s: s.encode("utf-8")),
-    st.lists(st.sampled_from([b"a", b"\n", b"\x00", b"\xff", b"\xc3", b"\xc3\xa9", b"\xe2\x82", b"\xe2\x82\xac",
-                              b"\xf0\x9f\x98\x80", b"\x80", b"\xef\xbf\xbd", b"\r\n", b" "]), max_size=400).map(b"".join),
+    st.lists(
+        st.sampled_from(
+            [
+                b"a",
+                b"\n",
+                b"\x00",
+                b"\xff",
+                b"\xc3",
+                b"\xc3\xa9",
+                b"\xe2\x82",
+                b"\xe2\x82\xac",
+                b"\xf0\x9f\x98\x80",
+                b"\x80",
+                b"\xef\xbf\xbd",
+                b"\r\n",
+                b" ",
+            ]
+        ),
+        max_size=400,
+    ).map(b"".join),
 )
 
 
@@ -228,8 +305,12 @@ def decoded(directory: Path) -> tuple[str, str]:
 
 
 @settings(FUZZ, max_examples=150)
-@given(data=inputs, kind=st.sampled_from(["char", "bpe"]), val_fraction=st.floats(0.01, 0.99),
-       max_bytes=st.none() | st.integers(1, 2100))
+@given(
+    data=inputs,
+    kind=st.sampled_from(["char", "bpe"]),
+    val_fraction=st.floats(0.01, 0.99),
+    max_bytes=st.none() | st.integers(1, 2100),
+)
 def test_prepare_takes_any_bytes(data, kind, val_fraction, max_bytes, monkeypatch, capsys):
     """Success or UserError; on success the docstring's rules hold: UTF-8 with each invalid sequence as U+FFFD (and one
     warning line with the count), NUL kept, the first int(n * (1 - val_fraction)) bytes (moved to a character
@@ -239,9 +320,18 @@ def test_prepare_takes_any_bytes(data, kind, val_fraction, max_bytes, monkeypatc
         source = Path(tmp, "input.bin")
         source.write_bytes(data)
         try:  # chunks of 64 bytes: small inputs cross chunk boundaries
-            out = prepare_dataset("fuzz", input_path=str(source), tokenizer=kind, vocab_size=260 if kind == "bpe" else None,
-                                  val_fraction=val_fraction, max_bytes=max_bytes, data_dir=tmp, verbose=False,
-                                  chunk_bytes=64, workers=1)
+            out = prepare_dataset(
+                "fuzz",
+                input_path=str(source),
+                tokenizer=kind,
+                vocab_size=260 if kind == "bpe" else None,
+                val_fraction=val_fraction,
+                max_bytes=max_bytes,
+                data_dir=tmp,
+                verbose=False,
+                chunk_bytes=64,
+                workers=1,
+            )
         except UserError:
             capsys.readouterr()
             return
@@ -264,9 +354,25 @@ def test_prepare_takes_any_bytes(data, kind, val_fraction, max_bytes, monkeypatc
 
 
 def meta_mutations():
-    keys = ["format_version", "dataset", "tokenizer", "vocab_size", "dtype", "eot_id", "train_tokens", "val_tokens",
-            "train_documents", "max_token_id", "split", "sources", "input_bytes", "request"]
-    change = st.tuples(st.sampled_from(keys), st.just("delete") | values | st.sampled_from(["uint16", "uint32", "float64"]))
+    keys = [
+        "format_version",
+        "dataset",
+        "tokenizer",
+        "vocab_size",
+        "dtype",
+        "eot_id",
+        "train_tokens",
+        "val_tokens",
+        "train_documents",
+        "max_token_id",
+        "split",
+        "sources",
+        "input_bytes",
+        "request",
+    ]
+    change = st.tuples(
+        st.sampled_from(keys), st.just("delete") | values | st.sampled_from(["uint16", "uint32", "float64"])
+    )
     return st.lists(change, min_size=1, max_size=3)
 
 
@@ -311,14 +417,21 @@ def huge_line(path: Path) -> None:
 
 def test_prepare_cli_on_hostile_files(tmp_path):
     rng = random.Random(3)
-    files = {"binary": rng.randbytes(5000), "empty": b"", "nul_bytes": b"a\x00b\x00" * 500,
-             "invalid_utf8": b"caf\xe9 ok \xff\xfe and \xe2\x82 and more text\n" * 50}
+    files = {
+        "binary": rng.randbytes(5000),
+        "empty": b"",
+        "nul_bytes": b"a\x00b\x00" * 500,
+        "invalid_utf8": b"caf\xe9 ok \xff\xfe and \xe2\x82 and more text\n" * 50,
+    }
     for name, raw in files.items():
         (tmp_path / name).write_bytes(raw)
     huge_line(tmp_path / "huge_line")
-    results = {name: run_script("prepare.py", "--dataset", name, "--input", str(tmp_path / name),
-                                "--data-dir", str(tmp_path / "data"))
-               for name in [*files, "huge_line"]}
+    results = {
+        name: run_script(
+            "prepare.py", "--dataset", name, "--input", str(tmp_path / name), "--data-dir", str(tmp_path / "data")
+        )
+        for name in [*files, "huge_line"]
+    }
     TRIED["prepare.py subprocess runs"] += len(results)
     for name, proc in results.items():
         assert proc.returncode in (0, 2) and b"Traceback" not in proc.stderr, (name, proc.stderr[-2000:])

@@ -43,13 +43,15 @@ CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 # ---- helpers ----------------------------------------------------------------------------------------
 
+
 def cli_args(overrides: dict) -> list[str]:
     return [x for k, v in overrides.items() for x in (f"--{k}", str(v))]
 
 
 def run_script(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=CHILD_ENV)
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=CHILD_ENV
+    )
 
 
 def run_scripts(commands: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess]:
@@ -77,8 +79,12 @@ def temp_files(run_dir: Path) -> list[Path]:
 def trained_run(tiny_data, tmp_path_factory) -> RunDir:
     """A finished 4-iteration run with ckpt_last, ckpt_best and step checkpoints."""
     out = tmp_path_factory.mktemp("trained")
-    train(None, overrides=tiny_overrides(tiny_data, out, **{"training.max_iters": 4, "training.save_interval": 2,
-                                                            "training.eval_interval": 2}))
+    train(
+        None,
+        overrides=tiny_overrides(
+            tiny_data, out, **{"training.max_iters": 4, "training.save_interval": 2, "training.eval_interval": 2}
+        ),
+    )
     return RunDir(out / "t")
 
 
@@ -108,7 +114,9 @@ def write_mode(node: ast.Call) -> str | None:
 
 def path_first(node: ast.Call) -> bool:
     func = node.func
-    return isinstance(func, ast.Name) or (isinstance(func, ast.Attribute) and getattr(func.value, "id", "") in FILE_OPENERS)
+    return isinstance(func, ast.Name) or (
+        isinstance(func, ast.Attribute) and getattr(func.value, "id", "") in FILE_OPENERS
+    )
 
 
 def direct_write(node: ast.Call) -> bool:
@@ -119,7 +127,9 @@ def direct_write(node: ast.Call) -> bool:
     if name == "open":
         has_mode = len(node.args) > path_first(node) or any(k.arg == "mode" for k in node.keywords)
         mode = write_mode(node)
-        to_proc = bool(node.args) and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("/proc/")
+        to_proc = (
+            bool(node.args) and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("/proc/")
+        )
         if has_mode and mode is None:
             return not to_proc  # a mode computed at run time may be a write mode
         return mode is not None and any(c in mode for c in "wax+") and not to_proc
@@ -150,18 +160,25 @@ def direct_writes(path: Path) -> list[str]:
     """Calls in a module that write a file without atomic_write: open(..., 'w') or with a mode computed at run time,
     Path.write_*, torch.save or np.save to a path, savefig to a path, tofile, json.dump to a path, shutil copies."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    return [f"{path.name}:{node.lineno} {ast.unparse(node)[:60]}" for scope, node in calls_by_function(tree)
-            if direct_write(node) and (path.name, scope) not in ALLOWED_DIRECT_WRITES]
+    return [
+        f"{path.name}:{node.lineno} {ast.unparse(node)[:60]}"
+        for scope, node in calls_by_function(tree)
+        if direct_write(node) and (path.name, scope) not in ALLOWED_DIRECT_WRITES
+    ]
 
 
 def test_the_write_audit_catches_direct_writes(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("open(p, 'w')\np.write_text('x')\ntorch.save(obj, 'ckpt.pt')\nfig.savefig(out_path)\n"
-                   "a.tofile(p)\njson.dump(d, open(p, 'w'))\nshutil.copyfile(a, b)\nPath(p).open('a')\n"
-                   "def f():\n    open(p, 'r+b' if x else 'w+b')\ngzip.open(p, 'wb')\nos.open(p, os.O_WRONLY)\n")
+    bad.write_text(
+        "open(p, 'w')\np.write_text('x')\ntorch.save(obj, 'ckpt.pt')\nfig.savefig(out_path)\n"
+        "a.tofile(p)\njson.dump(d, open(p, 'w'))\nshutil.copyfile(a, b)\nPath(p).open('a')\n"
+        "def f():\n    open(p, 'r+b' if x else 'w+b')\ngzip.open(p, 'wb')\nos.open(p, os.O_WRONLY)\n"
+    )
     good = tmp_path / "good.py"
-    good.write_text("open(p, 'rb')\nopen('/proc/self/clear_refs', 'w')\ntorch.save(obj, f)\nfig.savefig(buf)\n"
-                    "data = save(state)\ngzip.open(p, 'rb')\nos.open(p, os.O_RDONLY)\np.open()\n")
+    good.write_text(
+        "open(p, 'rb')\nopen('/proc/self/clear_refs', 'w')\ntorch.save(obj, f)\nfig.savefig(buf)\n"
+        "data = save(state)\ngzip.open(p, 'rb')\nos.open(p, os.O_RDONLY)\np.open()\n"
+    )
     assert len(direct_writes(bad)) == 12 and direct_writes(good) == []
 
 
@@ -173,11 +190,16 @@ def test_every_write_in_the_repo_goes_through_atomic_write():
 def test_every_torch_load_is_weights_only():
     for path in sorted(REPO_ROOT.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load" \
-                    and getattr(node.func.value, "id", "") == "torch":
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "load"
+                and getattr(node.func.value, "id", "") == "torch"
+            ):
                 kw = {k.arg: k.value for k in node.keywords}
-                assert isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True, \
+                assert isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True, (
                     f"{path.name}:{node.lineno} torch.load without weights_only=True"
+                )
 
 
 KILL_TRIALS = 12
@@ -202,11 +224,20 @@ def kill_chain(chain: int, trials: int, data_dir: Path, out_dir: Path) -> dict:
     """SIGKILL a run `trials` times; each restart is `--resume`, so every trial after the first also proves that
     the previous kill left a checkpoint --resume continues from (the "resuming ... at iter N" line)."""
     rng = random.Random(7000 + chain)
-    over = tiny_overrides(data_dir, out_dir, **{"run.name": f"chain{chain}", "training.max_iters": 10**6,
-                                                "training.save_interval": 1, "training.eval_interval": 0,
-                                                "training.log_interval": 0, "training.keep_last": 2,
-                                                # a 1.3 MB checkpoint every step: ~40% of the time a write is under way
-                                                "model.n_embd": 64})
+    over = tiny_overrides(
+        data_dir,
+        out_dir,
+        **{
+            "run.name": f"chain{chain}",
+            "training.max_iters": 10**6,
+            "training.save_interval": 1,
+            "training.eval_interval": 0,
+            "training.log_interval": 0,
+            "training.keep_last": 2,
+            # a 1.3 MB checkpoint every step: ~40% of the time a write is under way
+            "model.n_embd": 64,
+        },
+    )
     run = RunDir(out_dir / f"chain{chain}")
     stats = {"trials": 0, "mid_write": 0, "resumed": 0}
     left_at = None
@@ -214,8 +245,9 @@ def kill_chain(chain: int, trials: int, data_dir: Path, out_dir: Path) -> dict:
         args = cli_args(over) if left_at is None else ["--resume", str(run.path)]
         log = out_dir / f"chain{chain}-{trial}.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO_ROOT, stdout=out,
-                                    stderr=subprocess.STDOUT, env=CHILD_ENV)
+            proc = subprocess.Popen(
+                [sys.executable, "train.py", *args], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=CHILD_ENV
+            )
             try:
                 wait_for_new_checkpoint(run, run.last.stat().st_ino if run.last.exists() else None, proc)
                 time.sleep(rng.uniform(0, KILL_WINDOW_S))
@@ -238,8 +270,10 @@ def kill_chain(chain: int, trials: int, data_dir: Path, out_dir: Path) -> dict:
 def test_sigkill_at_random_moments_always_leaves_a_resumable_checkpoint(tiny_data, tmp_path):
     with ThreadPoolExecutor(WORKERS) as pool:
         chains = list(pool.map(lambda c: kill_chain(c, KILL_TRIALS // WORKERS, tiny_data, tmp_path), range(WORKERS)))
-    print(f"\nkill trials: {sum(c['trials'] for c in chains)}, killed mid-write: {sum(c['mid_write'] for c in chains)}, "
-          f"resumed from the killed run's checkpoint: {sum(c['resumed'] for c in chains)}")
+    print(
+        f"\nkill trials: {sum(c['trials'] for c in chains)}, killed mid-write: {sum(c['mid_write'] for c in chains)}, "
+        f"resumed from the killed run's checkpoint: {sum(c['resumed'] for c in chains)}"
+    )
     assert sum(c["trials"] for c in chains) == KILL_TRIALS
     assert sum(c["mid_write"] for c in chains) >= 3  # the kills really land inside writes (expected: ~8)
     # the final check: resume for two more iterations and finish cleanly
@@ -270,6 +304,7 @@ def test_train_restores_the_callers_signal_handlers(tiny_data, tmp_path):
 
 # ---- 2. safe loading --------------------------------------------------------------------------------
 
+
 class CodeOnUnpickle:
     """Unpickling this creates `marker` (a stand-in for any code an attacker would run)."""
 
@@ -281,8 +316,9 @@ class CodeOnUnpickle:
 
 
 def craft_malicious_checkpoint(path: Path, marker: Path) -> None:
-    torch.save({"model": {"w": torch.zeros(1)}, "model_args": {"vocab_size": 65}, "payload": CodeOnUnpickle(marker)},
-               path)
+    torch.save(
+        {"model": {"w": torch.zeros(1)}, "model_args": {"vocab_size": 65}, "payload": CodeOnUnpickle(marker)}, path
+    )
 
 
 def test_the_crafted_checkpoint_really_runs_code_with_an_unsafe_load(tmp_path):
@@ -301,8 +337,9 @@ def test_malicious_checkpoint_is_refused_by_train_and_sample(tmp_path):
     craft_malicious_checkpoint(run / "ckpt_last.pt", marker)
     with pytest.raises(UserError, match="refusing to load"):
         load_checkpoint(run / "ckpt_last.pt")
-    procs = run_scripts({"train": ["train.py", "--resume", str(run)],
-                         "sample": ["sample.py", "--ckpt", str(run / "ckpt_last.pt")]})
+    procs = run_scripts(
+        {"train": ["train.py", "--resume", str(run)], "sample": ["sample.py", "--ckpt", str(run / "ckpt_last.pt")]}
+    )
     for proc in procs.values():
         assert_user_error(proc, "refusing to load", "ckpt_last.pt")
     assert not marker.exists()
@@ -346,9 +383,11 @@ def test_a_corrupt_latest_checkpoint_names_an_older_one_that_resumes(trained_run
     shutil.copytree(trained_run.path, run.path)  # copies: the step files are no longer hard links to ckpt_last
     damaged = bytearray(run.last.read_bytes())
     middle = len(damaged) // 2
-    damaged[middle:middle + 16] = bytes(b ^ 0xFF for b in damaged[middle:middle + 16])
+    damaged[middle : middle + 16] = bytes(b ^ 0xFF for b in damaged[middle : middle + 16])
     run.last.write_bytes(damaged)
-    with pytest.raises(UserError, match=rf"{re.escape(str(run.last))} is corrupt.*--resume {re.escape(str(run.step(4)))}"):
+    with pytest.raises(
+        UserError, match=rf"{re.escape(str(run.last))} is corrupt.*--resume {re.escape(str(run.step(4)))}"
+    ):
         resolve_run(None, [], str(run.path), False, 1)
     assert train(None, overrides={"training.max_iters": 5}, resume=str(run.step(4))).iterations == 5
 
@@ -362,21 +401,37 @@ def test_architecture_and_vocabulary_mismatches_are_named(trained_run, tiny_data
     (other / "txt").mkdir(parents=True)
     (other / "txt" / "abc.txt").write_text("abcab cabca\n" * 400, encoding="utf-8")
     from quillgpt.prepare import prepare_dataset
+
     prepare_dataset("abc", input_path=str(other / "txt" / "abc.txt"), data_dir=other, verbose=False)
-    procs = run_scripts({
-        "resume_wider": ["train.py", "--resume", str(trained_run.path), "--model.n_embd", "64"],
-        "resume_other_vocab": ["train.py", "--resume", str(trained_run.path), "--data.dataset", "abc",
-                               "--data.data_dir", str(other)],
-        "sample_reshaped": ["sample.py", "--ckpt", str(tmp_path / "reshaped.pt"), "--max-new-tokens", "2"],
-    })
+    procs = run_scripts(
+        {
+            "resume_wider": ["train.py", "--resume", str(trained_run.path), "--model.n_embd", "64"],
+            "resume_other_vocab": [
+                "train.py",
+                "--resume",
+                str(trained_run.path),
+                "--data.dataset",
+                "abc",
+                "--data.data_dir",
+                str(other),
+            ],
+            "sample_reshaped": ["sample.py", "--ckpt", str(tmp_path / "reshaped.pt"), "--max-new-tokens", "2"],
+        }
+    )
     assert_user_error(procs["resume_wider"], "n_embd")
     assert_user_error(procs["resume_other_vocab"], "vocabulary mismatch")
     assert_user_error(procs["sample_reshaped"], "reshaped.pt", "does not match the model", "32]", "64]")
 
 
-plain_values = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True),
-                         st.text(max_size=8), st.lists(st.integers(0, 5), max_size=3),
-                         st.dictionaries(st.text(max_size=5), st.integers(), max_size=3))
+plain_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 10**6),
+    st.floats(allow_nan=True),
+    st.text(max_size=8),
+    st.lists(st.integers(0, 5), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
+)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -415,6 +470,7 @@ def sampling_load(path: Path) -> None:
 
 # ---- 3. data checks at start-up ---------------------------------------------------------------------
 
+
 def corrupt_bin_size(d: Path) -> None:
     with open(d / "train.bin", "ab") as f:
         f.write(b"\x01")
@@ -431,6 +487,7 @@ def edit_meta(**fields):
         meta = json.loads((d / "meta.json").read_text())
         meta.update(fields)
         (d / "meta.json").write_text(json.dumps(meta))
+
     return edit
 
 
@@ -452,9 +509,16 @@ DATA_CASES = {
     "meta_not_json": (write_file("meta.json", "{not json"), [], ["meta.json", "malformed"]),
     "meta_not_an_object": (write_file("meta.json", "[1, 2]"), [], ["meta.json", "malformed"]),
     "meta_field_wrong_type": (edit_meta(tokenizer="char"), [], ["meta.json", "'tokenizer'"]),
-    "meta_vocab_disagrees_with_tokenizer": (edit_meta(vocab_size=70), ["--data.processed_dir", "{dir}"],
-                                            ["vocab_size 70", "tokenizer.json"]),
-    "meta_missing_processed_dir": (remove_file("meta.json"), ["--data.processed_dir", "{dir}"], ["meta.json", "not found"]),
+    "meta_vocab_disagrees_with_tokenizer": (
+        edit_meta(vocab_size=70),
+        ["--data.processed_dir", "{dir}"],
+        ["vocab_size 70", "tokenizer.json"],
+    ),
+    "meta_missing_processed_dir": (
+        remove_file("meta.json"),
+        ["--data.processed_dir", "{dir}"],
+        ["meta.json", "not found"],
+    ),
     "other_tokenizer_than_config": (lambda d: None, ["--data.tokenizer", "bpe"], ["char tokenizer", "bpe", "--reset"]),
 }
 
@@ -481,13 +545,16 @@ def test_bad_data_is_a_user_error_naming_the_fault(case, tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_bad_data_from_train_py_is_one_line_and_exit_2(tiny_data, tmp_path):
-    commands = {case: ["train.py", *damaged_copy(tiny_data, tmp_path, case)[1]]
-                for case in ("token_id_beyond_vocab", "meta_not_json")}
+    commands = {
+        case: ["train.py", *damaged_copy(tiny_data, tmp_path, case)[1]]
+        for case in ("token_id_beyond_vocab", "meta_not_json")
+    }
     for case, proc in run_scripts(commands).items():
         assert_user_error(proc, *DATA_CASES[case][2])
 
 
 # ---- 4. disk full -----------------------------------------------------------------------------------
+
 
 def fail_checkpoint_fsyncs(monkeypatch, should_fail) -> list[int | None]:
     """Make os.fsync raise ENOSPC for checkpoint temp files when should_fail(n) for the n-th (1-based) such write.
@@ -510,8 +577,12 @@ def fail_checkpoint_fsyncs(monkeypatch, should_fail) -> list[int | None]:
 
 def test_periodic_save_failing_with_enospc_keeps_training_and_retries(tiny_data, tmp_path, monkeypatch, capsys):
     seen = fail_checkpoint_fsyncs(monkeypatch, lambda n: n in (2, 3, 4))
-    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 6, "training.save_interval": 1,
-                                                                          "training.eval_interval": 0}))
+    result = train(
+        None,
+        overrides=tiny_overrides(
+            tiny_data, tmp_path, **{"training.max_iters": 6, "training.save_interval": 1, "training.eval_interval": 0}
+        ),
+    )
     err = capsys.readouterr().err
     run = RunDir(tmp_path / "t")
     assert result.iterations == 6 and load_checkpoint(run.latest())["iter_num"] == 6
@@ -522,8 +593,9 @@ def test_periodic_save_failing_with_enospc_keeps_training_and_retries(tiny_data,
 
 def test_final_save_failing_names_the_last_good_checkpoint_which_resumes(tiny_data, tmp_path, monkeypatch):
     fail_checkpoint_fsyncs(monkeypatch, lambda n: n > 1)
-    over = tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 3, "training.save_interval": 1,
-                                                  "training.eval_interval": 0})
+    over = tiny_overrides(
+        tiny_data, tmp_path, **{"training.max_iters": 3, "training.save_interval": 1, "training.eval_interval": 0}
+    )
     with pytest.raises(UserError, match=r"final checkpoint was not saved.*ckpt_last\.pt \(iter 1\)"):
         train(None, overrides=over)
     run = RunDir(tmp_path / "t")
@@ -547,11 +619,13 @@ def tiny_tmpfs(tmp_path):
 
 @pytest.mark.slow
 def test_real_full_disk(tiny_data, tiny_tmpfs):
-    over = tiny_overrides(tiny_data, tiny_tmpfs, **{"training.max_iters": 12, "training.save_interval": 1,
-                                                    "training.eval_interval": 6})
+    over = tiny_overrides(
+        tiny_data, tiny_tmpfs, **{"training.max_iters": 12, "training.save_interval": 1, "training.eval_interval": 6}
+    )
     proc = run_script(["train.py", *cli_args(over)])
-    line = assert_user_error(proc, "final checkpoint was not saved", "No space left on device",
-                             "the last good checkpoint is")
+    line = assert_user_error(
+        proc, "final checkpoint was not saved", "No space left on device", "the last good checkpoint is"
+    )
     assert "warning:" in proc.stderr and "training continues" in proc.stderr
     good_iter = int(re.search(r"\(iter (\d+)\)", line).group(1))
     run = RunDir(tiny_tmpfs / "t")

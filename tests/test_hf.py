@@ -50,13 +50,23 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ---- in ------------------------------------------------------------------------------------------------
 
+
 def test_family_imports_with_the_logits_of_transformers(family_dir):
     family, directory, hf = family_dir
     loaded = load_model(directory)
     c = loaded.model.config
-    assert (c.pos_emb, c.norm, c.mlp, c.n_kv_head, c.mlp_hidden, c.norm_eps) == ("rope", "rmsnorm", "swiglu", 2, 96, 1e-6)
+    assert (c.pos_emb, c.norm, c.mlp, c.n_kv_head, c.mlp_hidden, c.norm_eps) == (
+        "rope",
+        "rmsnorm",
+        "swiglu",
+        2,
+        96,
+        1e-6,
+    )
     assert (c.qkv_bias, c.qk_norm, c.tie_embeddings) == (family == "qwen2", family == "qwen3", family == "qwen2")
-    assert c.rope_scaling == ("llama3" if family == "llama" else "none") and c.head_width == (32 if family == "qwen3" else 16)
+    assert c.rope_scaling == ("llama3" if family == "llama" else "none") and c.head_width == (
+        32 if family == "qwen3" else 16
+    )
     x = torch.randint(0, 300, (2, 100))
     assert max_diff(logits(loaded.model.eval(), x), logits(hf, x)) <= 1e-4
     assert loaded.tokenizer["kind"] == "hf" and loaded.tokenizer["bos_id"] == 0 and loaded.tokenizer["eos_id"] == 1
@@ -66,7 +76,9 @@ def test_greedy_decoding_with_the_kv_cache_equals_transformers_generate(family_d
     _, directory, hf = family_dir
     model = load_model(directory).model.eval()
     prompt = torch.randint(2, 300, (1, 12))
-    theirs = hf.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0)
+    theirs = hf.generate(
+        prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     ours = model.generate(prompt, 64, temperature=0)
     assert ours.shape == (1, 76) and torch.equal(ours, theirs)
 
@@ -82,12 +94,16 @@ def test_sharded_safetensors_load_like_one_file(transformers, tmp_path):
 
 # ---- out -----------------------------------------------------------------------------------------------
 
+
 def test_imported_family_exports_back_as_the_same_architecture(family_dir, transformers, tmp_path):
     family, directory, hf = family_dir
     loaded = load_model(directory)
     tokenizer = loaded.tokenizer
     if family == "qwen2":  # Qwen2 goes out as Qwen2 with Qwen's own tokenizer, which transformers 5 rebuilds itself
-        tokenizer = {**tokenizer, "tokenizer_config": {**tokenizer["tokenizer_config"], "tokenizer_class": "Qwen2Tokenizer"}}
+        tokenizer = {
+            **tokenizer,
+            "tokenizer_config": {**tokenizer["tokenizer_config"], "tokenizer_class": "Qwen2Tokenizer"},
+        }
     assert export_hf(loaded.model, tokenizer, tmp_path, str(directory)) == []
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(back).__name__ == type(hf).__name__
@@ -97,17 +113,29 @@ def test_imported_family_exports_back_as_the_same_architecture(family_dir, trans
     assert ours(TEXT[:500]).input_ids == theirs(TEXT[:500]).input_ids  # the tokenizer files went with it
 
 
-@pytest.mark.parametrize("family, switches", [
-    ("llama", {"model.n_kv_head": 1, "model.tie_embeddings": False, "model.zero_init_proj": True}),
-    ("qwen3", {"model.qk_norm": True, "model.n_kv_head": 1, "model.head_dim": 24}),
-    ("llama", {"model.qkv_bias": True}),  # as Llama with attention_bias: a char tokenizer can't go out as Qwen2's
-])
-def test_models_trained_with_modern_switches_export_and_load_in_transformers(tiny_data, tmp_path, transformers,
-                                                                            family, switches):
+@pytest.mark.parametrize(
+    "family, switches",
+    [
+        ("llama", {"model.n_kv_head": 1, "model.tie_embeddings": False, "model.zero_init_proj": True}),
+        ("qwen3", {"model.qk_norm": True, "model.n_kv_head": 1, "model.head_dim": 24}),
+        ("llama", {"model.qkv_bias": True}),  # as Llama with attention_bias: a char tokenizer can't go out as Qwen2's
+    ],
+)
+def test_models_trained_with_modern_switches_export_and_load_in_transformers(
+    tiny_data, tmp_path, transformers, family, switches
+):
     from conftest import tiny_overrides
 
-    modern = {"model.pos_emb": "rope", "model.norm": "rmsnorm", "model.mlp": "swiglu", "model.bias": False,
-              "model.n_head": 4, "training.max_iters": 6, "training.eval_interval": 3, **switches}
+    modern = {
+        "model.pos_emb": "rope",
+        "model.norm": "rmsnorm",
+        "model.mlp": "swiglu",
+        "model.bias": False,
+        "model.n_head": 4,
+        "training.max_iters": 6,
+        "training.eval_interval": 3,
+        **switches,
+    }
     result = train(overrides=tiny_overrides(tiny_data, tmp_path, **modern))
     assert export.main(["--ckpt", str(result.checkpoint_path), "--hf", str(tmp_path / "hf")]) == 0
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -124,17 +152,27 @@ def test_models_trained_with_modern_switches_export_and_load_in_transformers(tin
     assert theirs(text).input_ids == ours.encode(text) and theirs.decode(ours.encode(text)) == text
 
 
-@pytest.mark.parametrize("switches, blocker", [
-    (dict(pos_emb="rope", norm="rmsnorm", mlp="relu2"), "model.mlp = 'relu2' (nearest that exports: 'swiglu')"),
-    (dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", logit_softcap=30.0),
-     "model.logit_softcap = 30.0 (nearest that exports: 0.0)"),
-    (dict(pos_emb="rope"), "Llama: model.norm = 'layernorm' (nearest that exports: 'rmsnorm'); "
-                           "model.mlp = 'gelu' (nearest that exports: 'swiglu')"),
-    (dict(norm="rmsnorm"), "GPT-2: model.norm = 'rmsnorm' (nearest that exports: 'layernorm')"),
-    (dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, bias=True),
-     "Qwen3: model.bias = True (nearest that exports: False)"),
-    (dict(n_kv_head=1), "GPT-2: model.n_kv_head = 1 (nearest that exports: None)"),
-])
+@pytest.mark.parametrize(
+    "switches, blocker",
+    [
+        (dict(pos_emb="rope", norm="rmsnorm", mlp="relu2"), "model.mlp = 'relu2' (nearest that exports: 'swiglu')"),
+        (
+            dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", logit_softcap=30.0),
+            "model.logit_softcap = 30.0 (nearest that exports: 0.0)",
+        ),
+        (
+            dict(pos_emb="rope"),
+            "Llama: model.norm = 'layernorm' (nearest that exports: 'rmsnorm'); "
+            "model.mlp = 'gelu' (nearest that exports: 'swiglu')",
+        ),
+        (dict(norm="rmsnorm"), "GPT-2: model.norm = 'rmsnorm' (nearest that exports: 'layernorm')"),
+        (
+            dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, bias=True),
+            "Qwen3: model.bias = True (nearest that exports: False)",
+        ),
+        (dict(n_kv_head=1), "GPT-2: model.n_kv_head = 1 (nearest that exports: None)"),
+    ],
+)
 def test_switches_no_hf_architecture_expresses_are_refused_naming_the_nearest(tmp_path, switches, blocker):
     model = GPT(GPTConfig(block_size=16, vocab_size=20, n_layer=1, n_head=2, n_embd=16, **switches))
     with pytest.raises(UserError, match="cannot be exported as Hugging Face") as e:
@@ -143,11 +181,14 @@ def test_switches_no_hf_architecture_expresses_are_refused_naming_the_nearest(tm
     assert not (tmp_path / "hf").exists()
 
 
-def test_char_and_bpe_tokenizers_export_as_tokenizer_json_autotokenizer_reads_alike(shakespeare_path, transformers,
-                                                                                    tmp_path):
+def test_char_and_bpe_tokenizers_export_as_tokenizer_json_autotokenizer_reads_alike(
+    shakespeare_path, transformers, tmp_path
+):
     text = shakespeare_path.read_text(encoding="utf-8")
-    for kind, tok in (("char", train_tokenizer("char", [text], None, eot=True)),
-                      ("bpe", train_tokenizer("bpe", [text], 1024))):
+    for kind, tok in (
+        ("char", train_tokenizer("char", [text], None, eot=True)),
+        ("bpe", train_tokenizer("bpe", [text], 1024)),
+    ):
         for name, content in hf_files(tok, 256).items():
             (tmp_path / kind).mkdir(exist_ok=True)
             (tmp_path / kind / name).write_text(content)
@@ -158,18 +199,25 @@ def test_char_and_bpe_tokenizers_export_as_tokenizer_json_autotokenizer_reads_al
         assert theirs.eos_token_id == tok.eot_id
         # and back in as an hf tokenizer, which counts the same bytes per token (bits per byte)
         again = hf_tokenizer(tmp_path / kind)
-        assert again.encode(text[:5000]) == ids[:len(again.encode(text[:5000]))]
+        assert again.encode(text[:5000]) == ids[: len(again.encode(text[:5000]))]
         assert np.array_equal(again.token_bytes(), tok.token_bytes())
 
 
 # ---- Hugging Face tokenizers ----------------------------------------------------------------------------
 
+
 def test_prepare_with_an_hf_tokenizer_puts_bos_and_eos_around_each_document(transformers, tmp_path):
     save_hf_tokenizer(transformers, tmp_path / "tok", TEXT)
     docs = TEXT.splitlines()[:200]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    out = prepare_dataset("docs", input_path=str(tmp_path / "docs.jsonl"), tokenizer=f"hf:{tmp_path / 'tok'}",
-                          data_dir=tmp_path / "data", verbose=False, val_fraction=0.1)
+    out = prepare_dataset(
+        "docs",
+        input_path=str(tmp_path / "docs.jsonl"),
+        tokenizer=f"hf:{tmp_path / 'tok'}",
+        data_dir=tmp_path / "data",
+        verbose=False,
+        val_fraction=0.1,
+    )
     meta = json.loads((out / "meta.json").read_text())
     assert meta["tokenizer"]["kind"] == "hf" and meta["dtype"] == "uint16" and meta["eot_id"] == 1
     tok = load_tokenizer(out / "tokenizer.json")
@@ -193,8 +241,13 @@ def test_an_hf_tokenizer_beyond_65535_ids_writes_uint32_bins(tmp_path):
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
     (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in TEXT.splitlines()[:50]))
-    out = prepare_dataset("big", input_path=str(tmp_path / "docs.jsonl"), tokenizer=f"hf:{tmp_path / 'tok'}",
-                          data_dir=tmp_path / "data", verbose=False)
+    out = prepare_dataset(
+        "big",
+        input_path=str(tmp_path / "docs.jsonl"),
+        tokenizer=f"hf:{tmp_path / 'tok'}",
+        data_dir=tmp_path / "data",
+        verbose=False,
+    )
     assert json.loads((out / "meta.json").read_text())["dtype"] == "uint32"
     ids = np.fromfile(out / "train.bin", dtype=np.uint32)
     assert ids.min() >= 70_000 and ids.max() == len(vocab) - 1  # every word above 65535, documents end with </s>
@@ -204,12 +257,28 @@ def test_sample_from_an_hf_directory_prepends_bos_and_prints_what_transformers_g
     _, directory, hf = family_dir
     tok = hf_tokenizer(directory)
     prompt = "the king and the queen"
-    assert sample.main(["--ckpt", str(directory), "--prompt", prompt, "--max-new-tokens", "40", "--temperature", "0",
-                        "--no-stream"]) == 0
+    assert (
+        sample.main(
+            [
+                "--ckpt",
+                str(directory),
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "40",
+                "--temperature",
+                "0",
+                "--no-stream",
+            ]
+        )
+        == 0
+    )
     ids = torch.tensor([tok.prompt_ids(prompt)])
     assert ids[0, 0] == 0  # <s>
-    new = hf.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=1, pad_token_id=1)[0, ids.size(1):].tolist()
-    new = new[:new.index(1)] if 1 in new else new  # a row ends at </s>
+    new = hf.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=1, pad_token_id=1)[
+        0, ids.size(1) :
+    ].tolist()
+    new = new[: new.index(1)] if 1 in new else new  # a row ends at </s>
     assert capsys.readouterr().out == prompt + tok.decode_after(ids[0].tolist(), new) + "\n"
 
 
@@ -219,18 +288,40 @@ def test_finetuning_an_hf_llama_lowers_the_loss_and_resumes_bit_exact_after_sigt
     directory = tmp_path / "llama"
     save_hf_family(transformers, "llama", directory)
     save_hf_tokenizer(transformers, directory, TEXT)
-    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in word_salad(60_000, seed=1).splitlines()))
-    over = {"run.init_from": str(directory), "data.dataset": "ft", "data.input": str(tmp_path / "docs.jsonl"),
-            "data.tokenizer": f"hf:{directory}", "data.data_dir": str(tmp_path / "data"), "run.out_dir": str(tmp_path / "runs"),
-            "run.name": "ft", "run.device": "cpu", "model.block_size": 32, "model.dropout": 0.1,
-            "training.batch_size": 4, "training.max_iters": 400, "training.eval_interval": 0, "training.log_interval": 1,
-            "training.save_interval": 1000, "optimizer.learning_rate": 3e-3, "optimizer.warmup_iters": 2,
-            "optimizer.lr_decay_iters": 400, "logging.plot": False}
+    (tmp_path / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": d}) + "\n" for d in word_salad(60_000, seed=1).splitlines())
+    )
+    over = {
+        "run.init_from": str(directory),
+        "data.dataset": "ft",
+        "data.input": str(tmp_path / "docs.jsonl"),
+        "data.tokenizer": f"hf:{directory}",
+        "data.data_dir": str(tmp_path / "data"),
+        "run.out_dir": str(tmp_path / "runs"),
+        "run.name": "ft",
+        "run.device": "cpu",
+        "model.block_size": 32,
+        "model.dropout": 0.1,
+        "training.batch_size": 4,
+        "training.max_iters": 400,
+        "training.eval_interval": 0,
+        "training.log_interval": 1,
+        "training.save_interval": 1000,
+        "optimizer.learning_rate": 3e-3,
+        "optimizer.warmup_iters": 2,
+        "optimizer.lr_decay_iters": 400,
+        "logging.plot": False,
+    }
     train_until_sigterm(over, 20, timeout=120)
     run = RunDir(tmp_path / "runs" / "ft")
     assert 20 <= load_checkpoint(run.latest())["iter_num"] < 400
-    resumed = subprocess.run([sys.executable, "train.py", "--resume", str(run.path), "--training.max_iters", "40"],
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    resumed = subprocess.run(
+        [sys.executable, "train.py", "--resume", str(run.path), "--training.max_iters", "40"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert resumed.returncode == 0, resumed.stderr
     train(overrides={**over, "run.out_dir": str(tmp_path / "straight"), "training.max_iters": 40})
     straight = losses(tmp_path / "straight" / "ft")
@@ -241,6 +332,7 @@ def test_finetuning_an_hf_llama_lowers_the_loss_and_resumes_bit_exact_after_sigt
 
 
 # ---- bad input -------------------------------------------------------------------------------------------
+
 
 def breakages():
     def arch(d):
@@ -254,8 +346,12 @@ def breakages():
 
     def shard(d):
         (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
-        index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
-                                "model.norm.weight": "model-00002-of-00002.safetensors"}}
+        index = {
+            "weight_map": {
+                "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                "model.norm.weight": "model-00002-of-00002.safetensors",
+            }
+        }
         (d / "model.safetensors.index.json").write_text(json.dumps(index))
 
     def shape(d):
@@ -277,8 +373,11 @@ def breakages():
         (d / "tokenizer.json").unlink()
 
     return [
-        (arch, "architecture 'MistralForCausalLM' is not supported (supported: GPT2LMHeadModel, LlamaForCausalLM, "
-               "Qwen2ForCausalLM, Qwen3ForCausalLM)"),
+        (
+            arch,
+            "architecture 'MistralForCausalLM' is not supported (supported: GPT2LMHeadModel, LlamaForCausalLM, "
+            "Qwen2ForCausalLM, Qwen3ForCausalLM)",
+        ),
         (field, "config.json has no integer num_attention_heads, which a Llama model needs"),
         (shard, "shard model-00002-of-00002.safetensors listed in model.safetensors.index.json is missing"),
         (shape, "tensor model.layers.1.self_attn.k_proj.weight has shape [16, 64], but config.json implies [32, 64]"),
@@ -317,11 +416,24 @@ def test_fine_tuning_from_a_pickle_only_directory_exits_2_and_writes_nothing(lla
     shutil.copytree(llama_dir, tmp_path / "m")
     (tmp_path / "m" / "model.safetensors").rename(tmp_path / "m" / "pytorch_model.bin")
     (tmp_path / "docs.txt").write_text(TEXT)
-    result = subprocess.run([sys.executable, "train.py", f"--run.init_from={tmp_path / 'm'}", "--data.dataset=d",
-                             f"--data.input={tmp_path / 'docs.txt'}", f"--data.tokenizer=hf:{tmp_path / 'm'}",
-                             f"--data.data_dir={tmp_path / 'data'}", f"--run.out_dir={tmp_path / 'runs'}",
-                             "--model.block_size=32", "--max-iters=2"], cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            f"--run.init_from={tmp_path / 'm'}",
+            "--data.dataset=d",
+            f"--data.input={tmp_path / 'docs.txt'}",
+            f"--data.tokenizer=hf:{tmp_path / 'm'}",
+            f"--data.data_dir={tmp_path / 'data'}",
+            f"--run.out_dir={tmp_path / 'runs'}",
+            "--model.block_size=32",
+            "--max-iters=2",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     [line] = [x for x in result.stderr.splitlines() if x.startswith("error:")]
     assert "has only pytorch_model.bin weights" in line and "Traceback" not in result.stderr
@@ -330,17 +442,31 @@ def test_fine_tuning_from_a_pickle_only_directory_exits_2_and_writes_nothing(lla
 
 def test_a_hub_name_offline_is_one_line_naming_the_local_alternative(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UserError, match=r"^HuggingFaceTB/SmolLM2-135M is a Hugging Face hub model, but HF_HUB_OFFLINE "
-                                        r"is set; download it where there is network \(huggingface-cli download "):
+    with pytest.raises(
+        UserError,
+        match=r"^HuggingFaceTB/SmolLM2-135M is a Hugging Face hub model, but HF_HUB_OFFLINE "
+        r"is set; download it where there is network \(huggingface-cli download ",
+    ):
         load_model("HuggingFaceTB/SmolLM2-135M")
 
 
 def test_validate_estimates_the_init_from_model_not_the_config(llama_dir, tmp_path, capsys):
     (tmp_path / "docs.txt").write_text(TEXT)
-    train(overrides={"run.init_from": str(llama_dir), "data.dataset": "d", "data.input": str(tmp_path / "docs.txt"),
-                     "data.tokenizer": f"hf:{llama_dir}", "data.data_dir": str(tmp_path / "data"),
-                     "run.out_dir": str(tmp_path / "runs"), "model.block_size": 32, "model.n_layer": 12,
-                     "training.batch_size": 2, "training.max_iters": 2}, validate_only=True)
+    train(
+        overrides={
+            "run.init_from": str(llama_dir),
+            "data.dataset": "d",
+            "data.input": str(tmp_path / "docs.txt"),
+            "data.tokenizer": f"hf:{llama_dir}",
+            "data.data_dir": str(tmp_path / "data"),
+            "run.out_dir": str(tmp_path / "runs"),
+            "model.block_size": 32,
+            "model.n_layer": 12,
+            "training.batch_size": 2,
+            "training.max_iters": 2,
+        },
+        validate_only=True,
+    )
     model = load_model(llama_dir).model
     assert f"model: {model.num_params() / 1e6:.2f}M parameters, block 32, vocab 300" in capsys.readouterr().out
 
@@ -350,8 +476,9 @@ def test_eval_scores_an_hf_directory_within_its_context(llama_dir, tmp_path):
     from quillgpt import evaluate
 
     (tmp_path / "t.txt").write_text(TEXT[:3000])
-    report = evaluate.evaluate(eval_script.parse_args(["--ckpt", str(llama_dir), "--text", str(tmp_path / "t.txt"),
-                                                    "--context", "48"]))
+    report = evaluate.evaluate(
+        eval_script.parse_args(["--ckpt", str(llama_dir), "--text", str(tmp_path / "t.txt"), "--context", "48"])
+    )
     assert report["model_args"]["block_size"] == 48 and 0 < report["text"][0]["bpb"] < 20
 
 
@@ -363,7 +490,9 @@ def test_every_preset_trains_a_model_that_exports_to_hugging_face():
     for path in sorted((REPO_ROOT / "configs").rglob("*.toml")):
         cfg = build_config(load_toml(path), source=str(path))
         if cfg.run.init_from == "scratch":
-            families[path.name] = hf.export_family(GPTConfig.from_dict({**cfg.model_args(), "vocab_size": 65}), str(path))
+            families[path.name] = hf.export_family(
+                GPTConfig.from_dict({**cfg.model_args(), "vocab_size": 65}), str(path)
+            )
     assert families["speedrun_cpu.toml"] == "qwen3" and families["cpu.toml"] == "gpt2" and len(families) >= 5
 
 
@@ -381,6 +510,6 @@ def test_sentencepiece_style_continuations_keep_their_leading_space(tmp_path):
     (tmp_path / "sp" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     sp = hf_tokenizer(tmp_path / "sp")
     assert not sp.byte_level and sp.encode(TEXT[:5000]) == tok.encode(TEXT[:5000]).ids
-    prompt, rest = sp.encode("the king"), sp.encode("the king and the queen")[len(sp.encode("the king")):]
+    prompt, rest = sp.encode("the king"), sp.encode("the king and the queen")[len(sp.encode("the king")) :]
     assert sp.decode(rest) == "and the queen"  # alone: the space is lost
     assert sp.decode_after(prompt, rest) == " and the queen"

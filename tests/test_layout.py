@@ -33,12 +33,22 @@ def test_the_entry_scripts_build_from_the_package_not_from_each_other():
 def test_the_package_imports_nothing_from_the_root_but_model():
     graph = import_graph()
     assert package_root_imports(graph) == []
-    assert package_root_imports({"quillgpt.a": {"model", "train"}, "train": set(), "model": set()}) == ["quillgpt.a -> train"]
+    assert package_root_imports({"quillgpt.a": {"model", "train"}, "train": set(), "model": set()}) == [
+        "quillgpt.a -> train"
+    ]
 
 
 def test_the_root_holds_only_the_scripts_and_model():
     assert sorted(p.name for p in REPO_ROOT.glob("*.py")) == [
-        "bench.py", "eval.py", "export.py", "model.py", "prepare.py", "sample.py", "speedrun.py", "train.py"]
+        "bench.py",
+        "eval.py",
+        "export.py",
+        "model.py",
+        "prepare.py",
+        "sample.py",
+        "speedrun.py",
+        "train.py",
+    ]
 
 
 def test_the_config_schema_loads_without_torch():

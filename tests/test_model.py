@@ -12,8 +12,15 @@ from model import GPT, GPTConfig, cache_length, sample_next
 from quillgpt import kernels
 from quillgpt.kernels import CPUCausalAttention, Dropout, causal_softmax, cpu_keep_mask
 
-MODERN = dict(pos_emb="rope", norm="rmsnorm", qk_norm=True, mlp="swiglu", tie_embeddings=False,
-              logit_softcap=15.0, zero_init_proj=False)
+MODERN = dict(
+    pos_emb="rope",
+    norm="rmsnorm",
+    qk_norm=True,
+    mlp="swiglu",
+    tie_embeddings=False,
+    logit_softcap=15.0,
+    zero_init_proj=False,
+)
 VARIANTS = [dict(), dict(bias=False, mlp="relu2"), MODERN]
 
 
@@ -159,7 +166,9 @@ def test_default_cpu_peak_knows_zen4_half_width_avx512_and_intel_amx():
     step's MFU read several times the truth."""
     from quillgpt.metrics import default_peak_flops, has_amx_bf16, is_amd_zen4, read_cpuinfo
 
-    zen4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: avx512f avx512_bf16\n"
+    zen4 = (
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nflags\t\t: avx512f avx512_bf16\n"
+    )
     zen5 = zen4.replace(": 25", ": 26")
     intel = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n"
     sapphire_rapids = intel + "flags\t\t: avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
@@ -243,7 +252,11 @@ def test_causal_softmax_op_is_masked_softmax_with_its_gradients():
     torch.manual_seed(0)
     q, k = (torch.randn(2, 3, 7, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
     got = causal_softmax(q, k)
-    want = ((q @ k.transpose(-2, -1)) / 2.0).masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    want = (
+        ((q @ k.transpose(-2, -1)) / 2.0)
+        .masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+        .softmax(-1)
+    )
     assert torch.allclose(got, want) and (got.triu(1) == 0).all()
     w = torch.randn(2, 3, 7, 7, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad((got * w).sum(), (q, k)), torch.autograd.grad((want * w).sum(), (q, k))):
@@ -284,7 +297,11 @@ def test_cpu_dropout_layer_and_attention_match_their_definitions():
     torch.manual_seed(9)
     q, k, v = attn.c_attn(h).split(8, dim=2)
     q, k, v = (t.view(2, 12, 2, 4).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-    probs = ((q @ k.transpose(-2, -1)) / 2.0).masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    probs = (
+        ((q @ k.transpose(-2, -1)) / 2.0)
+        .masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
+        .softmax(-1)
+    )
     keep, scale = cpu_keep_mask(probs, 0.25)
     out = ((probs * keep * scale) @ v).transpose(1, 2).reshape(2, 12, 8)
     keep2, scale2 = cpu_keep_mask(out, 0.25)
@@ -293,5 +310,6 @@ def test_cpu_dropout_layer_and_attention_match_their_definitions():
     g_got, g_want = (torch.autograd.grad(t.square().sum(), h)[0] for t in (got, want))
     assert torch.allclose(g_got, g_want, atol=1e-5)
     # about p of the attention probabilities are dropped: rows of the output differ from no-dropout's
-    assert not torch.allclose(got, attn.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                                               .transpose(1, 2).reshape(2, 12, 8)))
+    assert not torch.allclose(
+        got, attn.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 12, 8))
+    )

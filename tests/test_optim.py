@@ -66,8 +66,16 @@ def test_batched_muon_equals_torch_muon_and_resumes_its_state():
 
 
 def test_lr_schedule():
-    cfg = build_config(None, {"optimizer.learning_rate": 1.0, "optimizer.min_lr": 0.1, "optimizer.warmup_iters": 10,
-                              "optimizer.lr_decay_iters": 110, "training.max_iters": 200})
+    cfg = build_config(
+        None,
+        {
+            "optimizer.learning_rate": 1.0,
+            "optimizer.min_lr": 0.1,
+            "optimizer.warmup_iters": 10,
+            "optimizer.lr_decay_iters": 110,
+            "training.max_iters": 200,
+        },
+    )
     assert lr_multiplier(0, cfg) == pytest.approx(1 / 11)
     assert lr_multiplier(9, cfg) == pytest.approx(10 / 11)
     assert lr_multiplier(10, cfg) == pytest.approx(1.0)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import REPO_ROOT
+
 from quillgpt import prepare
 from quillgpt import tokenizer as tokenizer_module
 from quillgpt.data import load_dataset
@@ -23,15 +23,33 @@ TEXT = "".join(
     for i in range(400)
 )
 META_KEYS = {
-    "format_version", "dataset", "tokenizer", "vocab_size", "dtype", "eot_id", "train_tokens", "val_tokens",
-    "train_documents", "val_documents", "max_token_id", "split", "sources", "input_bytes", "request",
+    "format_version",
+    "dataset",
+    "tokenizer",
+    "vocab_size",
+    "dtype",
+    "eot_id",
+    "train_tokens",
+    "val_tokens",
+    "train_documents",
+    "val_documents",
+    "max_token_id",
+    "split",
+    "sources",
+    "input_bytes",
+    "request",
 }
 
 
 def run_cli(*args, cwd, env_extra=None, timeout=60):
     env = {**os.environ, **(env_extra or {})}
     return subprocess.run(
-        [sys.executable, str(REPO_ROOT / "prepare.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(REPO_ROOT / "prepare.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -69,7 +87,11 @@ def check_dataset(out_dir, kind):
     assert int(max(train.max(), val.max())) == meta["max_token_id"] < meta["vocab_size"]
     assert all(set(s) >= {"path", "kind", "bytes", "sha256"} for s in meta["sources"])
     assert sorted(p.name for p in out_dir.iterdir() if p.name != "input.txt") == [
-        "meta.json", "tokenizer.json", "train.bin", "val.bin"]  # no temp files, no work directory
+        "meta.json",
+        "tokenizer.json",
+        "train.bin",
+        "val.bin",
+    ]  # no temp files, no work directory
     return meta, train, val, tok
 
 
@@ -97,12 +119,25 @@ def test_bpe_dataset(tmp_path, text_file):
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
 def test_small_chunks_give_the_same_tokens(tmp_path, text_file, monkeypatch, kind):
-    whole = prepare_dataset("a", input_path=str(text_file), tokenizer=kind, vocab_size=300 if kind == "bpe" else None,
-                            data_dir=tmp_path, verbose=False)
+    whole = prepare_dataset(
+        "a",
+        input_path=str(text_file),
+        tokenizer=kind,
+        vocab_size=300 if kind == "bpe" else None,
+        data_dir=tmp_path,
+        verbose=False,
+    )
     monkeypatch.setattr(prepare, "BPE_TRAIN_PIECE_CHARS", 600)
     monkeypatch.setattr(tokenizer_module, "BPE_PIECE_CHARS", 500)
-    chunked = prepare_dataset("b", input_path=str(text_file), tokenizer=kind, vocab_size=300 if kind == "bpe" else None,
-                              data_dir=tmp_path, verbose=False, chunk_bytes=1000)
+    chunked = prepare_dataset(
+        "b",
+        input_path=str(text_file),
+        tokenizer=kind,
+        vocab_size=300 if kind == "bpe" else None,
+        data_dir=tmp_path,
+        verbose=False,
+        chunk_bytes=1000,
+    )
     for name in ("train.bin", "val.bin", "tokenizer.json"):
         assert (whole / name).read_bytes() == (chunked / name).read_bytes()
 
@@ -116,7 +151,10 @@ def test_reuse_conflict_and_reset(tmp_path, text_file, capsys):
     assert capsys.readouterr().out.startswith(f"reusing {out_dir} (char tokenizer")
     assert {p.name: p.stat().st_mtime_ns for p in out_dir.iterdir()} == stamps
 
-    with pytest.raises(UserError, match=r"prepared with the char tokenizer \(vocab \d+\); pass --reset to re-prepare it with the bpe tokenizer \(vocab 4096\)"):
+    with pytest.raises(
+        UserError,
+        match=r"prepared with the char tokenizer \(vocab \d+\); pass --reset to re-prepare it with the bpe tokenizer \(vocab 4096\)",
+    ):
         prepare_dataset("mytext", tokenizer="bpe", **kwargs)
     prepare_dataset("mytext", tokenizer="bpe", vocab_size=300, reset=True, **kwargs)
     assert load(out_dir)[0]["tokenizer"]["kind"] == "bpe"
@@ -191,7 +229,7 @@ def test_pystdlib_is_an_offline_corpus_of_documents(tmp_path):
     documents = meta["train_documents"] + meta["val_documents"]
     assert (train == tok.eot_id).sum() == meta["train_documents"] and (val == tok.eot_id).sum() == meta["val_documents"]
     assert train[-1] == val[-1] == tok.eot_id and 0 < meta["val_documents"] < documents / 4
-    first = tok.decode(train[:np.argmax(train == tok.eot_id)])
+    first = tok.decode(train[: np.argmax(train == tok.eot_id)])
     stdlib = sorted(Path(meta["sources"][0]["path"]).glob("*.py"))[:20]
     assert first in {p.read_text() for p in stdlib}  # a whole file
     with pytest.raises(UserError, match="max_bytes=150000.*--reset"):
@@ -212,7 +250,9 @@ def test_invalid_utf8_and_nul_bytes(tmp_path, capsys):
 def test_split_and_max_bytes_respect_characters(tmp_path):
     path = tmp_path / "cjk.txt"
     path.write_text("日本語テキスト" * 1000, encoding="utf-8")
-    out_dir = prepare_dataset("cjk", input_path=str(path), max_bytes=10_000, val_fraction=0.25, data_dir=tmp_path, verbose=False)
+    out_dir = prepare_dataset(
+        "cjk", input_path=str(path), max_bytes=10_000, val_fraction=0.25, data_dir=tmp_path, verbose=False
+    )
     meta, train, val, tok = check_dataset(out_dir, "char")
     assert meta["input_bytes"] == 9999 and meta["invalid_utf8_replaced"] == 0
     assert (len(train), len(val)) == (2500, 833)
@@ -220,7 +260,9 @@ def test_split_and_max_bytes_respect_characters(tmp_path):
 
 def test_large_vocabulary_uses_uint32(tmp_path):
     path = tmp_path / "wide.txt"
-    path.write_text("".join(chr(c) for c in range(0x100, 0x100 + 70_000) if not 0xD800 <= c <= 0xDFFF) * 2, encoding="utf-8")
+    path.write_text(
+        "".join(chr(c) for c in range(0x100, 0x100 + 70_000) if not 0xD800 <= c <= 0xDFFF) * 2, encoding="utf-8"
+    )
     meta, train, val, tok = load(prepare_dataset("wide", input_path=str(path), data_dir=tmp_path, verbose=False))
     assert meta["dtype"] == "uint32" and train.dtype == np.uint32 and meta["vocab_size"] > 65535
     assert tok.decode(train) + tok.decode(val) == path.read_text(encoding="utf-8")
@@ -276,7 +318,9 @@ def test_shakespeare_download_is_verified_and_kept(tmp_path, shakespeare_path, m
     out_dir = prepare_dataset("shakespeare_char", data_dir=tmp_path, verbose=False)
     meta = check_dataset(out_dir, "char")[0]
     assert meta["sources"][0]["url"] == prepare.SHAKESPEARE_URL and meta["train_tokens"] == 1_003_854
-    prepare_dataset("shakespeare_char", data_dir=tmp_path, tokenizer="bpe", reset=True, verbose=False)  # no second download
+    prepare_dataset(
+        "shakespeare_char", data_dir=tmp_path, tokenizer="bpe", reset=True, verbose=False
+    )  # no second download
 
 
 def test_cli_shakespeare_download_offline(tmp_path):
@@ -288,9 +332,20 @@ def test_cli_shakespeare_download_offline(tmp_path):
     assert_one_line_error(result, "cannot download tiny Shakespeare", "--input")
     assert not (tmp_path / "data" / "shakespeare_char" / "input.txt").exists()
     train_py = REPO_ROOT / "train.py"
-    result = subprocess.run([sys.executable, str(train_py), "--config", str(train_py.parent / "configs/shakespeare_char/cpu.toml"),
-                             "--data.data_dir", str(tmp_path / "data")], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(train_py),
+            "--config",
+            str(train_py.parent / "configs/shakespeare_char/cpu.toml"),
+            "--data.data_dir",
+            str(tmp_path / "data"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert_one_line_error(result, "cannot download tiny Shakespeare", "--data.input")
     assert not (tmp_path / "data" / "shakespeare_char").exists()
 
@@ -321,7 +376,8 @@ def test_txt_dir_builds_and_reuses_cache(tmp_path, capsys):
     meta, train, val, tok = check_dataset(cache, "char")
     assert tok.decode(train) == "hello world\n" * 50 and tok.decode(val) == "world hello\n" * 10
     assert meta["split"]["rule"] == "given" and [s["path"] for s in meta["sources"]] == [
-        str((src / name).resolve()) for name in ("train.txt", "val.txt")]
+        str((src / name).resolve()) for name in ("train.txt", "val.txt")
+    ]
     prepare_txt_dir(src, verbose=True)
     assert capsys.readouterr().out.startswith("reusing")
 
@@ -336,7 +392,9 @@ def test_txt_dir_builds_and_reuses_cache(tmp_path, capsys):
 def test_txt_dir_with_nanogpt_char_meta(tmp_path):
     src = make_txt_dir(tmp_path / "processed", train="abcabc\n" * 5, val="cab\n")
     itos = {str(i): c for i, c in enumerate("cba\n")}  # a non-sorted order, to see it is honoured
-    (src / "meta.json").write_text(json.dumps({"vocab_size": 4, "itos": itos, "stoi": {c: int(i) for i, c in itos.items()}}))
+    (src / "meta.json").write_text(
+        json.dumps({"vocab_size": 4, "itos": itos, "stoi": {c: int(i) for i, c in itos.items()}})
+    )
     meta, train, val, tok = load(prepare_txt_dir(src, verbose=False))
     assert tok.chars == ["c", "b", "a", "\n"]
     assert val.tolist() == [0, 2, 1, 3]

@@ -13,8 +13,8 @@ import sample
 from model import GPT, GPTConfig
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.errors import UserError
-from quillgpt.tokenizer import CharTokenizer
 from quillgpt.generate import generate_texts, load_for_sampling, showable_length, unescape
+from quillgpt.tokenizer import CharTokenizer
 
 CHARS = list("\n abcdefghijklmnopqrstuvwxyz.,:")
 
@@ -27,14 +27,16 @@ def write_char_checkpoint(path: Path, seed: int = 0, **model_args) -> Path:
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(10.0 if p.dim() > 1 else 1.0)
-    save_checkpoint(path, {"model": model.state_dict(), "model_args": config.to_dict(),
-                           "tokenizer": CharTokenizer(CHARS).to_dict()})
+    save_checkpoint(
+        path, {"model": model.state_dict(), "model_args": config.to_dict(), "tokenizer": CharTokenizer(CHARS).to_dict()}
+    )
     return path
 
 
 def run_sample(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "sample.py", *args], cwd=REPO_ROOT, input=input, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "sample.py", *args], cwd=REPO_ROOT, input=input, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +79,19 @@ def test_int8_sampling_quantizes_every_linear_and_stays_close_to_fp32(ckpt):
 
 
 def test_seed_makes_a_session_deterministic(ckpt):
-    args = ["--ckpt", str(ckpt), "--interactive", "--num-samples", "2", "--max-new-tokens", "30",
-            "--temperature", "1.0", "--seed", "7"]
+    args = [
+        "--ckpt",
+        str(ckpt),
+        "--interactive",
+        "--num-samples",
+        "2",
+        "--max-new-tokens",
+        "30",
+        "--temperature",
+        "1.0",
+        "--seed",
+        "7",
+    ]
     first, second = run_sample(*args, input="the\nthe\n"), run_sample(*args, input="the\nthe\n")
     assert first.returncode == 0, first.stderr
     assert first.stdout == second.stdout
@@ -102,7 +115,7 @@ def test_stop_sequence_spanning_tokens(loaded):
     stopped = greedy(loaded, "a", stop=[stop])
     assert stop not in stopped
     assert len(stopped) < len(full)
-    assert stopped == full[:full.index(stop)]
+    assert stopped == full[: full.index(stop)]
 
 
 def test_streaming_never_shows_the_stop_sequence(loaded):
@@ -111,7 +124,7 @@ def test_streaming_never_shows_the_stop_sequence(loaded):
     stop = full[10:13]
     out = io.StringIO()
     texts, _ = generate_texts(model, tokenizer, tokenizer.encode("a"), 1, 40, temperature=0, stop=[stop], stream=out)
-    assert out.getvalue() == texts[0] == full[:full.index(stop)]
+    assert out.getvalue() == texts[0] == full[: full.index(stop)]
     out = io.StringIO()
     texts, _ = generate_texts(model, tokenizer, tokenizer.encode("a"), 1, 40, temperature=0, stream=out)
     assert out.getvalue() == texts[0] == full
@@ -121,9 +134,24 @@ def test_streaming_never_shows_the_stop_sequence(loaded):
 def test_stop_via_cli(ckpt, loaded, capsys, stream):
     full = greedy(loaded, "a", 60)
     stop = full[20:22]
-    sample.main(["--ckpt", str(ckpt), "--prompt", "a", "--max-new-tokens", "60", "--temperature", "0",
-                 "--stop", "never-produced", "--stop", stop, stream])
-    assert capsys.readouterr().out == "a" + full[:full.index(stop)] + "\n"
+    sample.main(
+        [
+            "--ckpt",
+            str(ckpt),
+            "--prompt",
+            "a",
+            "--max-new-tokens",
+            "60",
+            "--temperature",
+            "0",
+            "--stop",
+            "never-produced",
+            "--stop",
+            stop,
+            stream,
+        ]
+    )
+    assert capsys.readouterr().out == "a" + full[: full.index(stop)] + "\n"
 
 
 def test_batch_equals_one_at_a_time_under_greedy(loaded):
@@ -136,8 +164,16 @@ def test_batch_equals_one_at_a_time_under_greedy(loaded):
 
 
 def test_interactive_reads_prompts_until_eof(ckpt, loaded):
-    result = run_sample("--ckpt", str(ckpt), "--interactive", "--temperature", "0", "--max-new-tokens", "20",
-                        input="abc\nzzz\xe9\nxyz\n")
+    result = run_sample(
+        "--ckpt",
+        str(ckpt),
+        "--interactive",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "20",
+        input="abc\nzzz\xe9\nxyz\n",
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"abc{greedy(loaded, 'abc', 20)}\nxyz{greedy(loaded, 'xyz', 20)}\n"
     # the prompt with an unknown character is reported on one line and the loop goes on
@@ -153,8 +189,9 @@ def test_unknown_prompt_character_is_a_one_line_user_error(ckpt):
 
 
 def test_long_prompt_is_cropped_with_a_notice(ckpt, capsys):
-    sample.main(["--ckpt", str(ckpt), "--prompt", "abcdefghij" * 5, "--max-new-tokens", "5", "--temperature", "0",
-                 "--verbose"])
+    sample.main(
+        ["--ckpt", str(ckpt), "--prompt", "abcdefghij" * 5, "--max-new-tokens", "5", "--temperature", "0", "--verbose"]
+    )
     captured = capsys.readouterr()
     assert "prompt is 50 tokens, longer than block_size 32: keeping the last 32" in captured.err
     assert "tokens/s" in captured.err

@@ -108,12 +108,16 @@ def test_end_of_text_is_the_last_id_and_never_comes_from_text(bpe):
     char = train_tokenizer("char", ["ab\n<|endoftext|>"], None, eot=True)
     for tok in (bpe, char):
         assert tok.eot_id == tok.vocab_size - 1
-        assert tok.eot_id not in tok.encode("<|endoftext|>") and tok.decode(tok.encode("<|endoftext|>")) == "<|endoftext|>"
+        assert (
+            tok.eot_id not in tok.encode("<|endoftext|>") and tok.decode(tok.encode("<|endoftext|>")) == "<|endoftext|>"
+        )
     a, b = char.encode("a") + [char.eot_id], char.encode("b") + [char.eot_id]
     assert char.decode(a + b) == "a<|endoftext|>b<|endoftext|>" and char.decode(char.encode("ab")) == "ab"
     assert bpe.decode(bpe.encode("Speak") + [bpe.eot_id]) == "Speak<|endoftext|>"
     assert json_round_trip(char).eot_id == char.eot_id and train_tokenizer("char", ["ab"], None).eot_id is None
-    with pytest.raises(UserError, match="the text has 2 distinct characters and <|endoftext|>, more than the requested vocab_size 2"):
+    with pytest.raises(
+        UserError, match="the text has 2 distinct characters and <|endoftext|>, more than the requested vocab_size 2"
+    ):
         train_tokenizer("char", ["ab"], 2, eot=True)
 
 

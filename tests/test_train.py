@@ -39,6 +39,7 @@ def test_end_to_end_python_api(tiny_data, tmp_path):
     png = (run / "loss_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
+
     assert matplotlib.image.imread(run / "loss_curve.png").shape[0] > 100
     # eval points carry perplexity and accuracy
     evals = [p for p in json.loads((run / "train_log.json").read_text())["history"] if p["kind"] == "eval"]
@@ -46,7 +47,9 @@ def test_end_to_end_python_api(tiny_data, tmp_path):
     assert all(0 <= p["val_acc"] <= 1 and p["val_ppl"] == pytest.approx(math.exp(p["val_loss"])) for p in evals)
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.xdist_group("compiled_step")])])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.xdist_group("compiled_step")])]
+)
 def test_same_seed_same_losses(tiny_data, tmp_path, compiled):
     """Bit for bit, also compiled in bf16 as the CPU preset runs (inductor's embedding backward
     was nondeterministic there until train.py switched on deterministic algorithms on the CPU)."""
@@ -61,9 +64,14 @@ def test_same_seed_same_losses(tiny_data, tmp_path, compiled):
 def test_final_evaluation_runs_over_final_eval_iters_batches(tiny_data, tmp_path):
     """final_eval_iters = 12 with eval_iters = 2: the in-run evaluations are those of a run with eval_iters = 2, the
     final one is exactly that of a run evaluating 12 batches every time (evaluation draws no random numbers)."""
+
     def evals(name: str, **extra) -> list[float]:
-        train(None, overrides=tiny_overrides(tiny_data, tmp_path / name, **{"training.max_iters": 10,
-                                                                          "training.save_interval": 0, **extra}))
+        train(
+            None,
+            overrides=tiny_overrides(
+                tiny_data, tmp_path / name, **{"training.max_iters": 10, "training.save_interval": 0, **extra}
+            ),
+        )
         history = json.loads((tmp_path / name / "t" / "train_log.json").read_text())["history"]
         return [p["val_loss"] for p in history if p["kind"] == "eval"]
 
@@ -99,6 +107,7 @@ def test_resume_reproduces_uninterrupted_losses(tiny_data, tmp_path):
 
 def test_existing_run_is_not_overwritten(tiny_data, tmp_path, capsys):
     from quillgpt.errors import UserError
+
     train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 2}))
     with pytest.raises(UserError, match="--resume.*--force"):
         train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 2}))
@@ -108,9 +117,20 @@ def test_existing_run_is_not_overwritten(tiny_data, tmp_path, capsys):
 
 def test_early_stopping_waits_for_patience(tiny_data, tmp_path):
     # a min_delta no real improvement can meet: every eval after the first counts as "no improvement"
-    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{
-        "training.max_iters": 100, "training.eval_interval": 5, "training.early_stopping": True,
-        "training.early_stopping_patience": 3, "training.early_stopping_min_delta": 100.0}))
+    result = train(
+        None,
+        overrides=tiny_overrides(
+            tiny_data,
+            tmp_path,
+            **{
+                "training.max_iters": 100,
+                "training.eval_interval": 5,
+                "training.early_stopping": True,
+                "training.early_stopping_patience": 3,
+                "training.early_stopping_min_delta": 100.0,
+            },
+        ),
+    )
     assert result.iterations == 15  # evals at 0 (best), 5, 10, 15 -> 3 without improvement
     assert "early stopping" in result.stop_reason
     ckpt = load_checkpoint(tmp_path / "t" / "ckpt_last.pt")
@@ -118,8 +138,19 @@ def test_early_stopping_waits_for_patience(tiny_data, tmp_path):
 
 
 def test_best_checkpoint_holds_best_val_loss_and_pruning(tiny_data, tmp_path):
-    train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{
-        "training.max_iters": 30, "training.eval_interval": 5, "training.save_interval": 4, "training.keep_last": 2}))
+    train(
+        None,
+        overrides=tiny_overrides(
+            tiny_data,
+            tmp_path,
+            **{
+                "training.max_iters": 30,
+                "training.eval_interval": 5,
+                "training.save_interval": 4,
+                "training.keep_last": 2,
+            },
+        ),
+    )
     run = RunDir(tmp_path / "t")
     history = json.loads((run.path / "train_log.json").read_text())["history"]
     evals = {p["iter"]: p["val_loss"] for p in history if p["kind"] == "eval" and p["iter"] > 0}
@@ -132,16 +163,18 @@ def test_best_checkpoint_holds_best_val_loss_and_pruning(tiny_data, tmp_path):
 
 
 def test_fp16_gradscaler_on_cpu(tiny_data, tmp_path):
-    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.precision": "fp16",
-                                                                             "training.max_iters": 6}))
+    result = train(
+        None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.precision": "fp16", "training.max_iters": 6})
+    )
     assert math.isfinite(result.final_loss)
     ckpt = load_checkpoint(tmp_path / "t" / "ckpt_last.pt")
     assert ckpt["scaler"] is not None and ckpt["scaler"]["scale"] > 0
 
 
 def test_bf16_autocast_on_cpu(tiny_data, tmp_path):
-    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.precision": "bf16",
-                                                                             "training.max_iters": 6}))
+    result = train(
+        None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.precision": "bf16", "training.max_iters": 6})
+    )
     assert math.isfinite(result.final_loss)
 
 
@@ -168,9 +201,20 @@ def test_accumulation_matches_one_big_batch(tiny_data, tmp_path):
     y = torch.randint(0, 50, (8, 16))
     deltas = []
     for batch, accum in ((8, 1), (2, 4)):
-        cfg = build_config(None, tiny_overrides(tiny_data, tmp_path, **{
-            "training.batch_size": batch, "training.grad_accum_steps": accum, "optimizer.grad_clip": 0.0,
-            "model.dropout": 0.0, "model.block_size": 16}))
+        cfg = build_config(
+            None,
+            tiny_overrides(
+                tiny_data,
+                tmp_path,
+                **{
+                    "training.batch_size": batch,
+                    "training.grad_accum_steps": accum,
+                    "optimizer.grad_clip": 0.0,
+                    "model.dropout": 0.0,
+                    "model.block_size": 16,
+                },
+            ),
+        )
         rt = setup(cfg, DistInfo())  # seeds torch: both trainers start from the same weights
         tr = build(cfg, rt, find_dataset(cfg, DistInfo()))
         tr = replace(tr, optimizers=[torch.optim.SGD(tr.model.parameters(), lr=1.0)], batches=FixedBatches(x, y, batch))
@@ -182,9 +226,21 @@ def test_accumulation_matches_one_big_batch(tiny_data, tmp_path):
 
 
 def test_nonfinite_loss_stops_with_last_good_checkpoint(tiny_data, tmp_path):
-    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{
-        "optimizer.learning_rate": 1e30, "optimizer.warmup_iters": 0, "optimizer.grad_clip": 0.0,
-        "training.max_iters": 50, "training.max_nonfinite_steps": 3, "training.save_interval": 1}))
+    result = train(
+        None,
+        overrides=tiny_overrides(
+            tiny_data,
+            tmp_path,
+            **{
+                "optimizer.learning_rate": 1e30,
+                "optimizer.warmup_iters": 0,
+                "optimizer.grad_clip": 0.0,
+                "training.max_iters": 50,
+                "training.max_nonfinite_steps": 3,
+                "training.save_interval": 1,
+            },
+        ),
+    )
     assert "non-finite" in result.stop_reason
     assert result.iterations < 50
     load_checkpoint(RunDir(tmp_path / "t").latest())  # still loadable
@@ -192,8 +248,14 @@ def test_nonfinite_loss_stops_with_last_good_checkpoint(tiny_data, tmp_path):
 
 def test_eval_only(tiny_data, tmp_path):
     train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 4}))
-    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{
-        "training.eval_only": True, "run.init_from": str(tmp_path / "t"), "run.name": "eval"}))
+    result = train(
+        None,
+        overrides=tiny_overrides(
+            tiny_data,
+            tmp_path,
+            **{"training.eval_only": True, "run.init_from": str(tmp_path / "t"), "run.name": "eval"},
+        ),
+    )
     assert result.iterations == 0 and math.isfinite(result.best_val_loss)
     assert not (tmp_path / "eval").exists()  # evaluating writes nothing
 
@@ -202,8 +264,11 @@ def test_eval_only_of_a_run_leaves_it_untouched(tiny_data, tmp_path):
     train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 4}))
     run = tmp_path / "t"
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
-    result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{
-        "training.eval_only": True, "training.eval_iters": 7}), resume=True)
+    result = train(
+        None,
+        overrides=tiny_overrides(tiny_data, tmp_path, **{"training.eval_only": True, "training.eval_iters": 7}),
+        resume=True,
+    )
     assert result.iterations == 4 and math.isfinite(result.best_val_loss)
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
@@ -211,15 +276,28 @@ def test_eval_only_of_a_run_leaves_it_untouched(tiny_data, tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_and_resumes_exactly(tiny_data, tmp_path):
     """SIGTERM mid-run: the step finishes, ckpt_last is saved, exit 0, and --resume matches a straight run."""
-    over = tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 400, "training.save_interval": 1000,
-                                                  "training.eval_interval": 0, "optimizer.lr_decay_iters": 400})
+    over = tiny_overrides(
+        tiny_data,
+        tmp_path,
+        **{
+            "training.max_iters": 400,
+            "training.save_interval": 1000,
+            "training.eval_interval": 0,
+            "optimizer.lr_decay_iters": 400,
+        },
+    )
     out = train_until_sigterm(over, 30)
     assert "resume with" in out
     run = RunDir(tmp_path / "t")
     stopped_at = load_checkpoint(run.latest())["iter_num"]
     assert 30 <= stopped_at < 400
-    resumed = subprocess.run([sys.executable, "train.py", "--resume", str(run.path), "--training.max_iters", "60"],
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    resumed = subprocess.run(
+        [sys.executable, "train.py", "--resume", str(run.path), "--training.max_iters", "60"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert resumed.returncode == 0, resumed.stderr
     straight = tmp_path / "straight"
     train(None, overrides={**over, "run.out_dir": str(straight), "training.max_iters": 60})
@@ -232,8 +310,12 @@ def test_wandb_offline_run_writes_files(tiny_data, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 4,
-                                                                    "logging.wandb_project": "quillgpt-test"}))
+    train(
+        None,
+        overrides=tiny_overrides(
+            tiny_data, tmp_path, **{"training.max_iters": 4, "logging.wandb_project": "quillgpt-test"}
+        ),
+    )
     run = tmp_path / "t"
     offline = list((run / "wandb").glob("offline-run-*"))
     assert offline and any(f.suffix == ".wandb" for f in offline[0].iterdir())
@@ -242,8 +324,13 @@ def test_wandb_offline_run_writes_files(tiny_data, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_cli_user_errors_exit_2_without_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", "--config", str(tmp_path / "missing.toml")],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--config", str(tmp_path / "missing.toml")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "config file not found" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -252,11 +339,27 @@ def test_cli_user_errors_exit_2_without_traceback(tmp_path):
 def test_a_short_run_learns(tiny_data, tmp_path):
     """200 steps of the tiny model take the val loss at least 1.2 nats below its start (ln 61 = 4.11 for
     uniform guessing over the characters; it ends near 2.5)."""
-    train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{
-        "training.max_iters": 200, "training.eval_interval": 200, "training.eval_iters": 20, "training.log_interval": 50,
-        "training.batch_size": 16, "model.dropout": 0.0, "optimizer.learning_rate": 1e-2}))
-    evals = {p["iter"]: p["val_loss"] for p in json.loads((tmp_path / "t" / "train_log.json").read_text())["history"]
-             if p["kind"] == "eval"}
+    train(
+        None,
+        overrides=tiny_overrides(
+            tiny_data,
+            tmp_path,
+            **{
+                "training.max_iters": 200,
+                "training.eval_interval": 200,
+                "training.eval_iters": 20,
+                "training.log_interval": 50,
+                "training.batch_size": 16,
+                "model.dropout": 0.0,
+                "optimizer.learning_rate": 1e-2,
+            },
+        ),
+    )
+    evals = {
+        p["iter"]: p["val_loss"]
+        for p in json.loads((tmp_path / "t" / "train_log.json").read_text())["history"]
+        if p["kind"] == "eval"
+    }
     assert sorted(evals) == [0, 200]
     assert evals[200] < evals[0] - 1.2
 
@@ -277,15 +380,19 @@ def test_a_checkpoint_written_before_the_engine_refactor_resumes_exactly(tmp_pat
     that the old code logs resuming it (with today's dropout-mask generator patched in: expected.json says how):
     same format, same optimizer, RNG and data position."""
     (tmp_path / "text.txt").write_text(fixture_text())
-    prepare_dataset("fixture", input_path=str(tmp_path / "text.txt"), tokenizer="char", data_dir=tmp_path / "data",
-                    verbose=False)
+    prepare_dataset(
+        "fixture", input_path=str(tmp_path / "text.txt"), tokenizer="char", data_dir=tmp_path / "data", verbose=False
+    )
     run = tmp_path / "v1"
     shutil.copytree(FIXTURE_RUN, run)
     train(None, overrides={"training.max_iters": 8, "data.data_dir": str(tmp_path / "data")}, resume=str(run))
     expected = json.loads((FIXTURE_RUN / "expected.json").read_text())["losses_after_resume"]
     got = losses(run)
     assert sorted(got) == [5, 6, 7, 8]
-    for it, loss in expected.items():  # equal on the machine that wrote them; 1e-4 leaves room for another CPU's kernels
+    for (
+        it,
+        loss,
+    ) in expected.items():  # equal on the machine that wrote them; 1e-4 leaves room for another CPU's kernels
         assert got[int(it)] == pytest.approx(loss, abs=1e-4)
 
 
@@ -314,10 +421,27 @@ def test_cpu_training_steps_reuse_freed_memory_instead_of_faulting_it_in_again(t
     """A CPU step frees and re-allocates the same multi-MB tensors; trainer.setup has glibc keep freed memory, so
     steps after the first few take few page faults, where glibc's defaults fault thousands (its adaptive threshold
     settles after a varying number of steps, and a step of ours now and then faults a few hundred: compare sums)."""
-    overrides = tiny_overrides(tiny_data, tmp_path, **{"model.n_embd": 256, "model.n_head": 4, "model.block_size": 128,
-                                                        "training.batch_size": 8, "model.dropout": 0.1})
+    overrides = tiny_overrides(
+        tiny_data,
+        tmp_path,
+        **{
+            "model.n_embd": 256,
+            "model.n_head": 4,
+            "model.block_size": 128,
+            "training.batch_size": 8,
+            "model.dropout": 0.1,
+        },
+    )
     script = FAULTS_SCRIPT.format(repo=str(REPO_ROOT), overrides=overrides)
-    faults = {arm: sum(map(int, subprocess.run([sys.executable, "-c", script, arm], cwd=REPO_ROOT, capture_output=True,
-                                               text=True, check=True).stdout.split()[-9:]))
-              for arm in ("glibc-default", "ours")}  # page faults in steps 3-11
+    faults = {
+        arm: sum(
+            map(
+                int,
+                subprocess.run(
+                    [sys.executable, "-c", script, arm], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+                ).stdout.split()[-9:],
+            )
+        )
+        for arm in ("glibc-default", "ours")
+    }  # page faults in steps 3-11
     assert faults["glibc-default"] > 4 * faults["ours"] and faults["glibc-default"] > 2000, faults
