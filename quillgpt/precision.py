@@ -1,14 +1,27 @@
-"""The precisions a run can use and the torch dtypes behind them: one table for training, evaluation and sampling."""
+"""The precisions a run can use, the torch dtypes behind them, and how `auto` picks one on the CPU: one place for
+training, evaluation and sampling.
+
+On a CPU, bf16 is only worth it where its matmuls run faster than fp32's: AVX512-BF16 and AMX run them several times
+faster, while an AVX2-only CPU emulates them, far slower. CPU flags can't decide this (a flag can be present while a
+library's path is emulated, and a library can gain a fast path no flag shows), so `auto` times a matmul at the
+model's own shape in both precisions and takes the faster. The probe is bounded in time, and paid once per process
+and shape.
+"""
 
 from __future__ import annotations
 
+import functools
+import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # sample.py's --dtype also takes int8: weight-only int8 matmuls whose activations run in bf16
 SAMPLING_DTYPES = {**PRECISIONS, "int8": torch.bfloat16}
+PROBE_SECONDS = 0.05  # per precision, after one warm-up call
+PROBE_MAX_ROWS = 256  # rows of the probe's (rows, width) @ (width, 4 * width)
 
 
 def autocast(device_type: str, precision: str):
@@ -16,3 +29,57 @@ def autocast(device_type: str, precision: str):
     if precision == "fp32":
         return nullcontext()
     return torch.autocast(device_type, dtype=PRECISIONS[precision])
+
+
+@dataclass(frozen=True)
+class MatmulRates:
+    """FLOP/s of fp32 and bf16 matmuls at one shape on this CPU, measured one after the other."""
+
+    fp32: float
+    bf16: float
+    shape: tuple[int, int, int]  # (rows, width, 4 * width)
+
+    @property
+    def faster(self) -> str:
+        return "bf16" if self.bf16 > self.fp32 else "fp32"
+
+    def rate(self, precision: str) -> float:
+        return self.bf16 if precision == "bf16" else self.fp32
+
+    def describe(self) -> str:
+        m, k, n = self.shape
+        return f"matmul ({m}, {k}) @ ({k}, {n}): fp32 {self.fp32 / 1e9:,.1f}, bf16 {self.bf16 / 1e9:,.1f} GFLOP/s"
+
+
+def matmul_rate(rows: int, width: int, dtype: torch.dtype, seconds: float = PROBE_SECONDS) -> float:
+    """FLOP/s of (rows, width) @ (width, 4 * width) on the CPU: the best call within `seconds` after a warm-up call
+    (oneDNN picks and builds its kernel on the first). An emulated bf16 path is slow enough that one call tells."""
+    a = torch.randn(rows, width, dtype=dtype)
+    b = torch.randn(width, 4 * width, dtype=dtype)
+    a @ b
+    best, start = float("inf"), time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        a @ b
+        now = time.perf_counter()
+        best = min(best, now - t0)
+        if now - start >= seconds:
+            return 2 * rows * width * 4 * width / best
+
+
+@functools.cache
+def measure_cpu_rates(width: int, rows: int) -> MatmulRates:
+    """fp32 and bf16 rates at a model's MLP shape (rows capped: the probe stays well under a second)."""
+    rows = max(1, min(rows, PROBE_MAX_ROWS))
+    with torch.no_grad():
+        fp32 = matmul_rate(rows, width, torch.float32)
+        bf16 = matmul_rate(rows, width, torch.bfloat16)
+    return MatmulRates(fp32, bf16, (rows, width, 4 * width))
+
+
+def emulation_warning(rates: MatmulRates) -> str:
+    """The line for a user who forces bf16 where it measures slower than fp32."""
+    return (
+        f"warning: bf16 runs {rates.fp32 / rates.bf16:,.1f}x slower than fp32 on this CPU (emulated; "
+        f"{rates.describe()}): --training.precision auto or fp32 is faster"
+    )
