@@ -183,7 +183,7 @@ def time_training(
 
     Taking turns puts every trainer through the same moments of a shared machine's load, so their
     ratio holds even when the machine's speed drifts during the benchmark. `ceiling`, if given, is
-    measured just before each round (a few milliseconds of matmuls), for the same reason: returned beside the rows."""
+    measured just before each round (a short burst of matmuls), for the same reason: returned beside the rows."""
     steps, firsts, times, peaks = {}, {}, {n: [] for n in benches}, {n: 0.0 for n in benches}
     ceilings = []
     for name, b in benches.items():
