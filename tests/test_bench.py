@@ -14,6 +14,8 @@ from conftest import REPO_ROOT, TINY_COMPILED, tiny_overrides
 
 import bench
 import speedrun
+from quillgpt.bench.common import write_repeated
+from quillgpt.bench.training import LoopBatchSource
 from quillgpt.checkpoint import RunDir, load_checkpoint
 from quillgpt.data import BatchSource, load_dataset
 from quillgpt.errors import UserError
@@ -55,7 +57,7 @@ def table_rows(out: str) -> list[list[str]]:
 
 
 def test_training_table_and_baseline_ratio(tiny, capsys):
-    # eager: bench builds the step with trainer.build, whose compiled path test_train.py runs (a cold compile here: ~20 s)
+    # eager: bench builds the step with trainer.build, whose compiled path test_train.py runs (a cold compile is slow)
     bench.main([*tiny, "--warmup", "2", "--iters", "3", "--repeats", "2", "--baseline", "--model.compile", "false"])
     out = capsys.readouterr().out
     rows = {row[0]: row for row in table_rows(out)}
@@ -115,7 +117,7 @@ def test_baseline_batches_equal_vectorised_batches(tiny):
     data_dir = prepare_dataset("tiny", input_path=tiny[3], data_dir=tiny[5], verbose=False)
     dataset = load_dataset(data_dir)
     fast = BatchSource(dataset, 16, 4, seed=3, device=torch.device("cpu"), prefetch=True)
-    loop = bench.LoopBatchSource(dataset, 16, 4, seed=3, device=torch.device("cpu"), prefetch=False)
+    loop = LoopBatchSource(dataset, 16, 4, seed=3, device=torch.device("cpu"), prefetch=False)
     for index in range(3):
         for a, b in zip(fast.get("train", index, next_index=index + 1), loop.get("train", index)):
             assert torch.equal(a, b)
@@ -282,9 +284,39 @@ def test_missing_input_is_a_user_error(tmp_path):
         bench.main(["--prepare", "--input", str(tmp_path / "missing.txt")])
 
 
+def test_a_flag_of_another_mode_is_one_line_naming_its_modes():
+    with pytest.raises(
+        UserError, match=r"^--items is a flag of --hellaswag, not of --sample \(python bench.py --sample"
+    ):
+        bench.main(["--sample", "--items", "5"])
+    with pytest.raises(UserError, match=r"^--baseline is a flag of the training step, not of --kernels"):
+        bench.main(["--kernels", "--baseline"])
+    with pytest.raises(UserError, match=r"^--rounds is a flag of --against, not of the training step"):
+        bench.main(["--rounds", "2"])
+    with pytest.raises(UserError, match=r"^--prepare takes no config overrides: --training.batch_size 2"):
+        bench.main(["--prepare", "--training.batch_size", "2"])
+    with pytest.raises(UserError, match=r"^--kernels has no flag --iter: did you mean --iters\?"):
+        bench.main(["--kernels", "--iter", "3"])
+    with pytest.raises(UserError, match="unknown option '--no-such-flag'"):
+        bench.main(["--memory", "--no-such-flag", "1"])
+
+
+def test_help_lists_the_modes_and_each_mode_its_own_flags_and_defaults(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    out = capsys.readouterr().out
+    modes = ["--against REV", "--kernels", "--sample", "--hellaswag", "--prepare", "--memory", "--precision-curves"]
+    assert all(f"  {flag}" in out for flag in [*modes, "--muon", "--finetune"])
+    assert "--baseline" in out and "--mode:" not in out and "--vocab-size" not in out
+    with pytest.raises(SystemExit):
+        bench.main(["--prepare", "--help"])
+    out = capsys.readouterr().out
+    assert "--vocab-size VOCAB_SIZE" in out and "(default 4096)" in out and "--baseline" not in out
+
+
 def test_write_repeated(tmp_path):
     path = tmp_path / "f"
-    bench.write_repeated(path, b"abc", 8)
+    write_repeated(path, b"abc", 8)
     assert path.read_bytes() == b"abcabcab"
 
 

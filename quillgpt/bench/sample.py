@@ -1,0 +1,114 @@
+"""--sample: batch-1 decoding of the config's model (default: the GPU preset's char model, random weights): no cache,
+the KV cache with the eager one-token step, and the compiled step, with fp32, bf16 and int8 (weight-only) weights;
+the time to the first token; the bf16 matmul rate beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+from model import GPT, GPTConfig, quantize_int8
+from quillgpt.bench.common import GPU_PRESET, Mode, add_config, print_table, time_generation
+from quillgpt.config import build_config, load_toml, parse_overrides
+from quillgpt.machine import load_average
+from quillgpt.metrics import matmul_flops
+
+CHAR_VOCAB = 65  # tiny Shakespeare's characters: the vocabulary of a model benchmarked without data
+PROMPT_TOKENS = 16
+# (weights, KV cache, compiled step), in the table's order
+PATHS = [
+    ("fp32", False, False),
+    ("fp32", True, False),
+    ("fp32", True, True),
+    ("bf16", True, False),
+    ("bf16", True, True),
+    ("int8", True, False),
+    ("int8", True, True),
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config(p, GPU_PRESET)
+    p.add_argument("--new-tokens", type=int, default=500, help="tokens generated per run (default %(default)s)")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="timed generations per path; the best is reported (default %(default)s)"
+    )
+    p.add_argument(
+        "--compile-decoding",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="include the compiled decoding step (a one-off compile per dtype)",
+    )
+
+
+def run(args: argparse.Namespace, cli: list[str]) -> None:
+    cfg = build_config(load_toml(args.config), parse_overrides(cli), source=args.config)
+    margs = GPTConfig.from_dict({**cfg.model_args(), "vocab_size": cfg.model.vocab_size or CHAR_VOCAB, "dropout": 0.0})
+    torch.manual_seed(0)
+    fp32 = GPT(margs).eval()  # random weights: the speed does not depend on them
+    models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16), "int8": quantize_int8(copy.deepcopy(fp32))}
+    n = args.new_tokens
+    print(
+        f"generation: {fp32.num_params() / 1e6:.2f}M parameters, block {margs.block_size}, {n} new tokens after a "
+        f"{PROMPT_TOKENS}-token prompt, batch 1, {torch.get_num_threads()} threads, best of {args.repeats}",
+        flush=True,
+    )
+    rows = []
+    for dtype, cache, compile in [p for p in PATHS if args.compile_decoding or not p[2]]:
+        model = models[dtype]
+        t0 = time.perf_counter()
+        time_generation(model, n, cache, 1, compile, PROMPT_TOKENS)  # warm-up, compiling for this cache length
+        warmup = time.perf_counter() - t0
+        seconds, first = time_generation(model, n, cache, args.repeats, compile, PROMPT_TOKENS)
+        rows.append((dtype, cache, compile, seconds, first, warmup))
+        print(
+            f"  {dtype} cache {'on' if cache else 'off'} compile {'on' if compile else 'off'}: {n / seconds:,.0f} "
+            f"tokens/s",
+            flush=True,
+        )
+    base = rows[1][3]  # the eager KV-cache path in fp32: what sample.py does by default
+    print_table(
+        [
+            "weights",
+            "KV cache",
+            "compiled step",
+            "tokens/s",
+            "ms/token",
+            "vs eager cached fp32",
+            "first token (ms)",
+            "warm-up incl. compile (s)",
+        ],
+        [
+            [
+                dtype,
+                "on" if cache else "off",
+                "yes" if compile else "no",
+                f"{n / seconds:,.0f}",
+                f"{seconds / n * 1e3:.2f}",
+                f"{base / seconds:.2f}x",
+                f"{first * 1e3:.1f}",
+                f"{warmup:.1f}",
+            ]
+            for dtype, cache, compile, seconds, first, warmup in rows
+        ],
+        left=3,
+    )
+    flops = matmul_flops(margs.n_embd, 2048, torch.bfloat16, torch.device("cpu"))
+    print(
+        f"bf16 matmul ceiling here: {flops / 1e9:,.0f} GFLOP/s (at 2,048 rows; one token's matmuls are vector-matrix "
+        f"products, bound by reading {fp32.num_params() * 4 / 1e6:.0f} MB of fp32 weights per token)"
+    )
+    print(load_average())
+
+
+MODE = Mode(
+    "--sample",
+    "batch-1 decoding tokens/s: no cache, KV cache, compiled step; fp32, bf16 and int8 weights",
+    __doc__,
+    add_arguments,
+    run,
+)
