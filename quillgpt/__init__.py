@@ -24,6 +24,7 @@ and model.py are built from. Each module owns one thing:
     scoring      bits per byte and HellaSwag
     lm_harness   the lm-evaluation-harness adapter
     evaluate     eval.py's library
+    bench        bench.py's modes, one module each
 
 The scripts and this package run from the repository root, as nanoGPT's do (see README.md).
 """
