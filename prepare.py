@@ -18,7 +18,9 @@ import argparse
 
 from quillgpt import corpus
 from quillgpt.errors import run_main
-from quillgpt.prepare import BPE_TRAIN_BYTES, KNOWN_DATASETS, prepare_dataset
+from quillgpt.prepare import prepare_dataset
+from quillgpt.recipes import KNOWN_DATASETS
+from quillgpt.request import BPE_TRAIN_BYTES
 
 
 def positive_int(text: str) -> int:
