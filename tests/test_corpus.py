@@ -442,3 +442,37 @@ def test_another_requests_unfinished_work_is_not_thrown_away(bad_inputs, tmp_pat
     prepare_dataset(
         "busy", input_path=str(bad_inputs / "good.jsonl"), tokenizer="bpe", data_dir=tmp_path, verbose=False, reset=True
     )
+
+
+# ---- several inputs on the command line ------------------------------------------------------------
+
+
+def test_input_flag_repeated_or_listed_gives_one_dataset_of_every_input(tmp_path):
+    """`prepare.py --input a --input b` (once kept only b) and `--input a b` make the same dataset: every document of
+    both halves, in order, and more tokens than either half alone."""
+    halves = {
+        "first": write_jsonl(tmp_path / "first.jsonl", DOCS[:120]).resolve(),
+        "second": write_jsonl(tmp_path / "second.jsonl", DOCS[120:]).resolve(),
+    }
+    forms = {
+        "repeated": ["--input", str(halves["first"]), "--input", str(halves["second"])],
+        "listed": ["--input", str(halves["first"]), str(halves["second"])],
+        **{name: ["--input", str(path)] for name, path in halves.items()},
+    }
+    for name, args in forms.items():
+        proc = run_prepare("--dataset", name, *args, "--workers", "1", "--data-dir", str(tmp_path / "data"))
+        assert proc.returncode == 0, proc.stderr
+    files = {
+        name: [(tmp_path / "data" / name / f).read_bytes() for f in ("train.bin", "val.bin", "tokenizer.json")]
+        for name in forms
+    }
+    assert files["repeated"] == files["listed"]
+    train, val, meta = documents_of(tmp_path / "data" / "repeated")
+    in_val = in_validation(0, 0, len(DOCS), 0.1)
+    assert train == [d for d, v in zip(DOCS, in_val) if not v] and val == [d for d, v in zip(DOCS, in_val) if v]
+    assert [s["path"] for s in meta["sources"]] == [str(halves["first"]), str(halves["second"])]
+    tokens = meta["train_tokens"] + meta["val_tokens"]
+    for half, docs in (("first", DOCS[:120]), ("second", DOCS[120:])):
+        half_train, half_val, half_meta = documents_of(tmp_path / "data" / half)
+        assert sorted(half_train + half_val) == sorted(docs)
+        assert half_meta["train_tokens"] + half_meta["val_tokens"] < tokens and files[half] != files["repeated"]
