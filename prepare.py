@@ -9,7 +9,10 @@
     python prepare.py --dataset tales --hf-dataset roneneldan/TinyStories --tokenizer gpt2
     python prepare.py --dataset openwebtext               # named recipes: openwebtext, fineweb-edu-10B, tinystories
 
-The rules (inputs, documents, splits, tokenizers, workers, resuming) are in quillgpt/prepare.py and docs/data.md.
+Several inputs (--input a b, or --input a --input b) are read in that order into one dataset. A dataset made for the
+same arguments is reused; other arguments need --reset. A killed prepare, run again, continues where it stopped.
+The rules (inputs, documents, splits, tokenizers, workers, resuming): README.md, "Preparing data", and the modules
+that quillgpt/prepare.py lists.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import argparse
 
 from quillgpt import corpus
 from quillgpt.errors import run_main
-from quillgpt.prepare import BPE_TRAIN_BYTES, KNOWN_DATASETS, prepare_dataset
+from quillgpt.prepare import prepare_dataset
+from quillgpt.recipes import KNOWN_DATASETS
+from quillgpt.request import BPE_TRAIN_BYTES
 
 
 def positive_int(text: str) -> int:

@@ -10,6 +10,7 @@ and model.py are built from. Each module owns one thing:
     tokenizer    char, BPE, tiktoken and Hugging Face tokenizers
     corpus       reading sources: text, folders, jsonl, parquet, hub datasets
     prepare      corpus -> train.bin / val.bin / meta.json
+                 (from recipes, request, sources, splits, build, pool, workdir, reuse, nanogpt_layout)
     data         datasets and batches
     kernels      the CPU attention and dropout ops model.py uses
     optim        AdamW and Muon, the LR schedule

@@ -49,7 +49,9 @@ from quillgpt.machine import usable_cpus
 
 DEFAULT_BPE_VOCAB_SIZE = 4096
 MIN_BPE_VOCAB_SIZE = 257  # one token per byte value (every byte sequence is encodable) and <|endoftext|>
-BPE_PIECE_CHARS = 1 << 20  # long texts are encoded in pieces of about this size, in parallel
+# long texts are cut into pieces of about this size, encoded in parallel; prepare trains BPE on such pieces too
+# (rustbpe counts the pieces of one buffer in parallel)
+BPE_PIECE_CHARS = 1 << 20
 MAX_CODEPOINT = 0x10FFFF
 EOT = "<|endoftext|>"
 

@@ -18,10 +18,11 @@ import pytest
 import torch
 from conftest import REPO_ROOT, word_salad
 
-from quillgpt import prepare
+from quillgpt import build
 from quillgpt.data import BatchSource, gather_rows, load_dataset
 from quillgpt.errors import UserError
-from quillgpt.prepare import in_validation, prepare_dataset
+from quillgpt.prepare import prepare_dataset
+from quillgpt.splits import in_validation
 from quillgpt.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
 pa = pytest.importorskip("pyarrow")
@@ -170,7 +171,7 @@ def test_continuing_a_hub_stream_gives_the_same_files(corpus_files, tmp_path, mo
     hub.mkdir()
     write_parquet(hub / "train-0.parquet", DOCS)
     whole = prepare_dataset("whole", hf_dataset=str(hub), data_dir=tmp_path, verbose=False, chunk_bytes=2048, workers=1)
-    real_write, written = prepare.write_chunk, []
+    real_write, written = build.write_chunk, []
 
     def stop_after_three(*args, **kw):
         if len(written) == 3:
@@ -179,7 +180,7 @@ def test_continuing_a_hub_stream_gives_the_same_files(corpus_files, tmp_path, mo
         return real_write(*args, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(prepare, "write_chunk", stop_after_three)
+        m.setattr(build, "write_chunk", stop_after_three)
         with pytest.raises(KeyboardInterrupt):
             prepare_dataset("cut", hf_dataset=str(hub), data_dir=tmp_path, verbose=False, chunk_bytes=2048, workers=1)
     journal = json.loads((tmp_path / "cut" / ".prepare" / "progress.json").read_text())
@@ -430,7 +431,7 @@ def test_a_failed_new_prepare_keeps_the_previous_dataset(bad_inputs, tmp_path):
 
 def test_another_requests_unfinished_work_is_not_thrown_away(bad_inputs, tmp_path, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(prepare, "write_chunk", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        m.setattr(build, "write_chunk", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
         with pytest.raises(KeyboardInterrupt):
             prepare_dataset("busy", input_path=str(bad_inputs / "good.jsonl"), data_dir=tmp_path, verbose=False)
     with pytest.raises(UserError, match="holds an unfinished prepare of another request .* --reset to discard it"):
@@ -441,3 +442,37 @@ def test_another_requests_unfinished_work_is_not_thrown_away(bad_inputs, tmp_pat
     prepare_dataset(
         "busy", input_path=str(bad_inputs / "good.jsonl"), tokenizer="bpe", data_dir=tmp_path, verbose=False, reset=True
     )
+
+
+# ---- several inputs on the command line ------------------------------------------------------------
+
+
+def test_input_flag_repeated_or_listed_gives_one_dataset_of_every_input(tmp_path):
+    """`prepare.py --input a --input b` (once kept only b) and `--input a b` make the same dataset: every document of
+    both halves, in order, and more tokens than either half alone."""
+    halves = {
+        "first": write_jsonl(tmp_path / "first.jsonl", DOCS[:120]).resolve(),
+        "second": write_jsonl(tmp_path / "second.jsonl", DOCS[120:]).resolve(),
+    }
+    forms = {
+        "repeated": ["--input", str(halves["first"]), "--input", str(halves["second"])],
+        "listed": ["--input", str(halves["first"]), str(halves["second"])],
+        **{name: ["--input", str(path)] for name, path in halves.items()},
+    }
+    for name, args in forms.items():
+        proc = run_prepare("--dataset", name, *args, "--workers", "1", "--data-dir", str(tmp_path / "data"))
+        assert proc.returncode == 0, proc.stderr
+    files = {
+        name: [(tmp_path / "data" / name / f).read_bytes() for f in ("train.bin", "val.bin", "tokenizer.json")]
+        for name in forms
+    }
+    assert files["repeated"] == files["listed"]
+    train, val, meta = documents_of(tmp_path / "data" / "repeated")
+    in_val = in_validation(0, 0, len(DOCS), 0.1)
+    assert train == [d for d, v in zip(DOCS, in_val) if not v] and val == [d for d, v in zip(DOCS, in_val) if v]
+    assert [s["path"] for s in meta["sources"]] == [str(halves["first"]), str(halves["second"])]
+    tokens = meta["train_tokens"] + meta["val_tokens"]
+    for half, docs in (("first", DOCS[:120]), ("second", DOCS[120:])):
+        half_train, half_val, half_meta = documents_of(tmp_path / "data" / half)
+        assert sorted(half_train + half_val) == sorted(docs)
+        assert half_meta["train_tokens"] + half_meta["val_tokens"] < tokens and files[half] != files["repeated"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import REPO_ROOT
 
-from quillgpt import prepare
+from quillgpt import build, recipes
 from quillgpt import tokenizer as tokenizer_module
 from quillgpt.data import load_dataset
 from quillgpt.errors import UserError
@@ -127,8 +127,8 @@ def test_small_chunks_give_the_same_tokens(tmp_path, text_file, monkeypatch, kin
         data_dir=tmp_path,
         verbose=False,
     )
-    monkeypatch.setattr(prepare, "BPE_TRAIN_PIECE_CHARS", 600)
-    monkeypatch.setattr(tokenizer_module, "BPE_PIECE_CHARS", 500)
+    monkeypatch.setattr(build, "BPE_PIECE_CHARS", 600)  # the pieces BPE trains on
+    monkeypatch.setattr(tokenizer_module, "BPE_PIECE_CHARS", 500)  # the pieces encoded
     chunked = prepare_dataset(
         "b",
         input_path=str(text_file),
@@ -186,7 +186,7 @@ def test_tiny_shakespeare_matches_nanogpt(tmp_path, shakespeare_path):
     meta, train, val, tok = check_dataset(out_dir, "char")
     assert meta["vocab_size"] == 65
     assert (meta["train_tokens"], meta["val_tokens"]) == (1_003_854, 111_540)
-    assert meta["sources"][0]["sha256"] == prepare.SHAKESPEARE_SHA256
+    assert meta["sources"][0]["sha256"] == recipes.SHAKESPEARE_SHA256
     assert tok.decode(train[:14]) == "First Citizen:"
 
 
@@ -206,7 +206,7 @@ def test_tiktoken_kind_with_a_stand_in_encoding(tmp_path, text_file, monkeypatch
     bpe = train_tokenizer("bpe", [TEXT], 300)
     stand_in = tokenizer_module.NamedTiktokenTokenizer("gpt2", bpe.encoding)
     monkeypatch.setattr(tokenizer_module, "get_tiktoken", lambda name: stand_in)
-    monkeypatch.setattr(prepare, "get_tiktoken", lambda name: stand_in)
+    monkeypatch.setattr(build, "get_tiktoken", lambda name: stand_in)
     out_dir = prepare_dataset("x", input_path=str(text_file), tokenizer="gpt2", data_dir=tmp_path, verbose=False)
     meta, train, val, tok = check_dataset(out_dir, "tiktoken")
     assert meta["tokenizer"]["name"] == "gpt2" and meta["request"]["tokenizer"] == "gpt2"
@@ -286,6 +286,15 @@ def test_user_errors(tmp_path, kwargs, message):
         prepare_dataset(**kwargs, data_dir=tmp_path, verbose=False)
 
 
+@pytest.mark.parametrize("name", ["verbos", "inputs"])
+def test_an_option_that_is_not_one_is_named(tmp_path, name):
+    """prepare_dataset's options are Request's and Settings' fields (the inputs given as input_path): a misspelt
+    one is refused by name, not ignored."""
+    with pytest.raises(TypeError, match=f"prepare_dataset\\(\\) got an unexpected keyword argument '{name}'"):
+        prepare_dataset("x", data_dir=tmp_path, **{name: False})
+    assert not (tmp_path / "x").exists()
+
+
 def test_too_small_for_a_split(tmp_path):
     path = tmp_path / "tiny.txt"
     path.write_text("ab")
@@ -311,13 +320,13 @@ def test_cli_prepares_and_reuses(tmp_path, text_file):
 def test_shakespeare_download_is_verified_and_kept(tmp_path, shakespeare_path, monkeypatch):
     # no network here: a stand-in for urlopen serves the local copy (or corrupt bytes)
     served = [b"not shakespeare", shakespeare_path.read_bytes()]
-    monkeypatch.setattr(prepare.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(served.pop(0)))
+    monkeypatch.setattr(recipes.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(served.pop(0)))
     with pytest.raises(UserError, match="sha256.*--input"):
         prepare_dataset("shakespeare_char", data_dir=tmp_path, verbose=False)
     assert not (tmp_path / "shakespeare_char" / "input.txt").exists()
     out_dir = prepare_dataset("shakespeare_char", data_dir=tmp_path, verbose=False)
     meta = check_dataset(out_dir, "char")[0]
-    assert meta["sources"][0]["url"] == prepare.SHAKESPEARE_URL and meta["train_tokens"] == 1_003_854
+    assert meta["sources"][0]["url"] == recipes.SHAKESPEARE_URL and meta["train_tokens"] == 1_003_854
     prepare_dataset(
         "shakespeare_char", data_dir=tmp_path, tokenizer="bpe", reset=True, verbose=False
     )  # no second download
