@@ -22,8 +22,8 @@ import argparse
 from quillgpt import corpus
 from quillgpt.errors import run_main
 from quillgpt.prepare import prepare_dataset
-from quillgpt.recipes import KNOWN_DATASETS
-from quillgpt.request import BPE_TRAIN_BYTES
+from quillgpt.prepare.recipes import KNOWN_DATASETS
+from quillgpt.prepare.request import BPE_TRAIN_BYTES
 
 
 def positive_int(text: str) -> int:

@@ -9,8 +9,8 @@ and model.py are built from. Each module owns one thing:
     config       the typed TOML config: schema, overrides, checks
     tokenizer    char, BPE, tiktoken and Hugging Face tokenizers
     corpus       reading sources: text, folders, jsonl, parquet, hub datasets
-    prepare      corpus -> train.bin / val.bin / meta.json
-                 (from recipes, request, sources, splits, build, pool, workdir, reuse, nanogpt_layout)
+    prepare/     corpus -> train.bin / val.bin / meta.json (recipes, request, sources, splits, pool,
+                 workdir, reuse, nanogpt_layout, pipeline)
     data         datasets and batches
     kernels      the CPU attention and dropout ops model.py uses
     optim        AdamW and Muon, the LR schedule
@@ -25,7 +25,7 @@ and model.py are built from. Each module owns one thing:
     scoring      bits per byte and HellaSwag
     lm_harness   the lm-evaluation-harness adapter
     evaluate     eval.py's library
-    bench        bench.py's modes, one module each
+    bench/       bench.py's modes, one module each
 
 The scripts and this package run from the repository root, as nanoGPT's do (see README.md).
 """

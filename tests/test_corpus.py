@@ -18,11 +18,10 @@ import pytest
 import torch
 from conftest import REPO_ROOT, word_salad
 
-from quillgpt import build
 from quillgpt.data import BatchSource, gather_rows, load_dataset
 from quillgpt.errors import UserError
-from quillgpt.prepare import prepare_dataset
-from quillgpt.splits import in_validation
+from quillgpt.prepare import pipeline, prepare_dataset
+from quillgpt.prepare.splits import in_validation
 from quillgpt.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
 pa = pytest.importorskip("pyarrow")
@@ -171,7 +170,7 @@ def test_continuing_a_hub_stream_gives_the_same_files(corpus_files, tmp_path, mo
     hub.mkdir()
     write_parquet(hub / "train-0.parquet", DOCS)
     whole = prepare_dataset("whole", hf_dataset=str(hub), data_dir=tmp_path, verbose=False, chunk_bytes=2048, workers=1)
-    real_write, written = build.write_chunk, []
+    real_write, written = pipeline.write_chunk, []
 
     def stop_after_three(*args, **kw):
         if len(written) == 3:
@@ -180,7 +179,7 @@ def test_continuing_a_hub_stream_gives_the_same_files(corpus_files, tmp_path, mo
         return real_write(*args, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(build, "write_chunk", stop_after_three)
+        m.setattr(pipeline, "write_chunk", stop_after_three)
         with pytest.raises(KeyboardInterrupt):
             prepare_dataset("cut", hf_dataset=str(hub), data_dir=tmp_path, verbose=False, chunk_bytes=2048, workers=1)
     journal = json.loads((tmp_path / "cut" / ".prepare" / "progress.json").read_text())
@@ -431,7 +430,7 @@ def test_a_failed_new_prepare_keeps_the_previous_dataset(bad_inputs, tmp_path):
 
 def test_another_requests_unfinished_work_is_not_thrown_away(bad_inputs, tmp_path, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(build, "write_chunk", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        m.setattr(pipeline, "write_chunk", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
         with pytest.raises(KeyboardInterrupt):
             prepare_dataset("busy", input_path=str(bad_inputs / "good.jsonl"), data_dir=tmp_path, verbose=False)
     with pytest.raises(UserError, match="holds an unfinished prepare of another request .* --reset to discard it"):

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from conftest import REPO_ROOT
 
-from quillgpt import build, recipes
 from quillgpt import tokenizer as tokenizer_module
 from quillgpt.data import load_dataset
 from quillgpt.errors import UserError
-from quillgpt.prepare import prepare_dataset, prepare_txt_dir
+from quillgpt.prepare import pipeline, prepare_dataset, prepare_txt_dir, recipes
 from quillgpt.tokenizer import get_tiktoken, load_tokenizer, save_tokenizer, train_tokenizer
 
 TEXT = "".join(
@@ -127,7 +126,7 @@ def test_small_chunks_give_the_same_tokens(tmp_path, text_file, monkeypatch, kin
         data_dir=tmp_path,
         verbose=False,
     )
-    monkeypatch.setattr(build, "BPE_PIECE_CHARS", 600)  # the pieces BPE trains on
+    monkeypatch.setattr(pipeline, "BPE_PIECE_CHARS", 600)  # the pieces BPE trains on
     monkeypatch.setattr(tokenizer_module, "BPE_PIECE_CHARS", 500)  # the pieces encoded
     chunked = prepare_dataset(
         "b",
@@ -206,7 +205,7 @@ def test_tiktoken_kind_with_a_stand_in_encoding(tmp_path, text_file, monkeypatch
     bpe = train_tokenizer("bpe", [TEXT], 300)
     stand_in = tokenizer_module.NamedTiktokenTokenizer("gpt2", bpe.encoding)
     monkeypatch.setattr(tokenizer_module, "get_tiktoken", lambda name: stand_in)
-    monkeypatch.setattr(build, "get_tiktoken", lambda name: stand_in)
+    monkeypatch.setattr(pipeline, "get_tiktoken", lambda name: stand_in)
     out_dir = prepare_dataset("x", input_path=str(text_file), tokenizer="gpt2", data_dir=tmp_path, verbose=False)
     meta, train, val, tok = check_dataset(out_dir, "tiktoken")
     assert meta["tokenizer"]["name"] == "gpt2" and meta["request"]["tokenizer"] == "gpt2"

@@ -19,8 +19,7 @@ from quillgpt.bench.common import REPO, Mode, print_table, write_repeated
 from quillgpt.errors import UserError
 from quillgpt.files import atomic_write
 from quillgpt.machine import SHAKESPEARE, load_average, usable_cpus
-from quillgpt.prepare import BPE_TRAIN_PIECE_CHARS
-from quillgpt.tokenizer import cache_gpt2_files_from_package, get_tiktoken, split_text, train_tokenizer
+from quillgpt.tokenizer import BPE_PIECE_CHARS, cache_gpt2_files_from_package, get_tiktoken, split_text, train_tokenizer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +37,7 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
         raise UserError(f"--input {source} not found (tiny Shakespeare is expected at {SHAKESPEARE})")
     text = source.read_text(encoding="utf-8")
     t0 = time.perf_counter()
-    tok = train_tokenizer("bpe", split_text(text, BPE_TRAIN_PIECE_CHARS), args.vocab_size)
+    tok = train_tokenizer("bpe", split_text(text, BPE_PIECE_CHARS), args.vocab_size)
     train_s = time.perf_counter() - t0
     print(f"data preparation: {source.name} ({len(text.encode()) / 1e6:.2f} MB), {usable_cpus()} usable cores")
     print(f"BPE training to {tok.vocab_size} tokens on {source.name}: {train_s:.2f} s")

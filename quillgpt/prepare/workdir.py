@@ -23,7 +23,7 @@ import numpy as np
 from quillgpt.corpus import Source
 from quillgpt.errors import UserError
 from quillgpt.files import atomic_write_json, fsync_dir, read_json
-from quillgpt.request import Request
+from quillgpt.prepare.request import Request
 from quillgpt.tokenizer import Tokenizer, load_tokenizer, save_tokenizer, tokenizer_label
 
 WORK_DIR = ".prepare"

@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from quillgpt.errors import UserError
-from quillgpt.request import Request
+from quillgpt.prepare.request import Request
 
 Span = tuple[str, int, int, str]  # (text file, start byte, end byte, split) of a corpus split by bytes
 

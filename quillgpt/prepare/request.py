@@ -14,7 +14,7 @@ from pathlib import Path
 from quillgpt import corpus
 from quillgpt.errors import UserError
 from quillgpt.machine import usable_cpus
-from quillgpt.recipes import PYSTDLIB_MAX_BYTES, RECIPES, SHAKESPEARES
+from quillgpt.prepare.recipes import PYSTDLIB_MAX_BYTES, RECIPES, SHAKESPEARES
 from quillgpt.tokenizer import canonical_spec, resolve_vocab_size, tokenizer_kind
 
 BPE_TRAIN_BYTES = 64 * 2**20

@@ -11,10 +11,10 @@ from pathlib import Path
 from quillgpt import corpus
 from quillgpt.corpus import Budget, Chunk, Source
 from quillgpt.errors import UserError
-from quillgpt.recipes import KNOWN_DATASETS, named_source
-from quillgpt.request import Request
-from quillgpt.splits import Span, given_spans, tail_spans
-from quillgpt.workdir import WORK_DIR
+from quillgpt.prepare.recipes import KNOWN_DATASETS, named_source
+from quillgpt.prepare.request import Request
+from quillgpt.prepare.splits import Span, given_spans, tail_spans
+from quillgpt.prepare.workdir import WORK_DIR
 
 
 def resolve_sources(

@@ -26,10 +26,11 @@ from quillgpt import corpus
 from quillgpt.corpus import Chunk, Source, TextSpan
 from quillgpt.errors import UserError
 from quillgpt.files import read_json
-from quillgpt.pool import ordered_map
-from quillgpt.request import Request, Settings
-from quillgpt.sources import chunk_stream, resolve_sources, total_bytes
-from quillgpt.splits import Span, check_splits, in_validation
+from quillgpt.prepare.pool import ordered_map
+from quillgpt.prepare.request import Request, Settings
+from quillgpt.prepare.sources import chunk_stream, resolve_sources, total_bytes
+from quillgpt.prepare.splits import Span, check_splits, in_validation
+from quillgpt.prepare.workdir import WORK_DIR, PartialBins, WorkDir, describe, token_dtype
 from quillgpt.tokenizer import (
     BPE_PIECE_CHARS,
     Tokenizer,
@@ -42,7 +43,6 @@ from quillgpt.tokenizer import (
     tokenizer_kind,
     train_tokenizer,
 )
-from quillgpt.workdir import WORK_DIR, PartialBins, WorkDir, describe, token_dtype
 
 
 def build(

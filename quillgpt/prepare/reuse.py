@@ -12,9 +12,9 @@ from pathlib import Path
 
 from quillgpt.errors import UserError
 from quillgpt.files import read_json
-from quillgpt.recipes import KNOWN_DATASETS
-from quillgpt.request import Request
-from quillgpt.workdir import FORMAT_VERSION
+from quillgpt.prepare.recipes import KNOWN_DATASETS
+from quillgpt.prepare.request import Request
+from quillgpt.prepare.workdir import FORMAT_VERSION
 
 META_FIELDS = {"tokenizer": dict, "vocab_size": int, "train_tokens": int, "val_tokens": int}
 

@@ -8,7 +8,7 @@
     corpus          the inputs: text files, directories, jsonl(.gz/.zst), parquet, hub datasets, cut into chunks
     sources         a request's sources and their chunks, in input order
     splits          documents and their <|endoftext|>; the docs, tail and given splits
-    build           the tokenizer (char, bpe, tiktoken, hf) and the encoding into train.bin / val.bin
+    pipeline        the tokenizer (char, bpe, tiktoken, hf) and the encoding into train.bin / val.bin
     pool            the worker processes: results in input order, so any number of workers writes the same files
     workdir         the work under way in data/<dataset>/.prepare, resuming after a kill; the files' format
     reuse           when a complete dataset answers a request, and when it needs --reset
@@ -23,18 +23,14 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from quillgpt.build import build
 from quillgpt.errors import UserError
-from quillgpt.nanogpt_layout import prepare_txt_dir
-from quillgpt.request import Request, Settings, resolve
-from quillgpt.reuse import reusable
-from quillgpt.tokenizer import BPE_PIECE_CHARS
-from quillgpt.workdir import WORK_DIR, describe
+from quillgpt.prepare.nanogpt_layout import prepare_txt_dir
+from quillgpt.prepare.pipeline import build
+from quillgpt.prepare.request import Request, Settings, resolve
+from quillgpt.prepare.reuse import reusable
+from quillgpt.prepare.workdir import WORK_DIR, describe
 
-__all__ = ["prepare_dataset", "prepare_txt_dir", "WORK_DIR", "BPE_TRAIN_PIECE_CHARS"]
-
-# bench.py's name for the piece size BPE trains on; it goes once bench.py imports BPE_PIECE_CHARS from the tokenizer
-BPE_TRAIN_PIECE_CHARS = BPE_PIECE_CHARS
+__all__ = ["prepare_dataset", "prepare_txt_dir", "WORK_DIR"]
 REQUEST_OPTIONS = ({f.name for f in fields(Request)} - {"inputs"}) | {"input_path"}  # input_path: a path or a list
 SETTINGS_OPTIONS = {f.name for f in fields(Settings)}
 

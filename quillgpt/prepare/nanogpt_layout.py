@@ -14,12 +14,13 @@ from pathlib import Path
 import numpy as np
 
 from quillgpt import corpus
-from quillgpt.build import build
 from quillgpt.corpus import Source
 from quillgpt.errors import UserError
 from quillgpt.files import read_json
-from quillgpt.request import DEFAULT_VAL_FRACTION, Request, Settings
-from quillgpt.splits import check_splits
+from quillgpt.prepare.pipeline import build
+from quillgpt.prepare.request import DEFAULT_VAL_FRACTION, Request, Settings
+from quillgpt.prepare.splits import check_splits
+from quillgpt.prepare.workdir import WORK_DIR, PartialBins, WorkDir, describe, token_dtype
 from quillgpt.tokenizer import (
     Tokenizer,
     get_tiktoken,
@@ -28,7 +29,6 @@ from quillgpt.tokenizer import (
     tokenizer_from_dict,
     tokenizer_kind,
 )
-from quillgpt.workdir import WORK_DIR, PartialBins, WorkDir, describe, token_dtype
 
 
 def prepare_txt_dir(
