@@ -17,13 +17,14 @@ import difflib
 import json
 import math
 import sys
-import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from quillgpt.errors import UserError, run_main
+from quillgpt.fields import coerce, type_name
+from quillgpt.tokenizer import DEFAULT_BPE_VOCAB_SIZE, MIN_BPE_VOCAB_SIZE
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -127,7 +128,7 @@ class DataConfig:
     tokenizer: str = _f(
         "char", "char | bpe | a tiktoken encoding name such as gpt2 | hf:DIR (a Hugging Face tokenizer.json)"
     )
-    bpe_vocab_size: int = _f(4096, "vocabulary size the bpe tokenizer is trained to")
+    bpe_vocab_size: int = _f(DEFAULT_BPE_VOCAB_SIZE, "vocabulary size the bpe tokenizer is trained to")
     data_dir: str = _f("data", "root directory of prepared datasets")
     processed_dir: str | None = _f(
         None,
@@ -252,49 +253,6 @@ SHORT_FLAGS = {"--max-iters": "training.max_iters", "--device": "run.device", "-
 
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
-
-
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0], len(args) < len(typing.get_args(tp))
-    return tp, False
-
-
-def type_name(tp: Any) -> str:
-    base, optional = _unwrap_optional(tp)
-    name = getattr(base, "__name__", str(base))
-    if typing.get_origin(base) is list:
-        name = f"list[{typing.get_args(base)[0].__name__}]"
-    return f"{name} or none" if optional else name
-
-
-def coerce(value: Any, tp: Any) -> Any:
-    """Check a TOML/CLI value against a schema type; returns the value or raises TypeError."""
-    base, optional = _unwrap_optional(tp)
-    if value is None:
-        if optional:
-            return None
-        raise TypeError
-    if base is bool:
-        if isinstance(value, bool):
-            return value
-    elif base is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif base is float:
-        # an int beyond the float range (TOML and the command line allow any size) would raise OverflowError
-        if isinstance(value, float) or (
-            isinstance(value, int) and not isinstance(value, bool) and abs(value) <= sys.float_info.max
-        ):
-            return float(value)
-    elif base is str:
-        if isinstance(value, str):
-            return value
-    elif typing.get_origin(base) is list:
-        if isinstance(value, list):
-            return [coerce(v, typing.get_args(base)[0]) for v in value]
-    raise TypeError
 
 
 def parse_cli_value(text: str) -> Any:
@@ -534,8 +492,8 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     need(m.rope_theta > 0, f"model.rope_theta = {m.rope_theta} must be positive")
     need(0 < d.val_fraction < 1, f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
     need(
-        d.bpe_vocab_size >= 257,
-        f"data.bpe_vocab_size = {d.bpe_vocab_size} must be >= 257 (256 bytes and <|endoftext|>)",
+        d.bpe_vocab_size >= MIN_BPE_VOCAB_SIZE,
+        f"data.bpe_vocab_size = {d.bpe_vocab_size} must be >= {MIN_BPE_VOCAB_SIZE} (256 bytes and <|endoftext|>)",
     )
     need(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes = {d.max_bytes} must be positive")
     need(cfg.distributed.timeout_s > 0, f"distributed.timeout_s = {cfg.distributed.timeout_s} must be positive")

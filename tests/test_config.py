@@ -167,7 +167,7 @@ def test_override_parsing_for_every_type(arg, key, expected):
 
 def test_list_fields_parse():
     """No field is a list yet; the coercion for list types still works for when one is added."""
-    from quillgpt.config import coerce
+    from quillgpt.fields import coerce
 
     assert coerce([1, 2], list[int]) == [1, 2]
     with pytest.raises(TypeError):
