@@ -350,7 +350,8 @@ def resolve_run(
     ckpt = load_resumable(run, path)
     saved = layer_from_dict(ckpt.config)
     saved["run"].update(name=run.path.name, out_dir=str(run.path.parent))
-    return build_config(saved, overrides, source=f"{run.path}/config", world_size=world_size), run, ckpt
+    cfg = build_config(saved, overrides, source=f"{run.path}/config", world_size=world_size, stored=True)
+    return cfg, run, ckpt
 
 
 def new_run_dir(cfg: Config, force: bool) -> RunDir:

@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import sys
 import typing
 from dataclasses import dataclass, field, fields
@@ -134,17 +135,15 @@ class DataConfig:
         None,
         "read train/val from this directory instead of data_dir/dataset (the data/processed layout: train.bin/val.bin, or train.txt/val.txt with data_format = txt)",
     )
+    data_format: str = _f(
+        "bin", "bin (token memmaps) | txt (train.txt/val.txt tokenized once and cached)", choices=("bin", "txt")
+    )
     val_fraction: float = _f(
         0.1,
         "fraction of the documents (of a lone text file: of its bytes, at the end) held out "
         "for validation when preparing",
     )
     max_bytes: int | None = _f(None, "cap on the bytes of raw text read when preparing (pystdlib default: 4 MB)")
-
-
-@dataclass
-class ModelConfig(GPTConfig):
-    compile: bool | None = _f(None, "torch.compile the model (None: on for CUDA, off for CPU)")
 
 
 @dataclass
@@ -157,9 +156,7 @@ class TrainingConfig:
         "auto", "fp32 | fp16 | bf16 | auto (bf16/fp16 on CUDA, fp32 on CPU)", choices=("fp32", "fp16", "bf16", "auto")
     )
     gradient_checkpointing: bool = _f(False, "recompute each block in backward to save activation memory")
-    data_format: str = _f(
-        "bin", "bin (token memmaps) | txt (train.txt/val.txt tokenized once and cached)", choices=("bin", "txt")
-    )
+    compile: bool | None = _f(None, "torch.compile the model (None: on for CUDA, off for CPU)")
     eval_interval: int = _f(250, "evaluate every this many steps (0: only at the end)")
     eval_iters: int = _f(200, "batches per split in each evaluation")
     final_eval_iters: int = _f(
@@ -229,7 +226,7 @@ class DistributedConfig:
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: GPTConfig = field(default_factory=GPTConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -240,11 +237,14 @@ class Config:
         return dataclasses.asdict(self)
 
     def model_args(self) -> dict:
-        """The plain model-argument dict stored in checkpoints (without training-only switches)."""
-        return {f.name: getattr(self.model, f.name) for f in fields(GPTConfig)}
+        """The plain model-argument dict stored in checkpoints."""
+        return self.model.to_dict()
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
+# Keys that moved to another section, old name -> new name. A config file, command line or checkpoint that still
+# uses an old name loads as before, with one line naming the new one.
+RENAMED = {"training.data_format": "data.data_format", "model.compile": "training.compile"}
 SHORT_FLAGS = {"--max-iters": "training.max_iters", "--device": "run.device", "--tokenizer": "data.tokenizer"}
 
 
@@ -353,10 +353,21 @@ def build_config(
     overrides: list[tuple[str, Any]] | dict | None = None,
     source: str = "config",
     world_size: int = 1,
+    stored: bool = False,
 ) -> Config:
-    """Defaults < TOML dict < overrides; then validate. Raises ConfigError listing every problem."""
+    """Defaults < TOML dict < overrides; then validate. Raises ConfigError listing every problem.
+
+    source names the TOML layer in messages; stored: it is a checkpoint's stored config, not a file the user edits.
+    A key under its old name (RENAMED) sets the new one, with a note on stderr saying so."""
     cfg, errors = Config(), []
-    for section, table in (toml or {}).items():
+    toml, renamed = move_renamed(toml or {}, source, errors)
+    notes = [
+        f"note: {source}: {old} is now {RENAMED[old]} (read as that)"
+        if stored
+        else f"note: {old} is now {RENAMED[old]}; please update {source}"
+        for old in renamed
+    ]
+    for section, table in toml.items():
         if not isinstance(table, dict):
             if section in SECTIONS:
                 errors.append(f"{source}: [{section}] must be a table of keys")
@@ -370,12 +381,44 @@ def build_config(
             _apply(cfg, section, key, value, source, errors)
     items = overrides.items() if isinstance(overrides, dict) else (overrides or [])
     for dotted, value in items:
+        if dotted in RENAMED:
+            notes.append(f"note: --{dotted} is now --{RENAMED[dotted]}")
+            dotted = RENAMED[dotted]
         section, _, key = dotted.partition(".")
         _apply(cfg, section, key, value, "command line", errors)
     errors += validate(cfg, world_size)  # fields with type errors kept their defaults, so this is safe
+    print_notes(notes)
     if errors:
         raise ConfigError("\n".join(errors))
     return cfg
+
+
+def move_renamed(toml: dict, source: str, errors: list[str]) -> tuple[dict, list[str]]:
+    """The TOML layer with the keys it has under an old name (RENAMED) moved to their new place, and those old
+    names. The old and the new name of one key both set is a mistake."""
+    toml = {section: dict(table) if isinstance(table, dict) else table for section, table in toml.items()}
+    used = []
+    for old, new in RENAMED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        table = toml.get(old_section)
+        if not isinstance(table, dict) or old_key not in table:
+            continue
+        target = toml.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # build_config reports a section that is not a table
+        if new_key in target:
+            errors.append(f"{source}: {old} and {new} are both set, but {old} is the old name of {new}: keep {new}")
+            continue
+        target[new_key] = table.pop(old_key)
+        used.append(old)
+    return toml, used
+
+
+def print_notes(notes: list[str]) -> None:
+    """One line each on stderr, from one process of a torchrun job (rank 0: RANK is torchrun's variable)."""
+    if os.environ.get("RANK", "0") == "0":
+        for note in notes:
+            print(note, file=sys.stderr, flush=True)
 
 
 def lookup(toml: dict, overrides: list[tuple[str, Any]] | dict | None, dotted: str, source: str = "config") -> Any:
@@ -399,7 +442,10 @@ def resolved(cfg: Config, run_name: str, model: GPTConfig, compile: bool) -> Con
     model as built (from a checkpoint or GPT-2 its architecture comes from the weights) and whether it is
     compiled. cfg itself is left as it is."""
     return dataclasses.replace(
-        cfg, run=dataclasses.replace(cfg.run, name=run_name), model=ModelConfig(**model.to_dict(), compile=compile)
+        cfg,
+        run=dataclasses.replace(cfg.run, name=run_name),
+        model=dataclasses.replace(model),
+        training=dataclasses.replace(cfg.training, compile=compile),
     )
 
 

@@ -55,7 +55,7 @@ class Runtime:
     device: torch.device
     precision: str  # fp32 / fp16 / bf16 ("auto" resolved)
     dist: DistInfo
-    compile: bool  # model.compile resolved (None: on for CUDA)
+    compile: bool  # training.compile resolved (None: on for CUDA)
     peak_flops: float  # the peak FLOP/s of all ranks' devices together, for MFU (tokens/s are counted over all ranks)
     autocast: object  # the autocast context of the precision (a null context for fp32)
 
@@ -64,11 +64,11 @@ def setup(cfg: Config, dist: DistInfo) -> Runtime:
     """Resolve device, precision and compile, start the process group, configure the backends and seed torch."""
     device = resolve_device(cfg.run.device, dist)
     precision = resolve_precision(cfg.training.precision, device)
-    compile = cfg.model.compile if cfg.model.compile is not None else device.type == "cuda"
+    compile = cfg.training.compile if cfg.training.compile is not None else device.type == "cuda"
     if compile and device.type == "cpu" and not has_cxx_compiler():
         raise UserError(
-            "model.compile = true needs a C++ compiler on the CPU (inductor builds C++ kernels); "
-            "install g++ or set --model.compile false"
+            "training.compile = true needs a C++ compiler on the CPU (inductor builds C++ kernels); "
+            "install g++ or set --training.compile false"
         )
     distributed.init_process_group(dist, device, cfg.distributed.backend, cfg.distributed.timeout_s)
     if device.type == "cuda":

@@ -100,7 +100,7 @@ def tiny_overrides(data_dir: Path, out_dir: Path, **extra) -> dict:
 # The compiled bf16 run of the tests that compile a training step (test_train's determinism, bench's --kernels): the
 # same model and batch shapes, so the second to run reuses inductor's cache (both are in xdist group "compiled_step")
 TINY_COMPILED = {
-    "model.compile": True,
+    "training.compile": True,
     "training.precision": "bf16",
     "model.dropout": 0.0,
     "model.n_embd": 64,

@@ -374,11 +374,12 @@ def fixture_text() -> str:
     return "".join(" ".join(rng.choice(words) for _ in range(rng.randint(4, 9))) + ".\n" for _ in range(3000))
 
 
-def test_a_checkpoint_written_before_the_engine_refactor_resumes_exactly(tmp_path):
+def test_a_checkpoint_written_before_the_engine_refactor_resumes_exactly(tmp_path, capsys):
     """tests/fixtures/run_14e5811 holds the checkpoint that the code at commit 14e5811 (before trainer.py existed)
     wrote after 4 of 8 steps of a tiny char run with dropout. Resumed by today's code, steps 5-8 give the losses
     that the old code logs resuming it (with today's dropout-mask generator patched in: expected.json says how):
-    same format, same optimizer, RNG and data position."""
+    same format, same optimizer, RNG and data position. Its stored config names model.compile and
+    training.data_format, since renamed: one note each, and the resumed run stores the new names."""
     (tmp_path / "text.txt").write_text(fixture_text())
     prepare_dataset(
         "fixture", input_path=str(tmp_path / "text.txt"), tokenizer="char", data_dir=tmp_path / "data", verbose=False
@@ -386,6 +387,14 @@ def test_a_checkpoint_written_before_the_engine_refactor_resumes_exactly(tmp_pat
     run = tmp_path / "v1"
     shutil.copytree(FIXTURE_RUN, run)
     train(None, overrides={"training.max_iters": 8, "data.data_dir": str(tmp_path / "data")}, resume=str(run))
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [
+        f"note: {run}/config: training.data_format is now data.data_format (read as that)",
+        f"note: {run}/config: model.compile is now training.compile (read as that)",
+    ]
+    stored = load_checkpoint(run / "ckpt_last.pt")["config"]
+    assert stored["data"]["data_format"] == "bin" and stored["training"]["compile"] is False
+    assert "compile" not in stored["model"] and "data_format" not in stored["training"]
     expected = json.loads((FIXTURE_RUN / "expected.json").read_text())["losses_after_resume"]
     got = losses(run)
     assert sorted(got) == [5, 6, 7, 8]
