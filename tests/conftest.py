@@ -129,6 +129,20 @@ def train_until_sigterm(overrides: dict, iter_lines: int, timeout: float = 60) -
     return out
 
 
+def resume_in_subprocess(run_dir: Path, max_iters: int, timeout: float = 120) -> str:
+    """`train.py --resume run_dir` to max_iters in a fresh process (nothing carried over in memory); returns its
+    output after it exits 0."""
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--resume", str(run_dir), "--training.max_iters", str(max_iters)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 # ---- Hugging Face models, written by transformers itself --------------------------------------------
 
 HF_TINY = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=100)

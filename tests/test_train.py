@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, TINY_COMPILED, tiny_overrides, train_until_sigterm
+from conftest import REPO_ROOT, TINY_COMPILED, resume_in_subprocess, tiny_overrides, train_until_sigterm
 from make_run_fixture import DATASET, fixture_text, prepare_fixture_data
 
 from quillgpt.checkpoint import RunDir, load_checkpoint
@@ -290,14 +290,7 @@ def test_sigterm_saves_and_resumes_exactly(tiny_data, tmp_path):
     run = RunDir(tmp_path / "t")
     stopped_at = load_checkpoint(run.latest())["iter_num"]
     assert 30 <= stopped_at < 400
-    resumed = subprocess.run(
-        [sys.executable, "train.py", "--resume", str(run.path), "--training.max_iters", "60"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    resume_in_subprocess(run.path, 60)
     straight = tmp_path / "straight"
     train(None, overrides={**over, "run.out_dir": str(straight), "training.max_iters": 60})
     a, b = losses(straight / "t"), losses(run.path)
