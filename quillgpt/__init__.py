@@ -2,6 +2,7 @@
 and model.py are built from. Each module owns one thing:
 
     errors       the user-error convention: one line, exit 2
+    fields       the typed-field check of what is read from outside (TOML, checkpoints, JSON)
     files        atomic writes, JSON and hashes
     machine      cores, load, malloc settings, where tiny Shakespeare lives
     network      the offline check before the Hugging Face hub

@@ -26,19 +26,17 @@ import re
 import shutil
 import sys
 import time
-import types
-import typing
 import zipfile
 import zlib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from quillgpt.config import Config, build_config, layer_from_dict, load_toml, lookup, parse_overrides
 from quillgpt.errors import UserError, WriteError
+from quillgpt.fields import OPTIONAL, wrong_fields
 from quillgpt.files import TEMP_SUFFIX, atomic_write, atomic_write_text, fsync_dir
 
 FORMAT = "quillgpt-checkpoint"
@@ -48,8 +46,7 @@ STEP_PATTERN = re.compile(r"ckpt_step(\d+)\.pt$")
 
 # ---- what a training checkpoint holds ---------------------------------------------------------------
 
-# Fields that may be missing from a checkpoint: written only by some runs, or added after the first checkpoints.
-OPTIONAL = {"optional": True}
+# Fields marked OPTIONAL may be missing from a checkpoint: written only by some runs, or added after the first ones.
 
 
 @dataclass
@@ -92,7 +89,7 @@ class TrainingCheckpoint:
     def from_dict(cls, ckpt: dict, path: str | Path) -> TrainingCheckpoint:
         """A loaded checkpoint as a TrainingCheckpoint; UserError when it lacks what --resume needs
         (written by another tool, or edited)."""
-        wrong = _wrong_fields(ckpt, cls) + _wrong_fields(ckpt, TrainState)
+        wrong = wrong_fields(ckpt, cls, exclude=("state",)) + wrong_fields(ckpt, TrainState)
         config = ckpt.get("config")
         if not wrong and not (
             isinstance(config.get("run"), dict) and all(isinstance(t, dict) for t in config.values())
@@ -108,32 +105,6 @@ class TrainingCheckpoint:
         if "best_score" not in ckpt:
             state.best_score = state.best_val_loss
         return cls(**{f.name: ckpt.get(f.name, f.default) for f in fields(cls) if f.name != "state"}, state=state)
-
-
-def _wrong_fields(ckpt: dict, cls: type) -> list[str]:
-    """The fields of dataclass cls that ckpt lacks (unless optional) or holds with another type than annotated."""
-    hints = typing.get_type_hints(cls)
-    wrong = []
-    for f in fields(cls):
-        if f.name == "state":
-            continue
-        if f.name not in ckpt:
-            wrong += [] if f.metadata.get("optional") else [f.name]
-        elif not _is_a(ckpt[f.name], hints[f.name]):
-            wrong.append(f.name)
-    return wrong
-
-
-def _is_a(value: Any, annotation: Any) -> bool:
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return any(_is_a(value, a) for a in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if isinstance(value, bool):
-        return annotation is bool
-    if annotation is float:
-        return isinstance(value, (int, float))
-    return isinstance(value, annotation)
 
 
 # ---- files ------------------------------------------------------------------------------------------
@@ -379,7 +350,8 @@ def resolve_run(
     ckpt = load_resumable(run, path)
     saved = layer_from_dict(ckpt.config)
     saved["run"].update(name=run.path.name, out_dir=str(run.path.parent))
-    return build_config(saved, overrides, source=f"{run.path}/config", world_size=world_size), run, ckpt
+    cfg = build_config(saved, overrides, source=f"{run.path}/config", world_size=world_size, stored=True)
+    return cfg, run, ckpt
 
 
 def new_run_dir(cfg: Config, force: bool) -> RunDir:

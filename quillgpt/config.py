@@ -16,14 +16,16 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import sys
-import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from quillgpt.errors import UserError, run_main
+from quillgpt.fields import coerce, type_name
+from quillgpt.tokenizer import DEFAULT_BPE_VOCAB_SIZE, MIN_BPE_VOCAB_SIZE
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -127,11 +129,14 @@ class DataConfig:
     tokenizer: str = _f(
         "char", "char | bpe | a tiktoken encoding name such as gpt2 | hf:DIR (a Hugging Face tokenizer.json)"
     )
-    bpe_vocab_size: int = _f(4096, "vocabulary size the bpe tokenizer is trained to")
+    bpe_vocab_size: int = _f(DEFAULT_BPE_VOCAB_SIZE, "vocabulary size the bpe tokenizer is trained to")
     data_dir: str = _f("data", "root directory of prepared datasets")
     processed_dir: str | None = _f(
         None,
         "read train/val from this directory instead of data_dir/dataset (the data/processed layout: train.bin/val.bin, or train.txt/val.txt with data_format = txt)",
+    )
+    data_format: str = _f(
+        "bin", "bin (token memmaps) | txt (train.txt/val.txt tokenized once and cached)", choices=("bin", "txt")
     )
     val_fraction: float = _f(
         0.1,
@@ -139,11 +144,6 @@ class DataConfig:
         "for validation when preparing",
     )
     max_bytes: int | None = _f(None, "cap on the bytes of raw text read when preparing (pystdlib default: 4 MB)")
-
-
-@dataclass
-class ModelConfig(GPTConfig):
-    compile: bool | None = _f(None, "torch.compile the model (None: on for CUDA, off for CPU)")
 
 
 @dataclass
@@ -156,9 +156,7 @@ class TrainingConfig:
         "auto", "fp32 | fp16 | bf16 | auto (bf16/fp16 on CUDA, fp32 on CPU)", choices=("fp32", "fp16", "bf16", "auto")
     )
     gradient_checkpointing: bool = _f(False, "recompute each block in backward to save activation memory")
-    data_format: str = _f(
-        "bin", "bin (token memmaps) | txt (train.txt/val.txt tokenized once and cached)", choices=("bin", "txt")
-    )
+    compile: bool | None = _f(None, "torch.compile the model (None: on for CUDA, off for CPU)")
     eval_interval: int = _f(250, "evaluate every this many steps (0: only at the end)")
     eval_iters: int = _f(200, "batches per split in each evaluation")
     final_eval_iters: int = _f(
@@ -228,7 +226,7 @@ class DistributedConfig:
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: GPTConfig = field(default_factory=GPTConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -239,11 +237,14 @@ class Config:
         return dataclasses.asdict(self)
 
     def model_args(self) -> dict:
-        """The plain model-argument dict stored in checkpoints (without training-only switches)."""
-        return {f.name: getattr(self.model, f.name) for f in fields(GPTConfig)}
+        """The plain model-argument dict stored in checkpoints."""
+        return self.model.to_dict()
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
+# Keys that moved to another section, old name -> new name. A config file, command line or checkpoint that still
+# uses an old name loads as before, with one line naming the new one.
+RENAMED = {"training.data_format": "data.data_format", "model.compile": "training.compile"}
 SHORT_FLAGS = {"--max-iters": "training.max_iters", "--device": "run.device", "--tokenizer": "data.tokenizer"}
 
 
@@ -252,49 +253,6 @@ SHORT_FLAGS = {"--max-iters": "training.max_iters", "--device": "run.device", "-
 
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
-
-
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0], len(args) < len(typing.get_args(tp))
-    return tp, False
-
-
-def type_name(tp: Any) -> str:
-    base, optional = _unwrap_optional(tp)
-    name = getattr(base, "__name__", str(base))
-    if typing.get_origin(base) is list:
-        name = f"list[{typing.get_args(base)[0].__name__}]"
-    return f"{name} or none" if optional else name
-
-
-def coerce(value: Any, tp: Any) -> Any:
-    """Check a TOML/CLI value against a schema type; returns the value or raises TypeError."""
-    base, optional = _unwrap_optional(tp)
-    if value is None:
-        if optional:
-            return None
-        raise TypeError
-    if base is bool:
-        if isinstance(value, bool):
-            return value
-    elif base is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif base is float:
-        # an int beyond the float range (TOML and the command line allow any size) would raise OverflowError
-        if isinstance(value, float) or (
-            isinstance(value, int) and not isinstance(value, bool) and abs(value) <= sys.float_info.max
-        ):
-            return float(value)
-    elif base is str:
-        if isinstance(value, str):
-            return value
-    elif typing.get_origin(base) is list:
-        if isinstance(value, list):
-            return [coerce(v, typing.get_args(base)[0]) for v in value]
-    raise TypeError
 
 
 def parse_cli_value(text: str) -> Any:
@@ -395,10 +353,21 @@ def build_config(
     overrides: list[tuple[str, Any]] | dict | None = None,
     source: str = "config",
     world_size: int = 1,
+    stored: bool = False,
 ) -> Config:
-    """Defaults < TOML dict < overrides; then validate. Raises ConfigError listing every problem."""
+    """Defaults < TOML dict < overrides; then validate. Raises ConfigError listing every problem.
+
+    source names the TOML layer in messages; stored: it is a checkpoint's stored config, not a file the user edits.
+    A key under its old name (RENAMED) sets the new one, with a note on stderr saying so."""
     cfg, errors = Config(), []
-    for section, table in (toml or {}).items():
+    toml, renamed = move_renamed(toml or {}, source, errors)
+    notes = [
+        f"note: {source}: {old} is now {RENAMED[old]} (read as that)"
+        if stored
+        else f"note: {old} is now {RENAMED[old]}; please update {source}"
+        for old in renamed
+    ]
+    for section, table in toml.items():
         if not isinstance(table, dict):
             if section in SECTIONS:
                 errors.append(f"{source}: [{section}] must be a table of keys")
@@ -412,12 +381,44 @@ def build_config(
             _apply(cfg, section, key, value, source, errors)
     items = overrides.items() if isinstance(overrides, dict) else (overrides or [])
     for dotted, value in items:
+        if dotted in RENAMED:
+            notes.append(f"note: --{dotted} is now --{RENAMED[dotted]}")
+            dotted = RENAMED[dotted]
         section, _, key = dotted.partition(".")
         _apply(cfg, section, key, value, "command line", errors)
     errors += validate(cfg, world_size)  # fields with type errors kept their defaults, so this is safe
+    print_notes(notes)
     if errors:
         raise ConfigError("\n".join(errors))
     return cfg
+
+
+def move_renamed(toml: dict, source: str, errors: list[str]) -> tuple[dict, list[str]]:
+    """The TOML layer with the keys it has under an old name (RENAMED) moved to their new place, and those old
+    names. The old and the new name of one key both set is a mistake."""
+    toml = {section: dict(table) if isinstance(table, dict) else table for section, table in toml.items()}
+    used = []
+    for old, new in RENAMED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        table = toml.get(old_section)
+        if not isinstance(table, dict) or old_key not in table:
+            continue
+        target = toml.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # build_config reports a section that is not a table
+        if new_key in target:
+            errors.append(f"{source}: {old} and {new} are both set, but {old} is the old name of {new}: keep {new}")
+            continue
+        target[new_key] = table.pop(old_key)
+        used.append(old)
+    return toml, used
+
+
+def print_notes(notes: list[str]) -> None:
+    """One line each on stderr, from one process of a torchrun job (rank 0: RANK is torchrun's variable)."""
+    if os.environ.get("RANK", "0") == "0":
+        for note in notes:
+            print(note, file=sys.stderr, flush=True)
 
 
 def lookup(toml: dict, overrides: list[tuple[str, Any]] | dict | None, dotted: str, source: str = "config") -> Any:
@@ -441,7 +442,10 @@ def resolved(cfg: Config, run_name: str, model: GPTConfig, compile: bool) -> Con
     model as built (from a checkpoint or GPT-2 its architecture comes from the weights) and whether it is
     compiled. cfg itself is left as it is."""
     return dataclasses.replace(
-        cfg, run=dataclasses.replace(cfg.run, name=run_name), model=ModelConfig(**model.to_dict(), compile=compile)
+        cfg,
+        run=dataclasses.replace(cfg.run, name=run_name),
+        model=dataclasses.replace(model),
+        training=dataclasses.replace(cfg.training, compile=compile),
     )
 
 
@@ -534,8 +538,8 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     need(m.rope_theta > 0, f"model.rope_theta = {m.rope_theta} must be positive")
     need(0 < d.val_fraction < 1, f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
     need(
-        d.bpe_vocab_size >= 257,
-        f"data.bpe_vocab_size = {d.bpe_vocab_size} must be >= 257 (256 bytes and <|endoftext|>)",
+        d.bpe_vocab_size >= MIN_BPE_VOCAB_SIZE,
+        f"data.bpe_vocab_size = {d.bpe_vocab_size} must be >= {MIN_BPE_VOCAB_SIZE} (256 bytes and <|endoftext|>)",
     )
     need(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes = {d.max_bytes} must be positive")
     need(cfg.distributed.timeout_s > 0, f"distributed.timeout_s = {cfg.distributed.timeout_s} must be positive")

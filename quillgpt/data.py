@@ -46,11 +46,11 @@ class Dataset:
 def find_dataset(cfg: Config, dist: DistInfo) -> Dataset:
     """The dataset the config names, opened and checked on every rank: data_dir/dataset (rank 0 prepares it
     first when it is missing), data.processed_dir with train.bin/val.bin (or in its parent), or
-    with training.data_format = "txt" its train.txt/val.txt tokenized once into processed_dir/cache."""
+    with data.data_format = "txt" its train.txt/val.txt tokenized once into processed_dir/cache."""
     d = cfg.data
     vocab_size = d.bpe_vocab_size if d.tokenizer == "bpe" else None
     expect = None  # the tokenizer the dataset must have been made with, when the config decides it
-    if cfg.training.data_format == "txt":
+    if d.data_format == "txt":
         processed = Path(d.processed_dir or "data/processed")
         on_main(prepare_txt_dir, dist, processed, tokenizer=d.tokenizer, vocab_size=vocab_size)
         directory = processed / "cache"

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save
 from model import GPT
 from quillgpt.config import GPTConfig, build_config
 from quillgpt.errors import UserError
+from quillgpt.fields import required
 from quillgpt.files import atomic_write, atomic_write_json, atomic_write_text, read_json
 from quillgpt.network import check_hub_reachable
 from quillgpt.tokenizer import Tokenizer, hf_files, hf_tokenizer, tokenizer_from_dict
@@ -186,10 +187,9 @@ def config_from_hf(family: str, hf: dict, source: str, dropout: float) -> GPTCon
     """config.json -> GPTConfig; a setting model.py would compute differently is refused, naming it."""
 
     def need(key: str) -> int:
-        value = hf.get(key)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise UserError(f"{source}: config.json has no integer {key}, which a {NAMES[family]} model needs")
-        return value
+        return required(
+            hf, key, int, f"{source}: config.json has no integer {key}, which a {NAMES[family]} model needs"
+        )
 
     def refuse(what: str) -> UserError:
         return UserError(f"{source}: {what}")

@@ -44,6 +44,7 @@ import numpy as np
 import tiktoken
 
 from quillgpt.errors import UserError
+from quillgpt.fields import required, type_name
 from quillgpt.files import atomic_write, atomic_write_json, read_json
 from quillgpt.machine import usable_cpus
 
@@ -623,8 +624,8 @@ def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int | None, eot
     """Build a char vocabulary or train a byte-level BPE on `texts` (an iterable of text chunks).
 
     char: vocab_size is only an upper bound (the vocabulary is the text's characters, and <|endoftext|>
-    when eot). bpe: vocab_size (default 4096, at least 257) counts <|endoftext|>, which a trained BPE
-    always has; a text too small for that many merges gives fewer.
+    when eot). bpe: vocab_size (default DEFAULT_BPE_VOCAB_SIZE, at least MIN_BPE_VOCAB_SIZE) counts <|endoftext|>,
+    which a trained BPE always has; a text too small for that many merges gives fewer.
     """
     if kind not in ("char", "bpe"):
         raise UserError(f"only char and bpe tokenizers are trained, not {kind!r}")
@@ -635,10 +636,7 @@ def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int | None, eot
 
 
 def _field(d: dict, key: str, kind: type) -> Any:
-    value = d.get(key)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise UserError(f"tokenizer field {key!r} is missing or not a {kind.__name__}")
-    return value
+    return required(d, key, kind, f"tokenizer field {key!r} is missing or not a {type_name(kind)}")
 
 
 def _bpe_from_dict(d: dict) -> BPETokenizer:
@@ -651,9 +649,7 @@ def _bpe_from_dict(d: dict) -> BPETokenizer:
 
 
 def _eot_flag(d: dict) -> bool:
-    if not isinstance(d.get("eot", False), bool):
-        raise UserError("tokenizer field 'eot' must be true or false")
-    return d.get("eot", False)
+    return required(d, "eot", bool, "tokenizer field 'eot' must be true or false", default=False)
 
 
 def tokenizer_from_dict(d: dict) -> Tokenizer:
@@ -668,15 +664,12 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
     elif kind == "tiktoken":
         return get_tiktoken(_field(d, "name", str))
     elif kind == "hf":
-        ids = {k: d.get(k) for k in ("eos_id", "bos_id")}
-        if any(v is not None and (not isinstance(v, int) or isinstance(v, bool)) for v in ids.values()):
-            raise UserError("tokenizer fields 'eos_id' and 'bos_id' must be integers or null")
+        ids = [
+            required(d, k, int | None, "tokenizer fields 'eos_id' and 'bos_id' must be integers or null", default=None)
+            for k in ("eos_id", "bos_id")
+        ]
         tok = HFTokenizer(
-            _field(d, "name", str),
-            _field(d, "tokenizer_json", str),
-            d.get("tokenizer_config") or {},
-            ids["eos_id"],
-            ids["bos_id"],
+            _field(d, "name", str), _field(d, "tokenizer_json", str), d.get("tokenizer_config") or {}, *ids
         )
     else:
         raise UserError(f"unknown tokenizer kind {kind!r} (expected char, bpe, tiktoken or hf)")

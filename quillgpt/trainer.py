@@ -33,7 +33,7 @@ from tqdm import tqdm
 from model import GPT
 from quillgpt import distributed
 from quillgpt.checkpoint import RunDir, TrainingCheckpoint, TrainState, rng_state, set_rng_state
-from quillgpt.config import Config, GPTConfig, TrainingConfig, resolved, summary, to_toml
+from quillgpt.config import Config, EvalConfig, GPTConfig, TrainingConfig, resolved, summary, to_toml
 from quillgpt.data import BatchSource, Dataset, check_fits, check_vocab_compatible, micro_batch_index
 from quillgpt.distributed import DistInfo
 from quillgpt.errors import UserError
@@ -55,7 +55,7 @@ class Runtime:
     device: torch.device
     precision: str  # fp32 / fp16 / bf16 ("auto" resolved)
     dist: DistInfo
-    compile: bool  # model.compile resolved (None: on for CUDA)
+    compile: bool  # training.compile resolved (None: on for CUDA)
     peak_flops: float  # the peak FLOP/s of all ranks' devices together, for MFU (tokens/s are counted over all ranks)
     autocast: object  # the autocast context of the precision (a null context for fp32)
 
@@ -64,11 +64,11 @@ def setup(cfg: Config, dist: DistInfo) -> Runtime:
     """Resolve device, precision and compile, start the process group, configure the backends and seed torch."""
     device = resolve_device(cfg.run.device, dist)
     precision = resolve_precision(cfg.training.precision, device)
-    compile = cfg.model.compile if cfg.model.compile is not None else device.type == "cuda"
+    compile = cfg.training.compile if cfg.training.compile is not None else device.type == "cuda"
     if compile and device.type == "cpu" and not has_cxx_compiler():
         raise UserError(
-            "model.compile = true needs a C++ compiler on the CPU (inductor builds C++ kernels); "
-            "install g++ or set --model.compile false"
+            "training.compile = true needs a C++ compiler on the CPU (inductor builds C++ kernels); "
+            "install g++ or set --training.compile false"
         )
     distributed.init_process_group(dist, device, cfg.distributed.backend, cfg.distributed.timeout_s)
     if device.type == "cuda":
@@ -143,6 +143,24 @@ def callers_determinism_restored() -> Iterator[None]:
 
 
 @dataclass
+class Evaluation:
+    """What an evaluation scores besides the loss, read once when the run is built: the bytes of each token (bits per
+    byte) and eval.hellaswag's items."""
+
+    token_bytes: torch.Tensor  # UTF-8 bytes of each token id, on the run's device
+    hellaswag: list[HellaSwagItem] | None  # the first eval.hellaswag_limit items; None: eval.hellaswag is off
+
+    @classmethod
+    def load(cls, cfg: EvalConfig, dataset: Dataset, device: torch.device) -> Evaluation:
+        token_bytes = torch.as_tensor(dataset.tokenizer.token_bytes(), device=device)
+        if not cfg.hellaswag:
+            return cls(token_bytes, None)
+        return cls(
+            token_bytes, hellaswag_items(cfg.hellaswag, dataset.tokenizer, cfg.hellaswag_limit, cfg.map_unknown)[0]
+        )
+
+
+@dataclass
 class Trainer:
     """Everything the loop works with, built once by build()."""
 
@@ -156,8 +174,7 @@ class Trainer:
     batches: BatchSource
     run_dir: RunDir | None  # None: a measurement that saves nothing (bench.py)
     tokenizer: dict  # the dataset's tokenizer.to_dict(), stored in every checkpoint
-    token_bytes: torch.Tensor  # UTF-8 bytes of each token id, for bits per byte
-    hellaswag: list[HellaSwagItem] | None  # eval.hellaswag's items, scored at every evaluation
+    evaluation: Evaluation  # what evaluate() scores besides the loss
 
     @property
     def tokens_per_step(self) -> int:
@@ -189,12 +206,7 @@ def build(
     optimizers = make_optimizers(raw_model, cfg.optimizer, rt.device.type)  # after wrapping: FSDP swaps the parameters
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
     batches = BatchSource(dataset, raw_model.config.block_size, cfg.training.batch_size, cfg.run.seed, rt.device)
-    token_bytes = torch.as_tensor(dataset.tokenizer.token_bytes(), device=rt.device)
-    items = (
-        hellaswag_items(cfg.eval.hellaswag, dataset.tokenizer, cfg.eval.hellaswag_limit, cfg.eval.map_unknown)[0]
-        if cfg.eval.hellaswag
-        else None
-    )
+    evaluation = Evaluation.load(cfg.eval, dataset, rt.device)
     return Trainer(
         cfg,
         rt,
@@ -206,8 +218,7 @@ def build(
         batches,
         run_dir,
         dataset.tokenizer.to_dict(),
-        token_bytes,
-        items,
+        evaluation,
     )
 
 
@@ -414,7 +425,7 @@ def evaluate(tr: Trainer, batches: int | None = None) -> dict[str, float]:
             x, y = tr.batches.get(split, k)
             with tr.rt.autocast:
                 logits, loss = tr.model(x, y)
-            nbytes = tr.token_bytes[y]
+            nbytes = tr.evaluation.token_bytes[y]
             nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
             sums += (k < n) * torch.stack(
                 [
@@ -431,18 +442,17 @@ def evaluate(tr: Trainer, batches: int | None = None) -> dict[str, float]:
         out[f"{split}_ppl"] = math.exp(min(loss, 50))
         out[f"{split}_acc"] = (sums[1] / sums[2]).item()
         out[f"{split}_bpb"] = (sums[3] / math.log(2) / sums[4].clamp(min=1)).item()
-    if tr.hellaswag:
-        out.update(hellaswag(tr))
+    if tr.evaluation.hellaswag:
+        out.update(hellaswag(tr, tr.evaluation.hellaswag))
     tr.model.train()
     return out
 
 
-def hellaswag(tr: Trainer) -> dict[str, float]:
-    """acc and acc_norm on the first eval.hellaswag_limit items, dealt to the ranks in turn; every rank scores as
-    many (padding items count zero), so FSDP's collective forwards stay in step. The uncompiled model: items
-    vary in length, which would make torch.compile compile again and again."""
+def hellaswag(tr: Trainer, items: list[HellaSwagItem]) -> dict[str, float]:
+    """acc and acc_norm on the items, dealt to the ranks in turn; every rank scores as many (padding items count
+    zero), so FSDP's collective forwards stay in step. The uncompiled model: items vary in length, which would make
+    torch.compile compile again and again."""
     rank, world = tr.rt.dist.rank, tr.rt.dist.world_size
-    items = tr.hellaswag
     share = [items[i % len(items)] for i in range(rank, math.ceil(len(items) / world) * world, world)]
     score = score_hellaswag(tr.raw_model, tr.dataset.tokenizer, share, tr.rt.autocast)
     real = [i < len(items) for i in range(rank, math.ceil(len(items) / world) * world, world)]

@@ -100,7 +100,7 @@ def tiny_overrides(data_dir: Path, out_dir: Path, **extra) -> dict:
 # The compiled bf16 run of the tests that compile a training step (test_train's determinism, bench's --kernels): the
 # same model and batch shapes, so the second to run reuses inductor's cache (both are in xdist group "compiled_step")
 TINY_COMPILED = {
-    "model.compile": True,
+    "training.compile": True,
     "training.precision": "bf16",
     "model.dropout": 0.0,
     "model.n_embd": 64,
@@ -127,6 +127,20 @@ def train_until_sigterm(overrides: dict, iter_lines: int, timeout: float = 60) -
     out = proc.communicate(timeout=timeout)[0]
     assert proc.returncode == 0, out
     return out
+
+
+def resume_in_subprocess(run_dir: Path, max_iters: int, timeout: float = 120) -> str:
+    """`train.py --resume run_dir` to max_iters in a fresh process (nothing carried over in memory); returns its
+    output after it exits 0."""
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--resume", str(run_dir), "--training.max_iters", str(max_iters)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
 # ---- Hugging Face models, written by transformers itself --------------------------------------------

@@ -58,7 +58,7 @@ def table_rows(out: str) -> list[list[str]]:
 
 def test_training_table_and_baseline_ratio(tiny, capsys):
     # eager: bench builds the step with trainer.build, whose compiled path test_train.py runs (a cold compile is slow)
-    bench.main([*tiny, "--warmup", "2", "--iters", "3", "--repeats", "2", "--baseline", "--model.compile", "false"])
+    bench.main([*tiny, "--warmup", "2", "--iters", "3", "--repeats", "2", "--baseline", "--training.compile", "false"])
     out = capsys.readouterr().out
     rows = {row[0]: row for row in table_rows(out)}
     assert set(rows) >= {"run", "optimised", "baseline (all off)"}
@@ -78,7 +78,7 @@ def test_against_a_commit_alternates_both_codes(tiny, capsys):
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True).returncode:
         pytest.skip("not a git checkout")
     bench.main(
-        ["--against", "HEAD", "--rounds", "2", "--warmup", "1", "--iters", "2", "--model.compile", "false", *tiny]
+        ["--against", "HEAD", "--rounds", "2", "--warmup", "1", "--iters", "2", "--training.compile", "false", *tiny]
     )
     out = capsys.readouterr().out
     rows = {row[0]: row for row in table_rows(out)}
@@ -102,7 +102,7 @@ def test_json_output_and_profile_trace(tiny, tmp_path, capsys):
             str(trace_dir),
             "--profile-steps",
             "1",
-            "--model.compile",
+            "--training.compile",
             "false",
         ]
     )  # eager, as in the table test above
@@ -200,7 +200,7 @@ def test_kernels_mode_clocks_each_kernel_of_the_compiled_step_and_puts_them_back
 
 def test_kernels_mode_needs_a_compiled_step(tiny):
     with pytest.raises(UserError, match="--kernels times the kernels torch.compile generates"):
-        bench.main(["--kernels", *tiny, "--model.compile", "false", "--warmup", "1"])
+        bench.main(["--kernels", *tiny, "--training.compile", "false", "--warmup", "1"])
 
 
 def test_hellaswag_mode(capsys):
@@ -225,7 +225,7 @@ def test_prepare_mode(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_memory_mode(tiny, capsys):
-    bench.main(["--memory", *tiny, "--model.compile", "false", "--size-mb", "2", "--iters", "3"])
+    bench.main(["--memory", *tiny, "--training.compile", "false", "--size-mb", "2", "--iters", "3"])
     out = capsys.readouterr().out
     rows = table_rows(out)
     assert rows[0][0] == "train.bin" and len(rows) == 3

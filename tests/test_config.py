@@ -149,7 +149,7 @@ def test_precedence_defaults_toml_cli(tmp_path):
         ('--run.name="1e3"', "run.name", "1e3"),  # quoted str that looks numeric
         ("--data.input=none", "data.input", None),  # optional -> None
         ("--model.vocab_size=512", "model.vocab_size", 512),  # optional int
-        ("--model.compile=true", "model.compile", True),  # optional bool
+        ("--training.compile=true", "training.compile", True),  # optional bool
         ("--max-iters=9", "training.max_iters", 9),  # short flags
         ("--device=cpu", "run.device", "cpu"),
         ("--tokenizer=bpe", "data.tokenizer", "bpe"),
@@ -165,9 +165,52 @@ def test_override_parsing_for_every_type(arg, key, expected):
     assert getattr(getattr(cfg2, section), name) == expected
 
 
+def test_a_key_under_its_old_name_loads_with_one_note_naming_the_new_one(tmp_path, capsys):
+    """data_format moved from [training] to [data], compile from [model] to [training]: a config file or command
+    line with the old names still loads, with one line per old key telling the user the new one."""
+    path = tmp_path / "old.toml"
+    path.write_text('[model]\nn_layer = 3\ncompile = true\n[training]\ndata_format = "txt"\nmax_iters = 9\n')
+    cfg = load_config(path)
+    assert (cfg.training.compile, cfg.data.data_format, cfg.model.n_layer, cfg.training.max_iters) == (
+        True,
+        "txt",
+        3,
+        9,
+    )
+    assert capsys.readouterr().err.splitlines() == [
+        f"note: training.data_format is now data.data_format; please update {path}",
+        f"note: model.compile is now training.compile; please update {path}",
+    ]
+    cfg = load_config(None, ["--training.data_format", "txt", "--model.compile=false"])
+    assert (cfg.training.compile, cfg.data.data_format) == (False, "txt")
+    assert capsys.readouterr().err.splitlines() == [
+        "note: --training.data_format is now --data.data_format",
+        "note: --model.compile is now --training.compile",
+    ]
+    load_config(REPO_ROOT / "configs/shakespeare_char/cpu.toml", ["--training.compile=false"])
+    assert capsys.readouterr().err == ""  # the new names: no note
+
+
+def test_a_key_under_both_its_old_and_its_new_name_is_an_error(tmp_path):
+    path = tmp_path / "both.toml"
+    path.write_text("[model]\ncompile = true\n[training]\ncompile = false\n")
+    with pytest.raises(ConfigError, match="model.compile and training.compile are both set.*keep training.compile"):
+        load_config(path)
+
+
+def test_the_model_arguments_carry_no_training_switch():
+    """What a checkpoint stores as model_args rebuilds the model and holds nothing else (compile is training's)."""
+    from quillgpt.config import GPTConfig
+
+    cfg = build_config(None, {"training.compile": True})
+    assert (
+        set(cfg.model_args()) == {f.name for f in dataclasses.fields(GPTConfig)} and "compile" not in cfg.model_args()
+    )
+
+
 def test_list_fields_parse():
     """No field is a list yet; the coercion for list types still works for when one is added."""
-    from quillgpt.config import coerce
+    from quillgpt.fields import coerce
 
     assert coerce([1, 2], list[int]) == [1, 2]
     with pytest.raises(TypeError):
@@ -233,7 +276,7 @@ def test_config_keys_users_know_from_other_trainers_exist():
         "training.early_stopping_patience",
         "training.early_stopping_min_delta",
         "training.save_best",
-        "training.data_format",
+        "data.data_format",
         "data.processed_dir",
     } <= names
 

@@ -88,7 +88,7 @@ def test_txt_mode_tokenizes_once_and_caches(tmp_path):
         tmp_path,
         tmp_path / "ck",
         **{
-            "training.data_format": "txt",
+            "data.data_format": "txt",
             "data.processed_dir": str(processed),
             "model.block_size": 16,
             "training.max_iters": 2,

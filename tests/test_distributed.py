@@ -478,7 +478,7 @@ def test_compile_with_ddp_and_gradient_checkpointing(workdir):
         "0",
         "--training.eval_iters",
         "1",
-        "--model.compile",
+        "--training.compile",
         "true",
         "--training.gradient_checkpointing",
         "true",

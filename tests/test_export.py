@@ -375,7 +375,7 @@ def test_shakespeare_finetune_preset_end_to_end(shakespeare_path, tmp_path):
         "4",
         "--training.eval_interval",
         "2",
-        "--model.compile",
+        "--training.compile",
         "false",
         *where,
     )  # 4 steps: no compile

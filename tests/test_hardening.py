@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO_ROOT, tiny_overrides
+from conftest import REPO_ROOT, resume_in_subprocess, tiny_overrides
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -279,8 +279,7 @@ def test_sigkill_at_random_moments_always_leaves_a_resumable_checkpoint(tiny_dat
     # the final check: resume for two more iterations and finish cleanly
     run = RunDir(tmp_path / "chain0")
     left_at = chains[0]["left_at"]
-    done = run_script(["train.py", "--resume", str(run.path), "--training.max_iters", str(left_at + 2)])
-    assert done.returncode == 0, done.stderr
+    resume_in_subprocess(run.path, left_at + 2)
     assert load_checkpoint(run.latest())["iter_num"] == left_at + 2
     assert temp_files(run.path) == []  # the killed runs' temp files were cleaned up at start-up
     assert json.loads((run.path / "train_log.json").read_text())["history"] is not None

@@ -10,7 +10,14 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO_ROOT, save_hf_family, save_hf_tokenizer, train_until_sigterm, word_salad
+from conftest import (
+    REPO_ROOT,
+    resume_in_subprocess,
+    save_hf_family,
+    save_hf_tokenizer,
+    train_until_sigterm,
+    word_salad,
+)
 from safetensors.torch import load_file, save_file
 from test_train import losses
 
@@ -315,14 +322,7 @@ def test_finetuning_an_hf_llama_lowers_the_loss_and_resumes_bit_exact_after_sigt
     train_until_sigterm(over, 20, timeout=120)
     run = RunDir(tmp_path / "runs" / "ft")
     assert 20 <= load_checkpoint(run.latest())["iter_num"] < 400
-    resumed = subprocess.run(
-        [sys.executable, "train.py", "--resume", str(run.path), "--training.max_iters", "40"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    resume_in_subprocess(run.path, 40)
     train(overrides={**over, "run.out_dir": str(tmp_path / "straight"), "training.max_iters": 40})
     straight = losses(tmp_path / "straight" / "ft")
     assert losses(run.path) == straight and max(straight) == 40

@@ -2,7 +2,6 @@
 
 import json
 import math
-import random
 import shutil
 import subprocess
 import sys
@@ -11,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, TINY_COMPILED, tiny_overrides, train_until_sigterm
+from conftest import REPO_ROOT, TINY_COMPILED, resume_in_subprocess, tiny_overrides, train_until_sigterm
+from make_run_fixture import DATASET, fixture_text, prepare_fixture_data
 
 from quillgpt.checkpoint import RunDir, load_checkpoint
-from quillgpt.config import build_config
-from quillgpt.prepare import prepare_dataset
+from quillgpt.config import GPTConfig, build_config
 from train import train
 
 
@@ -291,14 +290,7 @@ def test_sigterm_saves_and_resumes_exactly(tiny_data, tmp_path):
     run = RunDir(tmp_path / "t")
     stopped_at = load_checkpoint(run.latest())["iter_num"]
     assert 30 <= stopped_at < 400
-    resumed = subprocess.run(
-        [sys.executable, "train.py", "--resume", str(run.path), "--training.max_iters", "60"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert resumed.returncode == 0, resumed.stderr
+    resume_in_subprocess(run.path, 60)
     straight = tmp_path / "straight"
     train(None, overrides={**over, "run.out_dir": str(straight), "training.max_iters": 60})
     a, b = losses(straight / "t"), losses(run.path)
@@ -364,36 +356,98 @@ def test_a_short_run_learns(tiny_data, tmp_path):
     assert evals[200] < evals[0] - 1.2
 
 
-FIXTURE_RUN = REPO_ROOT / "tests" / "fixtures" / "run_14e5811"
+FIXTURES = REPO_ROOT / "tests" / "fixtures"
+FIXTURE_RUN = FIXTURES / "run_14e5811"
+TODAYS_FIXTURE_RUN = FIXTURES / "run_029bf66"  # written by tests/make_run_fixture.py
 
 
-def fixture_text() -> str:
-    """The text the fixture run trained on (its char dataset is prepared again from it)."""
-    rng = random.Random(1234)
-    words = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
-    return "".join(" ".join(rng.choice(words) for _ in range(rng.randint(4, 9))) + ".\n" for _ in range(3000))
+def assert_losses_as_expected(got: dict[int, float], fixture: Path) -> None:
+    """The losses of the steps after a fixture's checkpoint are those its expected.json records: equal on the
+    machine that wrote them; 1e-4 leaves room for another CPU's kernels."""
+    expected = json.loads((fixture / "expected.json").read_text())["losses_after_resume"]
+    for it, loss in expected.items():
+        assert got[int(it)] == pytest.approx(loss, abs=1e-4)
 
 
-def test_a_checkpoint_written_before_the_engine_refactor_resumes_exactly(tmp_path):
+def test_a_checkpoint_written_before_the_engine_refactor_resumes_exactly(tmp_path, capsys):
     """tests/fixtures/run_14e5811 holds the checkpoint that the code at commit 14e5811 (before trainer.py existed)
     wrote after 4 of 8 steps of a tiny char run with dropout. Resumed by today's code, steps 5-8 give the losses
     that the old code logs resuming it (with today's dropout-mask generator patched in: expected.json says how):
-    same format, same optimizer, RNG and data position."""
-    (tmp_path / "text.txt").write_text(fixture_text())
-    prepare_dataset(
-        "fixture", input_path=str(tmp_path / "text.txt"), tokenizer="char", data_dir=tmp_path / "data", verbose=False
-    )
+    same format, same optimizer, RNG and data position. Its stored config names model.compile and
+    training.data_format, since renamed: one note each, and the resumed run stores the new names."""
+    data_dir = prepare_fixture_data(tmp_path / "data")
     run = tmp_path / "v1"
     shutil.copytree(FIXTURE_RUN, run)
-    train(None, overrides={"training.max_iters": 8, "data.data_dir": str(tmp_path / "data")}, resume=str(run))
-    expected = json.loads((FIXTURE_RUN / "expected.json").read_text())["losses_after_resume"]
+    train(None, overrides={"training.max_iters": 8, "data.data_dir": str(data_dir)}, resume=str(run))
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [
+        f"note: {run}/config: training.data_format is now data.data_format (read as that)",
+        f"note: {run}/config: model.compile is now training.compile (read as that)",
+    ]
+    stored = load_checkpoint(run / "ckpt_last.pt")["config"]
+    assert stored["data"]["data_format"] == "bin" and stored["training"]["compile"] is False
+    assert "compile" not in stored["model"] and "data_format" not in stored["training"]
     got = losses(run)
     assert sorted(got) == [5, 6, 7, 8]
-    for (
-        it,
-        loss,
-    ) in expected.items():  # equal on the machine that wrote them; 1e-4 leaves room for another CPU's kernels
-        assert got[int(it)] == pytest.approx(loss, abs=1e-4)
+    assert_losses_as_expected(got, FIXTURE_RUN)
+
+
+def test_todays_checkpoint_samples_and_resumes_exactly(tmp_path, capsys):
+    """tests/fixtures/run_029bf66 is a run directory that tests/make_run_fixture.py wrote with the config's keys as
+    they are named now (4 of 8 steps of a tiny char run). Later code still reads it: sample.py continues a prompt
+    from it, and resumed it logs the losses of steps 5-8 that the code that wrote it logged, continuing its
+    train_log.json, without a note."""
+    stored = load_checkpoint(TODAYS_FIXTURE_RUN / "ckpt_last.pt")
+    assert "data_format" in stored["config"]["data"] and "compile" in stored["config"]["training"]
+    assert "compile" not in stored["config"]["model"] and "compile" not in stored["model_args"]
+    data_dir = prepare_fixture_data(tmp_path / "data")
+    run = tmp_path / "run"
+    shutil.copytree(TODAYS_FIXTURE_RUN, run)
+    sampled = subprocess.run(
+        [sys.executable, "sample.py", "--ckpt", str(run), "--prompt", "to be", "--max-new-tokens", "30", "--seed", "1"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert sampled.returncode == 0 and sampled.stderr == "", sampled.stderr
+    text = sampled.stdout.removesuffix("\n")
+    assert text.startswith("to be") and len(text) == len("to be") + 30 and set(text) <= set(fixture_text())
+    capsys.readouterr()
+    train(None, overrides={"training.max_iters": 8, "data.data_dir": str(data_dir)}, resume=str(run))
+    assert "note:" not in capsys.readouterr().err
+    got = losses(run)
+    assert sorted(got) == list(range(1, 9))  # steps 1-4 from the fixture's own log
+    assert_losses_as_expected(got, TODAYS_FIXTURE_RUN)
+
+
+@pytest.mark.parametrize("fixture", [FIXTURE_RUN, TODAYS_FIXTURE_RUN], ids=["14e5811", "today"])
+def test_a_fixture_checkpoint_starts_a_new_run_with_init_from(fixture, tmp_path):
+    """run.init_from reads a checkpoint's weights and model_args only: an old one's, whose config has the old key
+    names, as well as today's. The new run's model is the fixture's with the config's dropout (model_args of the
+    14e5811 fixture lack the fields added since, which take their defaults)."""
+    data_dir = prepare_fixture_data(tmp_path / "data")
+    over = {
+        "run.init_from": str(fixture),
+        "run.out_dir": str(tmp_path / "runs"),
+        "run.name": "ft",
+        "run.device": "cpu",
+        "data.dataset": DATASET,
+        "data.data_dir": str(data_dir),
+        "training.batch_size": 4,
+        "training.max_iters": 2,
+        "training.eval_interval": 2,
+        "training.eval_iters": 1,
+        "logging.plot": False,
+    }
+    result = train(None, overrides=over)
+    assert result.iterations == 2 and math.isfinite(result.final_loss)
+    written = load_checkpoint(fixture / "ckpt_last.pt")["model_args"]
+    assert load_checkpoint(tmp_path / "runs" / "ft" / "ckpt_last.pt")["model_args"] == {
+        **GPTConfig().to_dict(),
+        **written,
+        "dropout": 0.0,
+    }
 
 
 FAULTS_SCRIPT = """

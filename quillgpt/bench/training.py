@@ -45,7 +45,7 @@ from quillgpt.machine import load_average, with_shakespeare_input
 from quillgpt.trainer import Trainer
 
 # the all-off baseline: the same model eager, fp32, with a for-loop AdamW
-BASELINE = [("model.compile", False), ("optimizer.fused", False), ("training.precision", "fp32")]
+BASELINE = [("training.compile", False), ("optimizer.fused", False), ("training.precision", "fp32")]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
