@@ -1,7 +1,7 @@
 """Score a model where runs are compared: bits per byte on text, HellaSwag, lm-evaluation-harness tasks.
 
     python eval.py --ckpt checkpoints/shakespeare-char-cpu               # its dataset's val split, bits per byte first
-    python eval.py --ckpt checkpoints/base --text ../shared/data/tinyshakespeare.txt --stride 32 --map-unknown
+    python eval.py --ckpt checkpoints/base --text path/to/input.txt --stride 32 --map-unknown
     python eval.py --ckpt exports/base.safetensors --text docs.jsonl notes/ --data data/pystdlib --split val
     python eval.py --ckpt path/to/hf-gpt2 --hellaswag hellaswag_val.jsonl --limit 1000
     python eval.py --ckpt path/to/hf-gpt2 --hellaswag                    # downloads it once (hash-checked)

@@ -1,8 +1,8 @@
 """Turn a corpus into a token dataset: data/<dataset>/{train.bin, val.bin, tokenizer.json, meta.json}.
 
-    python prepare.py --dataset shakespeare_char --input ../shared/data/tinyshakespeare.txt
+    python prepare.py --dataset shakespeare_char --input path/to/input.txt
     python prepare.py --dataset shakespeare_char          # downloads tiny Shakespeare once (needs network)
-    python prepare.py --dataset shakespeare --input ../shared/data/tinyshakespeare.txt   # gpt2 tokenizer
+    python prepare.py --dataset shakespeare --input path/to/input.txt   # gpt2 tokenizer
     python prepare.py --dataset pystdlib                  # offline: this Python's standard library, 4 MB
     python prepare.py --dataset notes --input notes/ --glob "*.md" --tokenizer bpe --vocab-size 8192
     python prepare.py --dataset web --input shard-0.jsonl.zst shard-1.parquet --tokenizer gpt2 --workers 8

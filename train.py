@@ -7,7 +7,7 @@
     python train.py --config configs/base/base.toml --max-iters 20 --training.eval_interval 10 --run.name smoke
 
     # tiny Shakespeare (nanoGPT's CPU preset), from a local copy of the text
-    python train.py --config configs/shakespeare_char/cpu.toml --data.input ../shared/data/tinyshakespeare.txt
+    python train.py --config configs/shakespeare_char/cpu.toml --data.input path/to/input.txt
 
     # resume the run named in the config (or pass a run directory / checkpoint)
     python train.py --config configs/shakespeare_char/cpu.toml --resume

@@ -287,12 +287,12 @@ def test_every_field_has_a_description():
             assert f.metadata.get("help"), f"{section}.{f.name} has no description"
 
 
-def test_readme_config_reference_is_generated_from_the_schema():
-    readme = (REPO_ROOT / "README.md").read_text()
+def test_docs_config_reference_is_generated_from_the_schema():
+    page = (REPO_ROOT / "docs" / "config.md").read_text()
     start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
-    assert start in readme and end in readme
-    assert readme.split(start)[1].split(end)[0] == markdown_reference(), (
-        "README config reference is stale: python -m quillgpt.config --markdown, paste between the markers"
+    assert start in page and end in page
+    assert page.split(start)[1].split(end)[0] == markdown_reference(), (
+        "docs/config.md is stale: python -m quillgpt.config --markdown, paste between the markers"
     )
 
 
