@@ -115,33 +115,54 @@ class Muon(torch.optim.Optimizer):
     """torch.optim.Muon's update (Nesterov momentum, bf16 quintic Newton-Schulz, Moonshot's match_rms_adamw scale
     0.2 * sqrt(max(m, n)) so AdamW's learning rates carry over, decoupled weight decay), with the Newton-Schulz
     iterations of same-shape matrices batched: one chain of bmm per shape instead of one of mm per matrix. State and
-    checkpoints are torch.optim.Muon's (a momentum_buffer per matrix), so either resumes the other's."""
+    checkpoints are torch.optim.Muon's (a momentum_buffer per matrix), so either resumes the other's.
+
+    Like fused AdamW, it honours GradScaler's protocol: a `found_inf` tensor set on the optimizer (by GradScaler, or by
+    the trainer for a non-finite gradient) makes the step leave weights and buffers as they are, decided on the device,
+    so the host never waits for the flag."""
+
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0, ns_steps: int = 5):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
 
     @torch.no_grad()
     def step(self, closure=None):
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        keep = None if found_inf is None else 1.0 - found_inf.float()  # 0-dim: 0 skips the step
         for group in self.param_groups:
             batches: dict[tuple, list[torch.nn.Parameter]] = {}
             for p in group["params"]:
                 if p.grad is not None:
                     batches.setdefault((p.shape, p.dtype), []).append(p)
             for params in batches.values():
-                self.update(params, group)
+                grads = [p.grad for p in params]
+                if grad_scale is not None:  # GradScaler left the gradients scaled
+                    grads = torch._foreach_div(grads, grad_scale)
+                if keep is not None:  # a skipped step's gradients may hold NaN, which no mask can multiply away
+                    grads = [g.nan_to_num(0.0, 0.0, 0.0) for g in grads]
+                self.update(params, grads, group, keep)
 
-    def update(self, params: list[torch.nn.Parameter], group: dict) -> None:
+    def update(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor], group: dict, keep=None) -> None:
         lr, momentum = group["lr"], group["momentum"]
         bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
-        grads = [p.grad for p in params]
-        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        if keep is None:
+            torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        else:
+            torch._foreach_lerp_(bufs, grads, (1 - momentum) * keep)
         # Nesterov, written straight into the batch: stacking an (m, n) matrix with transposed (n, m) ones (to share a
-        # chain) took a transposing copy that cost more than the chain it saved (an AMX box: 10 of ~40 ms of Muon, record preset)
+        # chain) needs a transposing copy that costs more than the chain it saves (docs/LOG.md)
         update = grads[0].new_empty((len(params), *params[0].shape))  # (G, m, n)
         for grad, buf, out in zip(grads, bufs, update.unbind(0)):
             torch.lerp(grad, buf, momentum, out=out)
         ortho = zeropower_via_newtonschulz(update, group["ns_steps"]).to(params[0].dtype)
-        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
         scale = 0.2 * math.sqrt(max(params[0].shape))
-        for p, u in zip(params, ortho.unbind(0)):
-            p.add_(u, alpha=-lr * scale)
+        if keep is None:
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            for p, u in zip(params, ortho.unbind(0)):
+                p.add_(u, alpha=-lr * scale)
+        else:
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"] * keep)
+            step = -lr * scale * keep
+            for p, u in zip(params, ortho.unbind(0)):
+                p.addcmul_(u, step)

@@ -356,8 +356,10 @@ def print_startup(tr: Trainer, state: TrainState) -> None:
 # ---- one optimizer step -------------------------------------------------------------------------
 
 
-def train_step(tr: Trainer, it: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Forward/backward over grad_accum_steps micro-batches, clip, step. Returns (loss, grad norm, stepped)."""
+def train_step(tr: Trainer, it: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward/backward over grad_accum_steps micro-batches, clip, step. Returns (loss, grad norm, skipped): tensors
+    on the device, `skipped` 1.0 where non-finite gradients left the weights as they were. Nothing here waits for
+    the device, so on a GPU the host queues the next step while this one runs."""
     accum, rank, world = tr.cfg.training.grad_accum_steps, tr.rt.dist.rank, tr.rt.dist.world_size
     total_loss = torch.zeros((), device=tr.rt.device)
     for micro in range(accum):
@@ -377,18 +379,36 @@ def train_step(tr: Trainer, it: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
     for opt in tr.optimizers:
         tr.scaler.unscale_(opt)
     norm = clip_gradients(tr.model, tr.cfg.optimizer.grad_clip)
-    # non-finite gradients: GradScaler skips the step under fp16; otherwise we skip it ourselves
-    finite = bool(torch.isfinite(norm)) if not tr.scaler.is_enabled() else True
-    if finite:
-        for opt in tr.optimizers:
-            tr.scaler.step(opt)
-    scale_before = tr.scaler.get_scale() if tr.scaler.is_enabled() else 1.0
-    tr.scaler.update()
-    if tr.scaler.is_enabled():
-        finite = tr.scaler.get_scale() >= scale_before
+    skipped = step_unless_nonfinite(tr.optimizers, tr.scaler, norm)
     for opt in tr.optimizers:
         opt.zero_grad(set_to_none=True)
-    return total_loss, norm, finite
+    return total_loss, norm, skipped
+
+
+def step_unless_nonfinite(
+    optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler, norm: torch.Tensor
+) -> torch.Tensor:
+    """Apply each optimizer's update unless the gradients are non-finite, decided on the device; returns the skip
+    flag (0-dim, 1.0 = skipped). fp16: GradScaler finds the infs and skips (and lowers its scale). Otherwise the
+    flag goes to the optimizers as GradScaler's `found_inf`, which fused AdamW and Muon skip on without a host sync;
+    an optimizer without that protocol (for-loop AdamW) has the host read the flag."""
+    if scaler.is_enabled():
+        scale = scaler._get_scale_async().clone()
+        for opt in optimizers:
+            scaler.step(opt)
+        scaler.update()
+        return (scaler._get_scale_async() < scale).float()
+    found_inf = (~torch.isfinite(norm)).float()
+    for opt in optimizers:
+        if getattr(opt, "_step_supports_amp_scaling", False):
+            opt.grad_scale, opt.found_inf = None, found_inf
+            try:
+                opt.step()
+            finally:
+                del opt.grad_scale, opt.found_inf
+        elif not found_inf.item():
+            opt.step()
+    return found_inf
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -583,28 +603,40 @@ class Outcome:
 
 def fit(tr: Trainer, state: TrainState, log: MetricsLog | None, stop: StopRequest) -> Outcome:
     """Train from state.iter_num to max_iters, or until early stopping, a signal or too many non-finite steps;
-    evaluate at the start, every eval_interval and at the end; save every save_interval and at the end."""
+    evaluate at the start, every eval_interval and at the end; save every save_interval and at the end.
+
+    Only steps that log, evaluate or save read anything back from the device (as nanoGPT's loop does): a plain
+    step queues its work and goes on. Skipped non-finite steps are counted on the device and reported at the next
+    step that reads; signals are agreed on between ranks there too (a single process stops at once)."""
     t = tr.cfg.training
     if t.eval_only:
         return Outcome(state, None, evaluate_and_track(tr, state, log))
     reason = evaluate_and_track(tr, state, log) if state.iter_num == 0 and t.eval_interval else ""
     tr.model.train()
     clock, last_loss, loss = StepClock(), None, None
+    guard = NonfiniteGuard(tr.rt.device, state.nonfinite_streak)
+    single = tr.rt.dist.world_size == 1
     while state.iter_num < t.max_iters and not reason:
         lr = set_lr(tr.optimizers, lr_multiplier(state.iter_num, tr.cfg))
-        loss, norm, stepped = train_step(tr, state.iter_num)
+        loss, norm, skipped = train_step(tr, state.iter_num)
+        guard.record(skipped, state.iter_num)
         state.iter_num += 1
         state.tokens_seen += tr.tokens_per_step
-        reason = count_nonfinite(state, stepped, t.max_nonfinite_steps, tr.rt.dist.is_main)
         clock.tick()
         if clock.steps == 1 and log and tr.rt.compile:
             print(f"first step took {clock.last:.1f}s (torch.compile); later steps are fast", flush=True)
-        if t.log_interval and state.iter_num % t.log_interval == 0:
+        done = state.iter_num >= t.max_iters
+        logging = bool(t.log_interval and state.iter_num % t.log_interval == 0)
+        due = done or logging or evaluation_due(state.iter_num, t, done) or save_due(state.iter_num, t, False)
+        if not (due or (single and stop.requested)):
+            clock.restart()
+            continue
+        reason = guard.settle(state, t.max_nonfinite_steps, tr.rt.dist.is_main)
+        if logging:
             last_loss = log_step(tr, state, log, loss, lr, norm, clock)
         # every rank agrees; not stored back in stop.requested: a signal that arrives while any_rank
-        # waits would be overwritten (and lost), whereas this way it is agreed on at the next step
+        # waits would be overwritten (and lost), whereas this way it is agreed on at the next such step
         signalled = distributed.any_rank(stop.requested)
-        done = state.iter_num >= t.max_iters
         if not signalled and evaluation_due(state.iter_num, t, done):
             reason = evaluate_and_track(tr, state, log, final=done) or reason
         reason = reason or ("signal" if signalled else "")
@@ -616,6 +648,44 @@ def fit(tr: Trainer, state: TrainState, log: MetricsLog | None, stop: StopReques
     if last_loss is None and loss is not None:
         last_loss = distributed.mean_over_ranks(loss, tr.rt.dist)
     return Outcome(state, last_loss, reason)
+
+
+class NonfiniteGuard:
+    """Skipped (non-finite) steps, counted on the device so that a step which doesn't log never waits for it;
+    settle() reads the counts at the next step that reads anyway and reports them in one line. No skipped step
+    changes the weights (step_unless_nonfinite), so reading late loses nothing."""
+
+    def __init__(self, device: torch.device, streak: int) -> None:
+        self.streak = torch.tensor(float(streak), device=device)  # skipped steps in a row, now
+        self.worst = self.streak.clone()  # the longest run of them since the last settle
+        self.skipped = torch.zeros((), device=device)  # skipped steps since the last settle
+        self.first: int | None = None  # the first step since the last settle
+
+    def record(self, skipped: torch.Tensor, it: int) -> None:
+        self.streak = (self.streak + skipped) * skipped  # back to 0 after a good step
+        self.worst = torch.maximum(self.worst, self.streak)
+        self.skipped += skipped
+        self.first = it if self.first is None else self.first
+
+    def settle(self, state: TrainState, limit: int, main: bool) -> str:
+        """Update state.nonfinite_streak; the reason to stop once `limit` steps in a row were skipped, else ""."""
+        skipped, streak, worst = (int(v) for v in torch.stack([self.skipped, self.streak, self.worst]).tolist())
+        state.nonfinite_streak = streak
+        if skipped and main:
+            print(
+                f"iters {self.first + 1}-{state.iter_num}: {skipped} step(s) skipped for a non-finite loss or "
+                f"gradient, no update applied ({worst} in a row at most)",
+                flush=True,
+            )
+        self.skipped.zero_()
+        self.worst = self.streak.clone()
+        self.first = None
+        if worst < limit:
+            return ""
+        return (
+            f"stopped: {worst} consecutive non-finite steps; the last good checkpoint is intact "
+            "(lower the learning rate or use bf16/fp32)"
+        )
 
 
 def evaluation_due(it: int, t: TrainingConfig, done: bool) -> bool:
@@ -653,22 +723,3 @@ def log_step(
             state.tokens_seen,
         )
     return mean_loss
-
-
-def count_nonfinite(state: TrainState, stepped: bool, limit: int, main: bool) -> str:
-    """Count skipped (non-finite) steps in a row; returns the reason to stop once there are `limit` of them, else ""."""
-    if stepped:
-        state.nonfinite_streak = 0
-        return ""
-    state.nonfinite_streak += 1
-    if main:
-        print(
-            f"iter {state.iter_num}: non-finite loss or gradient, step skipped ({state.nonfinite_streak} in a row)",
-            flush=True,
-        )
-    if state.nonfinite_streak < limit:
-        return ""
-    return (
-        f"stopped: {state.nonfinite_streak} consecutive non-finite steps; the last good checkpoint is intact "
-        "(lower the learning rate or use bf16/fp32)"
-    )
