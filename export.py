@@ -1,4 +1,4 @@
-"""Models out: Hugging Face directories and plain safetensors files (load.py brings models in).
+"""Models out: Hugging Face directories and plain safetensors files (quillgpt/loading.py brings models in).
 
     python export.py --ckpt checkpoints/base --hf exports/base-hf                  # a run dir: its ckpt_best.pt
     python export.py --ckpt checkpoints/base/ckpt_last.pt --safetensors exports/base.safetensors

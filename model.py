@@ -1,10 +1,10 @@
 """The one GPT definition every script uses: the network, its FLOP count, and generation with a KV cache.
 
 Defaults reproduce GPT-2 (learned positions, LayerNorm, GELU MLP, tied embeddings), so GPT-2
-weights load unchanged. A modern recipe is available through switches (config.GPTConfig):
+weights load unchanged. A modern recipe is available through switches (quillgpt.config.GPTConfig):
 rotary positions, RMSNorm, QK-norm, ReLU^2 / SwiGLU MLPs, untied embeddings, logit soft-capping
-and zero-initialised output projections. Optimizers live in optim.py, the CPU training kernels
-that attention and dropout switch to in kernels.py.
+and zero-initialised output projections. Optimizers live in quillgpt/optim.py, the CPU training kernels
+that attention and dropout switch to in quillgpt/kernels.py.
 
 References: nanoGPT's model.py; GPT-2 (Radford et al. 2019); RoFormer (Su et al. 2021);
 modded-nanogpt for QK-norm, ReLU^2, soft-capping and Muon.
@@ -169,7 +169,8 @@ class CausalSelfAttention(nn.Module):
 
     def attend_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """One query per head against the whole cache: q (B, nh, 1, hs), k and v (B, nkv, L, hs) -> (B, nh, 1, hs).
-        Written out rather than SDPA so that torch.compile fuses it (the CPU flash kernel cost ~0.1 ms a layer here)."""
+        Written out rather than SDPA so that torch.compile fuses it: SDPA's CPU flash kernel with a mask stood out in
+        the decoding step's profile (docs/LOG.md)."""
         B, nh, _, hs = q.shape
         q = q.view(B, self.n_kv_head, nh // self.n_kv_head, hs)  # (B, nkv, group, hs): GQA without copying k, v
         scores = (q @ k.transpose(-2, -1)).float() * hs**-0.5  # (B, nkv, group, L)

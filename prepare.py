@@ -11,8 +11,8 @@
 
 Several inputs (--input a b, or --input a --input b) are read in that order into one dataset. A dataset made for the
 same arguments is reused; other arguments need --reset. A killed prepare, run again, continues where it stopped.
-The rules (inputs, documents, splits, tokenizers, workers, resuming): README.md, "Preparing data", and the modules
-that quillgpt/prepare.py lists.
+The rules (inputs, documents, splits, tokenizers, workers, resuming): docs/data.md, and the modules that
+quillgpt/prepare/__init__.py lists.
 """
 
 from __future__ import annotations

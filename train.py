@@ -1,6 +1,6 @@
 """Train a GPT from a TOML config.
 
-    # the main job: the offline default corpus (Python's stdlib sources), char tokenizer, CPU, ~3 min
+    # the main job: the offline default corpus (Python's stdlib sources), char tokenizer, CPU, a few minutes
     python train.py --config configs/base/base.toml
 
     # a tiny CPU smoke run

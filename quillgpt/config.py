@@ -2,7 +2,7 @@
 
 Precedence: schema defaults < TOML file < command line (`--section.key value`, `--section.key=value`,
 and the short flags --max-iters, --device, --tokenizer). Every field has its type, default and a
-one-line description here, in one place; the README's config reference is generated from it:
+one-line description here, in one place; the config reference, docs/config.md, is generated from it:
 
     python -m quillgpt.config --markdown        # print the reference table
     python -m quillgpt.config configs/base/base.toml --training.max_iters 10   # print the resolved config
@@ -613,7 +613,7 @@ def summary(cfg: Config) -> str:
 
 
 def markdown_reference() -> str:
-    """The README's config reference, generated from the schema."""
+    """The config reference (docs/config.md, between its markers), generated from the schema."""
     out = []
     for section, sec_cls in SECTIONS.items():
         hints = _field_types(sec_cls)

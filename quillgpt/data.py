@@ -127,7 +127,7 @@ def load_dataset(directory: str | Path, expect_tokenizer: str | None = None) -> 
 
 def check_token_ids(path: Path, dtype: np.dtype, vocab_size: int, chunk: int = 1 << 24) -> None:
     """A vectorised scan for ids >= vocab_size, reading the file in blocks (not through a memmap: its page faults
-    made the scan of a sparse file 10x slower, and its pages stay in this process's RSS)."""
+    made the scan of a sparse file several times slower (docs/LOG.md), and its pages stay in this process's RSS)."""
     block = np.empty(chunk, dtype=dtype)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(block):
@@ -191,8 +191,8 @@ def gather_rows(path: Path, dtype: np.dtype, starts: np.ndarray, block_size: int
     """(B,) start offsets -> (B, block_size + 1) int64 tokens, read row by row from the file.
 
     Read, not mapped: the process maps none of the file, so RSS does not grow with the dataset (nanoGPT re-opens a
-    memmap per batch for that), and a 12 x 65 batch takes 0.02 ms instead of the memmap's 0.11 (mapping it and
-    faulting its pages in, every batch)."""
+    memmap per batch for that), and a batch costs less than a memmap's, which maps the file and faults its pages in
+    every batch (docs/LOG.md)."""
     rows = np.empty((len(starts), block_size + 1), dtype=dtype)
     with open(path, "rb", buffering=0) as f:
         for row, start in zip(rows, starts):
@@ -221,7 +221,7 @@ class BatchSource:
         self.device = device
         self.pin = device.type == "cuda"
         # By default only for accelerators, whose host thread would otherwise wait: on the CPU the
-        # loading thread takes a core from the matmuls (measured 1 ms/iter slower on 2 cores).
+        # loading thread takes a core from the matmuls, and the step gets slower (docs/LOG.md).
         self.prefetch = device.type != "cpu" if prefetch is None else prefetch
         self._next: tuple[tuple, threading.Thread, list] | None = None
 

@@ -109,7 +109,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         model.crop_block_size(args.context)
     device = torch.device(args.device)
     if device.type == "cpu":
-        keep_freed_memory()  # batches re-allocate the same activations: 1.15x the HellaSwag items per second
+        keep_freed_memory()  # batches re-allocate the same activations, which glibc would fault in again (docs/LOG.md)
     model.to(device).eval()
     autocast = precision_autocast(device.type, args.precision)
     report = {

@@ -34,7 +34,7 @@ def meta_model(cfg: Config, dataset: Dataset, resuming: bool) -> GPT:
 def memory_estimate(cfg: Config, model: GPT, precision: str, world_size: int) -> dict[str, float]:
     """Bytes per rank the training step adds to the process: fp32 weights, gradients and optimizer state, the
     16-bit weight copies autocast makes, activations and the logits (rough upper bounds, checked against measured
-    peak RSS in the README)."""
+    peak RSS: docs/benchmarks.md, "Fine-tuning SmolLM2-135M")."""
     n = sum(p.numel() for p in model.parameters())
     c = model.config
     B, T, C, L, H, V = cfg.training.batch_size, c.block_size, c.n_embd, c.n_layer, c.n_head, c.vocab_size
@@ -61,7 +61,8 @@ def memory_estimate(cfg: Config, model: GPT, precision: str, world_size: int) ->
     if cfg.distributed.fsdp:
         for k in ("weights", "gradients", "optimizer"):
             est[k] /= max(1, world_size)
-    # freed blocks the allocator keeps: peak RSS of SmolLM2-135M's fine-tune ran ~15% above the sum (README)
+    # freed blocks the allocator keeps: SmolLM2-135M's fine-tune peaked above the sum by about ALLOCATOR_SLACK
+    # (docs/LOG.md)
     est["allocator"] = ALLOCATOR_SLACK * sum(est.values())
     est["total"] = sum(est.values())
     return est

@@ -1,17 +1,18 @@
 """Hand-written CPU training paths for attention and dropout, which model.py switches to in CPU training (eager or compiled).
 
 PyTorch's own ops are the reference and the path everywhere else (CUDA, inference):
-- dropout: F.dropout draws one random number per element with bernoulli_ (~90M/s on 2 cores);
+- dropout: F.dropout draws one random number per element with bernoulli_, slowly on a CPU;
   cpu_keep_mask takes four 16-bit draws out of each 64-bit word of numpy's SFC64 generator (seeded from torch's),
-  several times faster. It is a custom op
-  (quill::keep_mask), so torch.compile calls it as it is and fuses the multiplies around it: inductor's own
-  random numbers made the compiled step slower than eager (552 vs 392 ms/iter; now 366, context 128).
+  several times faster. It is a custom op (quill::keep_mask), so torch.compile calls it as it is and fuses the
+  multiplies around it: inductor's own random numbers made the compiled step slower than eager.
 - attention with dropout: written out as SDPA's CPU math path computes it, with that mask; the probabilities come
   from one custom op (quill::causal_softmax: a matmul that starts from the causal mask, and PyTorch's softmax),
-  which torch.compile calls whole: inductor's fused mask-and-softmax was 3.5x slower at (8, 6, 256, 256) in bf16.
+  which torch.compile calls whole: inductor's own fused mask-and-softmax writes the exponentials to an fp32 buffer
+  and reads them back, several times slower than PyTorch's softmax kernel in bf16.
 - bf16 causal attention without dropout: the CPU flash kernel's forward, and a backward from bf16
-  batched matmuls (the flash backward is ~3x slower in bf16 than in fp32 at T = 64).
-Tests check each against its PyTorch definition (gradients included).
+  batched matmuls (the flash backward is slower in bf16 than in fp32).
+The measurements behind each choice are in docs/LOG.md. Tests check each against its PyTorch definition (gradients
+included).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def cpu_keep_mask(like: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
     """A dropout keep-mask of 0s and 1s shaped and typed like `like`, drawn 16 bits per element, and the
     scale that keeps expectations unchanged.
 
-    On the CPU, F.dropout's bernoulli_ draws one random number per element (~90M/s on 2 cores);
-    taking four 16-bit draws out of each 64-bit word is several times faster. p is rounded to a
+    On the CPU, F.dropout's bernoulli_ draws one random number per element; taking four 16-bit draws out of
+    each 64-bit word is several times faster (docs/LOG.md). p is rounded to a
     multiple of 1/65536 and the scale uses the rounded value, so E[mask * scale] = 1. The mask is
     0/1 rather than 0/scale because a bf16 scale (1/0.9 -> 1.109) would bias every activation."""
     dropped = round(p * 65536)
@@ -56,8 +57,8 @@ ONE_AS_INT16 = {dtype: int(torch.ones((), dtype=dtype).view(torch.int16)) for dt
 
 def random_words(count: int) -> np.ndarray:
     """`count` random 64-bit words from numpy's SFC64, seeded by one draw from torch's default generator, so
-    torch.manual_seed and a checkpoint's saved RNG state replay the same words. SFC64 fills 3-4x faster than
-    torch's CPU generator (mt19937): 1.4 vs 4.5-6.3 ms for the 786k words of an (8, 6, 256, 256) mask."""
+    torch.manual_seed and a checkpoint's saved RNG state replay the same words. SFC64 fills words several times
+    faster than torch's CPU generator (mt19937; docs/LOG.md)."""
     seed = int(torch.empty((), dtype=torch.int64).random_())
     return np.random.Generator(np.random.SFC64(seed)).integers(0, 2**64, size=count, dtype=np.uint64)
 
@@ -74,10 +75,10 @@ def keep_mask(like: torch.Tensor, dropped: int) -> torch.Tensor:
     )  # uniform over [-32768, 32767]
     if like.dtype in ONE_AS_INT16:
         # 0/1 in int16 times the bit pattern of 1.0, read as like's dtype: a compare into bf16 converts through a
-        # temporary (0.25 vs 0.4 ms at (8, 6, 256, 256) alone; in the training step that compare took ~1.7 ms)
+        # temporary, which costs more (docs/LOG.md)
         keep = torch.ge(bits, dropped - 32768, out=torch.empty(like.shape, dtype=torch.int16))
         return keep.mul_(ONE_AS_INT16[like.dtype]).view(like.dtype)
-    # compared straight into like's dtype: 0.35 ms at (8, 6, 256, 256) against 3.1 for a bool mask converted after
+    # compared straight into like's dtype: a bool mask converted after is several times slower (docs/LOG.md)
     return torch.ge(bits, dropped - 32768, out=torch.empty(like.shape, dtype=like.dtype))
 
 
@@ -100,7 +101,7 @@ def causal_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Scaled attention scores with the future at -inf: q, k (B, nh, T, hs) -> (B, nh, T, T).
 
     One batched matmul that starts from the causal mask (baddbmm) rather than a matmul then masked_fill, whose
-    broadcast mask made it slower than the matmul (2.3 vs 1.8 ms at (8, 6, 256, 256) in bf16)."""
+    broadcast mask costs more than the matmul itself (docs/LOG.md)."""
     B, nh, T, hs = q.shape
     future = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
     scores = torch.baddbmm(future, q.reshape(B * nh, T, hs), k.reshape(B * nh, T, hs).transpose(-2, -1), alpha=hs**-0.5)
@@ -108,7 +109,8 @@ def causal_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 # An op of its own so that torch.compile calls PyTorch's softmax kernel as it is: inductor's softmax, fused with
-# the mask, took 4.6 ms at (8, 6, 256, 256) in bf16 against 1.2 for the matmul with the mask and 1.3 for the softmax.
+# the mask, writes the exponentials to an fp32 buffer and reads them back, slower than the matmul with the mask and
+# PyTorch's softmax together (docs/LOG.md).
 @torch.library.custom_op("quill::causal_softmax", mutates_args=())
 def causal_softmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Causal attention probabilities in the inputs' dtype: q, k (B, nh, T, hs) -> (B, nh, T, T)."""
@@ -138,7 +140,7 @@ def cpu_dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: 
     """Causal attention with dropout on the probabilities, written out (as SDPA's CPU math path
     computes it) so that the mask comes from cpu_keep_mask: q, k, v (B, nh, T, hs) -> (B, nh, T, hs).
     The softmax stays in the input dtype: in fp32 its backward (with the casts around it) was the
-    slowest op of the bf16 step, 16 ms per layer against 0.6 ms in bf16 at (8, 6, 256, 256)."""
+    slowest op of the bf16 step (docs/LOG.md)."""
     att = causal_softmax(q, k)
     keep, scale = cpu_keep_mask(att, p)
     return (att * keep) @ v * scale  # (B, nh, T, hs): the scale goes on the smaller tensor
@@ -147,7 +149,7 @@ def cpu_dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: 
 class CPUCausalAttention(torch.autograd.Function):
     """Causal attention for bf16 training on the CPU: PyTorch's flash kernel forward, a matmul backward.
 
-    The CPU flash kernel's backward is slow in bf16 (3x its fp32 time at T = 64); recomputing the
+    The CPU flash kernel's backward is slower in bf16 than in fp32 (docs/LOG.md); recomputing the
     probabilities with bf16 batched matmuls is several times faster, and like flash it saves no
     (T, T) tensor for the backward pass. Gradients match flash to bf16 precision.
     """

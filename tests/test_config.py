@@ -1,4 +1,4 @@
-"""config.py: the schema, TOML + overrides, one-line validation messages, presets, the README reference."""
+"""config.py: the schema, TOML + overrides, one-line validation messages, presets, the reference in docs/config.md."""
 
 import dataclasses
 import subprocess

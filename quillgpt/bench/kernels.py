@@ -101,7 +101,7 @@ class KernelClock:
     modules' fused kernels (cpp_fused_*), their calls to PyTorch's matmuls (extern_kernels) and the ops they call by
     name (torch.ops.quill.*, torch.ops.aten.*) are wrapped with perf_counter for the timed steps, then put back.
     On a machine with few cores the profiler disturbs what it measures: it slows the step and inflates some kernels
-    many times over (docs/benchmarks.md holds the numbers)."""
+    many times over (docs/LOG.md holds the numbers)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}

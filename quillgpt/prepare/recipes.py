@@ -35,7 +35,7 @@ class Recipe:
     hf_config: str | None
     tokenizer: str
     val_fraction: float
-    expected: str  # published token counts, for the README and the start-up line
+    expected: str  # published token counts, for docs/data.md and the start-up line
 
 
 RECIPES = {
