@@ -79,7 +79,7 @@ def setup(cfg: Config, dist: DistInfo) -> Runtime:
         # atomics in thread order. No slower on the CPU preset (measured); warn_only: never an error.
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = False  # we never read torch.empty's contents
-        keep_freed_memory()  # steps re-allocate the same tensors: reuse them, not fresh zeroed pages (1.04-1.13x)
+        keep_freed_memory()  # steps re-allocate the same tensors: reuse them, not fresh zeroed pages (docs/LOG.md)
     torch.manual_seed(cfg.run.seed + dist.rank)
     peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else default_peak_flops(device, precision)
     peak *= dist.world_size
