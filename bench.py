@@ -16,14 +16,18 @@ A mode flag picks another benchmark, one at a time:
     python bench.py --muon               # Muon's step: a Newton-Schulz chain per matrix vs one per shape
     python bench.py --finetune           # SmolLM2-135M's shape (random): fine-tuning tokens/s and RSS vs --validate
 
+    python bench.py --probe              # the CPU path: capability, oneDNN's ISA, fp32 vs bf16 matmul rates
 Each mode is a module of quillgpt/bench/ with its own flags and defaults (`python bench.py --sample --help`); any
-other --section.key value pair overrides the config.
+other --section.key value pair overrides the config. --isa avx2, with any mode, runs it on this CPU's AVX2-only path
+(oneDNN and ATen capped at AVX2: bf16 matmuls are emulated there, as on most laptops).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import os
+import subprocess
 import sys
 
 from quillgpt.bench import (
@@ -35,15 +39,19 @@ from quillgpt.bench import (
     muon,
     precision_curves,
     prepare,
+    probe,
     sample,
     training,
 )
 from quillgpt.bench.common import Mode
 from quillgpt.config import SHORT_FLAGS, parse_overrides
 from quillgpt.errors import UserError, run_main
+from quillgpt.precision import ISA_ENV
 
 DEFAULT = training.MODE  # no mode flag: the training step
-MODES = [m.MODE for m in (against, kernels, sample, hellaswag, prepare, memory, precision_curves, muon, finetune)]
+MODES = [
+    m.MODE for m in (against, kernels, sample, hellaswag, prepare, memory, precision_curves, muon, finetune, probe)
+]
 
 
 def add_mode_flags(p: argparse.ArgumentParser) -> None:
@@ -98,11 +106,23 @@ def check_the_rest(mode: Mode, rest: list[str]) -> None:
     parse_overrides(rest)
 
 
+def run_on_isa(isa: str, argv: list[str]) -> int:
+    """bench.py again, in a process whose environment caps the CPU path (ISA_ENV): it must be set before torch loads."""
+    caps = ISA_ENV[isa]
+    if all(os.environ.get(k) == v for k, v in caps.items()):
+        return -1  # already on it
+    print(f"bench.py on the {isa} path: {' '.join(f'{k}={v}' for k, v in caps.items()) or 'no caps'}", flush=True)
+    return subprocess.call([sys.executable, os.path.abspath(__file__), *argv], env={**os.environ, **caps})
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     picker = argparse.ArgumentParser(prog="bench.py", add_help=False, allow_abbrev=False)
     add_mode_flags(picker)
+    picker.add_argument("--isa", choices=list(ISA_ENV), default="native")
     picked, rest = picker.parse_known_args(argv)
+    if picked.isa != "native" and (code := run_on_isa(picked.isa, argv)) >= 0:
+        return code
     mode = next((m for m in MODES if getattr(picked, m.dest) not in (None, False)), DEFAULT)
     args, rest = mode_parser(mode).parse_known_args(rest, namespace=picked)
     check_the_rest(mode, rest)

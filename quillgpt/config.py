@@ -437,15 +437,16 @@ def lookup(toml: dict, overrides: list[tuple[str, Any]] | dict | None, dotted: s
     return getattr(getattr(cfg, section), key)
 
 
-def resolved(cfg: Config, run_name: str, model: GPTConfig, compile: bool) -> Config:
+def resolved(cfg: Config, run_name: str, model: GPTConfig, compile: bool, precision: str) -> Config:
     """The config a run records: cfg with what was resolved from it downstream, namely the run's name, the
-    model as built (from a checkpoint or GPT-2 its architecture comes from the weights) and whether it is
-    compiled. cfg itself is left as it is."""
+    model as built (from a checkpoint or GPT-2 its architecture comes from the weights), whether it is
+    compiled and the precision auto chose (a resumed run keeps it rather than measuring again). cfg itself is
+    left as it is."""
     return dataclasses.replace(
         cfg,
         run=dataclasses.replace(cfg.run, name=run_name),
         model=dataclasses.replace(model),
-        training=dataclasses.replace(cfg.training, compile=compile),
+        training=dataclasses.replace(cfg.training, compile=compile, precision=precision),
     )
 
 

@@ -42,6 +42,7 @@ from quillgpt.loading import load_model, load_model_weights, model_config_from_a
 from quillgpt.machine import keep_freed_memory
 from quillgpt.metrics import MetricsLog, default_peak_flops, rss_mb
 from quillgpt.optim import lr_multiplier, make_optimizers, set_lr
+from quillgpt.precision import MatmulRates, emulation_warning, measure_cpu_rates
 from quillgpt.precision import autocast as precision_autocast
 from quillgpt.scoring import HellaSwagItem, hellaswag_items, score_hellaswag
 
@@ -58,12 +59,13 @@ class Runtime:
     compile: bool  # training.compile resolved (None: on for CUDA)
     peak_flops: float  # the peak FLOP/s of all ranks' devices together, for MFU (tokens/s are counted over all ranks)
     autocast: object  # the autocast context of the precision (a null context for fp32)
+    matmul_rates: MatmulRates | None = None  # fp32 and bf16 measured at the model's shape (CPU, auto or bf16)
+    requested_precision: str = ""  # training.precision as configured (auto, or what precision was forced to)
 
 
 def setup(cfg: Config, dist: DistInfo) -> Runtime:
     """Resolve device, precision and compile, start the process group, configure the backends and seed torch."""
     device = resolve_device(cfg.run.device, dist)
-    precision = resolve_precision(cfg.training.precision, device)
     compile = cfg.training.compile if cfg.training.compile is not None else device.type == "cuda"
     if compile and device.type == "cpu" and not has_cxx_compiler():
         raise UserError(
@@ -71,6 +73,8 @@ def setup(cfg: Config, dist: DistInfo) -> Runtime:
             "install g++ or set --training.compile false"
         )
     distributed.init_process_group(dist, device, cfg.distributed.backend, cfg.distributed.timeout_s)
+    rates = probe_matmuls(cfg, device, dist)
+    precision = resolve_precision(cfg.training.precision, device, rates)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -84,7 +88,7 @@ def setup(cfg: Config, dist: DistInfo) -> Runtime:
     peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else default_peak_flops(device, precision)
     peak *= dist.world_size
     autocast = precision_autocast(device.type, precision)
-    return Runtime(device, precision, dist, compile, peak, autocast)
+    return Runtime(device, precision, dist, compile, peak, autocast, rates, cfg.training.precision)
 
 
 def resolve_device(name: str, dist: DistInfo) -> torch.device:
@@ -103,11 +107,22 @@ def resolve_device(name: str, dist: DistInfo) -> torch.device:
     return torch.device(name)
 
 
-def resolve_precision(requested: str, device: torch.device) -> str:
+def probe_matmuls(cfg: Config, device: torch.device, dist: DistInfo) -> MatmulRates | None:
+    """On the CPU, where auto (or bf16) must know whether bf16 pays: fp32 and bf16 matmul rates at the model's MLP
+    shape, rank 0's for every rank (so that all ranks run the same precision)."""
+    if device.type != "cpu" or cfg.training.precision not in ("auto", "bf16"):
+        return None
+    rows = cfg.training.batch_size * cfg.model.block_size
+    rates = measure_cpu_rates(cfg.model.n_embd, rows) if dist.is_main else None
+    return distributed.broadcast_object(rates, dist)
+
+
+def resolve_precision(requested: str, device: torch.device, rates: MatmulRates | None = None) -> str:
+    """auto: bf16 (or fp16 without it) on CUDA; on the CPU whichever of fp32 and bf16 the probe measured faster."""
     if requested == "auto":
         if device.type == "cuda":
             return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        return "fp32"
+        return rates.faster if rates else "fp32"
     if requested == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("training.precision = 'bf16' but this GPU has no bf16 support: use fp16 or auto")
     return requested
@@ -115,13 +130,6 @@ def resolve_precision(requested: str, device: torch.device) -> str:
 
 def has_cxx_compiler() -> bool:
     return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c)
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls several times faster than fp32 (without them bf16 is emulated, usually slower)."""
-    return any(
-        getattr(torch.cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    )
 
 
 @contextmanager
@@ -194,7 +202,7 @@ def build(
     raw_model = distributed.on_every_rank(build_model, rt.dist, cfg, dataset, resume)
     raw_model.to(rt.device)
     raw_model.gradient_checkpointing = cfg.training.gradient_checkpointing
-    cfg = resolved(cfg, run_dir.path.name if run_dir else cfg.run.name, raw_model.config, rt.compile)
+    cfg = resolved(cfg, run_dir.path.name if run_dir else cfg.run.name, raw_model.config, rt.compile, rt.precision)
     if cfg.distributed.fsdp and rt.dist.enabled and cfg.optimizer.name == "muon":
         raise UserError(
             "distributed.fsdp does not support optimizer.name = 'muon' (Muon orthogonalises whole "
@@ -338,19 +346,24 @@ def print_startup(tr: Trainer, state: TrainState) -> None:
         f"batch: {t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks = "
         f"{t.batch_size * t.grad_accum_steps * rt.dist.world_size} sequences, {tr.tokens_per_step:,} tokens per optimizer step"
     )
-    if rt.device.type == "cpu" and rt.precision == "fp32":
-        print(
-            f'device: cpu, fp32 ({torch.get_num_threads()} threads; set training.precision = "bf16" for bf16 autocast)'
-        )
-    elif rt.device.type == "cpu" and rt.precision == "bf16" and not cpu_has_native_bf16():
-        print(
-            "device: cpu, bf16 (emulated: this CPU has no AVX512-BF16/AMX, so fp32 is faster: --training.precision fp32)"
-        )
-    else:
-        print(f"device: {rt.device}, {rt.precision}" + (" with GradScaler" if rt.precision == "fp16" else ""))
+    print(device_line(rt))
+    if rt.matmul_rates and rt.precision == "bf16" and rt.matmul_rates.faster == "fp32":
+        print(emulation_warning(rt.matmul_rates), flush=True)
     if state.iter_num:
         print(f"resuming {tr.run_dir.path} at iter {state.iter_num} (best val loss {state.best_val_loss:.4f})")
     print(f"run: {tr.run_dir.path} | rss {rss_mb():.0f} MB", flush=True)
+
+
+def device_line(rt: Runtime) -> str:
+    """`device: cpu, bf16 (auto: ...)`: the precision, how it was chosen, and the rates behind the choice."""
+    line = f"device: {rt.device}, {rt.precision}" + (" with GradScaler" if rt.precision == "fp16" else "")
+    if rt.device.type == "cpu":
+        line += f" ({torch.get_num_threads()} threads"
+        if rt.matmul_rates:
+            chosen = "auto picked the faster" if rt.requested_precision == "auto" else "as configured"
+            line += f"; {chosen}: {rt.matmul_rates.describe()}"
+        line += ")"
+    return line
 
 
 # ---- one optimizer step -------------------------------------------------------------------------

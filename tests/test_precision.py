@@ -1,0 +1,94 @@
+"""training.precision = auto on the CPU follows measured matmul rates, natively and on this CPU's AVX2-only path
+(oneDNN and ATen capped at AVX2, where bf16 is emulated as on most laptops); forcing bf16 where it is slower warns
+with the measured slowdown; a resumed run keeps the precision auto chose."""
+
+import os
+import platform
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT, tiny_overrides
+
+from quillgpt.precision import ISA_ENV, MatmulRates, measure_cpu_rates
+
+x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 caps are x86's")
+DEVICE_LINE = re.compile(r"device: cpu, (fp32|bf16) \(.*: fp32 ([\d,.]+), bf16 ([\d,.]+) GFLOP/s\)")
+
+
+def run_train(overrides: dict, isa: str = "native", extra: tuple = ()) -> str:
+    env = {**os.environ, **ISA_ENV[isa]}
+    args = [f"--{k}={v}" for k, v in overrides.items()]
+    out = subprocess.run(
+        [sys.executable, "train.py", *args, *extra], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def chosen_and_rates(out: str) -> tuple[str, float, float]:
+    found = DEVICE_LINE.search(out)
+    assert found, out
+    chosen, fp32, bf16 = found.groups()
+    return chosen, float(fp32.replace(",", "")), float(bf16.replace(",", ""))
+
+
+def quick(tiny_data, tmp_path, **extra) -> dict:
+    return tiny_overrides(
+        tiny_data, tmp_path, **{"training.max_iters": 2, "training.eval_interval": 0, "training.eval_iters": 1, **extra}
+    )
+
+
+@pytest.mark.parametrize("isa", ["native", pytest.param("avx2", marks=x86)])
+def test_auto_picks_the_precision_the_probe_measured_faster(tiny_data, tmp_path, isa):
+    """The device line prints both rates and the choice, and the choice is the faster one, whatever this box is;
+    on the AVX2 path bf16 is emulated, so auto picks fp32 there."""
+    out = run_train(quick(tiny_data, tmp_path, **{"training.precision": "auto"}), isa)
+    chosen, fp32, bf16 = chosen_and_rates(out)
+    assert "auto picked the faster" in out
+    assert chosen == ("bf16" if bf16 > fp32 else "fp32")
+    if isa == "avx2":
+        assert chosen == "fp32" and bf16 < fp32 / 5
+
+
+@x86
+def test_forcing_bf16_where_it_is_emulated_warns_with_the_measured_slowdown(tiny_data, tmp_path):
+    out = run_train(quick(tiny_data, tmp_path, **{"training.precision": "bf16"}), "avx2")
+    chosen, fp32, bf16 = chosen_and_rates(out)
+    slowdown = re.search(r"warning: bf16 runs ([\d,.]+)x slower than fp32 on this CPU \(emulated", out)
+    assert chosen == "bf16" and slowdown, out
+    assert float(slowdown.group(1).replace(",", "")) == pytest.approx(fp32 / bf16, rel=0.05)
+
+
+@x86
+def test_a_resumed_run_keeps_the_precision_auto_chose(tiny_data, tmp_path):
+    """A run started on the AVX2 path (auto: fp32) resumes natively in fp32 without probing again, so the resumed
+    losses continue the same computation."""
+    run_train(quick(tiny_data, tmp_path, **{"training.precision": "auto", "training.save_interval": 1}), "avx2")
+    out = run_train(
+        quick(tiny_data, tmp_path, **{"training.max_iters": 3}),
+        "native",
+        extra=("--resume", str(tmp_path / "t")),
+    )
+    assert "device: cpu, fp32" in out and "GFLOP/s" not in out
+
+
+def test_the_probe_is_bounded_and_cached():
+    rates = measure_cpu_rates(64, 100_000)
+    assert isinstance(rates, MatmulRates) and rates.shape == (256, 64, 256)
+    assert rates.fp32 > 0 and rates.bf16 > 0 and measure_cpu_rates(64, 100_000) is rates
+
+
+@x86
+def test_bench_probe_on_the_avx2_path_shows_the_capped_kernels_and_rates():
+    out = subprocess.run(
+        [sys.executable, "bench.py", "--probe", "--isa", "avx2", "--width", "128"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "ATen CPU capability: AVX2" in out.stdout and "auto picks fp32" in out.stdout
+    assert "'ONEDNN_MAX_CPU_ISA': 'AVX2'" in out.stdout
