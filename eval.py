@@ -60,7 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="FILE",
         help="HellaSwag's validation jsonl (no FILE: downloaded once into data/hellaswag/)",
     )
-    p.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (needs '.[eval]')")
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        action="extend",
+        help="lm-evaluation-harness tasks, space- or comma-separated, or one --tasks each (needs '.[eval]')",
+    )
     p.add_argument("--task-dir", help="a directory of harness task YAML files of your own")
     p.add_argument("--num-fewshot", type=int, default=None, help="harness tasks: few-shot examples")
     p.add_argument("--limit", type=int, default=None, help="score at most this many HellaSwag items (and harness docs)")
@@ -73,6 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--json", metavar="FILE", help="write every figure, the checkpoint, data hashes and settings here")
     args = p.parse_args(argv)
+    args.tasks = ",".join(args.tasks) if args.tasks else None  # the harness's own form: one comma-separated list
     if not (args.text or args.split or args.hellaswag is not None or args.tasks):
         args.split = "val"
     if args.limit is not None and args.limit < 1:

@@ -58,7 +58,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, e.g. 0.9")
     p.add_argument("--seed", type=int, default=None, help="make sampling deterministic")
     p.add_argument(
-        "--stop", action="append", default=[], help="stop a sample at this text (repeatable; \\n escapes work)"
+        "--stop",
+        nargs="+",
+        action="extend",
+        default=[],
+        help="stop a sample at any of these texts (--stop A B or --stop A --stop B; \\n escapes work)",
     )
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
     p.add_argument(

@@ -196,17 +196,30 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any other --section.key value pair is passed to every train.py run.",
     )
+    # Lists take both `--x a b` and `--x a --x b` (extend: a repeated flag adds to the list, never replaces it); their
+    # defaults are filled in after parsing, as extend would add to a default list rather than replace it.
     p.add_argument(
-        "--configs", nargs="+", default=CONFIGS, help="presets to time; the ratio compares the second to the first"
+        "--configs",
+        nargs="+",
+        action="extend",
+        help="presets to time; the ratio compares the second to the first (default: " + ", ".join(CONFIGS) + ")",
     )
-    p.add_argument("--targets", "--target", nargs="+", type=float, default=TARGETS, help="val losses to time (rungs)")
-    p.add_argument("--seeds", nargs="+", type=int, default=[1337], help="one run per seed (run.seed)")
+    p.add_argument(
+        "--targets",
+        "--target",
+        nargs="+",
+        action="extend",
+        type=float,
+        help="val losses to time (rungs; default: " + " ".join(map(str, TARGETS)) + ")",
+    )
+    p.add_argument("--seeds", nargs="+", action="extend", type=int, help="one run per seed (run.seed; default: 1337)")
     p.add_argument(
         "--variant",
-        action="append",
+        nargs="+",
+        action="extend",
         default=[],
         metavar="NAME=OVERRIDES",
-        help="a sweep point: overrides applied to every config (repeatable; default: the presets as they are)",
+        help="sweep points: overrides applied to every config (default: the presets as they are)",
     )
     p.add_argument(
         "--eval-interval", type=int, default=None, help="evaluate every this many steps (default: the preset's)"
@@ -225,7 +238,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default=10.0,
         help="wall-time budget on a machine whose bf16 matmul runs at 800 GFLOP/s or more, scaled up on a slower one",
     )
-    return p.parse_known_args(argv)
+    args, extra = p.parse_known_args(argv)
+    args.configs, args.targets, args.seeds = args.configs or CONFIGS, args.targets or TARGETS, args.seeds or [1337]
+    return args, extra
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -65,14 +66,17 @@ def default_peak_flops(device: torch.device, precision: str) -> float:
     return torch.get_num_threads() * 3.0e9 * flops_per_cycle
 
 
-def matmul_flops(width: int, rows: int, dtype: torch.dtype, device: torch.device, repeats: int = 10) -> float:
+def matmul_flops(
+    width: int, rows: int, dtype: torch.dtype, device: torch.device, repeats: int = 10, max_seconds: float = math.inf
+) -> float:
     """FLOP/s of (rows, width) @ (width, 4 * width), a transformer MLP's shape: the best of `repeats` after two
-    warm-ups. Every FLOP a model counts is a matmul, so this bounds tokens/s from above."""
+    warm-ups, or of the calls made until `max_seconds` have passed (at least one: a single call that long makes
+    start-up costs a rounding error). Every FLOP a model counts is a matmul, so this bounds tokens/s from above."""
     import torch
 
     a = torch.randn(rows, width, dtype=dtype, device=device)
     b = torch.randn(width, 4 * width, dtype=dtype, device=device)
-    best = float("inf")
+    best, start = float("inf"), time.perf_counter()
     for _ in range(repeats + 2):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -80,16 +84,20 @@ def matmul_flops(width: int, rows: int, dtype: torch.dtype, device: torch.device
         a @ b
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
+        now = time.perf_counter()
+        best = min(best, now - t0)
+        if now - start > max_seconds:
+            break
     return 2 * rows * width * 4 * width / best
 
 
 def bf16_matmul_ceiling() -> float:
     """This machine's bf16 matmul FLOP/s on the CPU at the GPU preset's MLP shape ((2048, 384) @ (384, 1536)), the
-    figure speed targets are scaled by."""
+    figure speed targets are scaled by. Bounded in time: where bf16 is emulated (no AVX512-BF16 or AMX) each such
+    matmul is hundreds of times slower, and a fixed count of them would hold up every run it is measured for."""
     import torch
 
-    return max(matmul_flops(384, 2048, torch.bfloat16, torch.device("cpu")) for _ in range(3))
+    return matmul_flops(384, 2048, torch.bfloat16, torch.device("cpu"), repeats=34, max_seconds=1.0)
 
 
 def read_cpuinfo() -> str:

@@ -38,7 +38,7 @@ def gpt2_encoding_offline():
 @pytest.fixture
 def shakespeare_path() -> Path:
     if not SHAKESPEARE.is_file():
-        pytest.skip(f"tiny Shakespeare not found at {SHAKESPEARE}")
+        pytest.skip(f"tiny Shakespeare not found at {SHAKESPEARE} (QUILLGPT_SHAKESPEARE says where to look)")
     return SHAKESPEARE
 
 
@@ -52,7 +52,8 @@ def word_salad(n_chars: int, words: list[str] = WORDS, seed: int = 0) -> str:
 
 
 def tiny_corpus(n_bytes: int = 120_000) -> str:
-    """The start of tiny Shakespeare when present, else word salad of the same size."""
+    """The start of tiny Shakespeare when present, else word salad of the same size (a fresh clone's case: tests
+    must not count on Shakespeare's characters)."""
     if SHAKESPEARE.is_file():
         return SHAKESPEARE.read_text(encoding="utf-8")[:n_bytes]
     return word_salad(n_bytes)

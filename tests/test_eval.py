@@ -129,7 +129,8 @@ def test_char_model_bits_per_byte_is_its_loss_over_ln2_on_ascii(tiny_data, tmp_p
     from quillgpt.tokenizer import tokenizer_from_dict
 
     tok = tokenizer_from_dict(loaded.tokenizer)
-    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 5
+    text = (tiny_data / "tiny.txt").read_text()[:300]  # the training text: every character is in the vocabulary
+    assert text.isascii()
     score = score_text(loaded.model, document_streams(tok, [text]), tok.token_bytes(), stride=16)
     assert score.tokens == score.bytes == len(text) - 1  # no <|endoftext|> to put first: the first char is context
     assert score.bpb == pytest.approx(score.loss / math.log(2))
@@ -230,27 +231,27 @@ def test_eval_cli_reports_bits_per_byte_first_and_writes_every_figure(char_run, 
     [
         (
             "hellaswag_field",
-            lambda p: p.write_text('{"ctx": "a", "endings": ["x", "y"], "label": 0}\n'),
+            lambda p, _: p.write_text('{"ctx": "a", "endings": ["x", "y"], "label": 0}\n'),
             ["hs.jsonl:1: field 'endings' must be a list of 4 non-empty strings"],
         ),
         (
             "hellaswag_json",
-            lambda p: p.write_text('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 1}\nnot json\n'),
+            lambda p, _: p.write_text('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 1}\nnot json\n'),
             ["hs.jsonl:2: not a JSON object"],
         ),
-        ("short_text", lambda p: p.write_text("F"), ["shorter than 2 tokens"]),
+        ("short_text", lambda p, corpus: p.write_text(corpus[0]), ["shorter than 2 tokens"]),  # a known character
         (
             "unseen_chars",
-            lambda p: p.write_text("Ωμέγα and ∑ are not in tiny Shakespeare"),
+            lambda p, _: p.write_text("Ωμέγα and ∑ are not in tiny Shakespeare"),
             ["characters the model's char vocabulary lacks", "--map-unknown"],
         ),
         ("unknown_task", None, ["lm-evaluation-harness: ", "no_such_task"]),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(char_run, tmp_path, case, make, fragments):
+def test_bad_input_is_one_line_and_exit_2(char_run, tiny_data, tmp_path, case, make, fragments):
     path = tmp_path / ("hs.jsonl" if case.startswith("hellaswag") else "text.txt")
     if make is not None:
-        make(path)
+        make(path, (tiny_data / "tiny.txt").read_text())  # the text char_run trained on
     args = {
         "hellaswag_field": ["--hellaswag", str(path)],
         "hellaswag_json": ["--hellaswag", str(path)],

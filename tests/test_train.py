@@ -195,9 +195,10 @@ def test_accumulation_matches_one_big_batch(tiny_data, tmp_path):
     from quillgpt.distributed import DistInfo
     from quillgpt.trainer import build, setup, train_step
 
+    vocab_size = json.loads((tiny_data / "tiny" / "meta.json").read_text())["vocab_size"]
     torch.manual_seed(0)
-    x = torch.randint(0, 50, (8, 16))  # ids within the tiny dataset's vocabulary
-    y = torch.randint(0, 50, (8, 16))
+    x = torch.randint(0, vocab_size, (8, 16))
+    y = torch.randint(0, vocab_size, (8, 16))
     deltas = []
     for batch, accum in ((8, 1), (2, 4)):
         cfg = build_config(
