@@ -111,7 +111,7 @@ def run_on_isa(isa: str, argv: list[str]) -> int:
     caps = ISA_ENV[isa]
     if all(os.environ.get(k) == v for k, v in caps.items()):
         return -1  # already on it
-    print(f"bench.py on the {isa} path: {' '.join(f'{k}={v}' for k, v in caps.items()) or 'no caps'}", flush=True)
+    print(f"bench.py on the {isa} path: {' '.join(f'{k}={v}' for k, v in caps.items())}", flush=True)
     return subprocess.call([sys.executable, os.path.abspath(__file__), *argv], env={**os.environ, **caps})
 
 

@@ -11,10 +11,11 @@ the first in-run evaluation (the preset's eval_iters batches, or --eval-interval
 goes on to max_iters, where train.py evaluates --final-batches fixed val batches (training.final_eval_iters):
 that final val loss is the figure that counts, and its wall time must fit the budget.
 
-The budget is --budget-minutes on a machine whose bf16 matmul runs at 800 GFLOP/s or more; a slower one gets it
-scaled by the rate measured here just before each run (printed beside the times): half as fast, twice the time. A
-faster one gets the stated minutes, not fewer (a CPU with AMX tiles measures ~3,500 GFLOP/s at this shape, but only
-its matmuls run that much faster). A run
+The budget is --budget-minutes on a machine whose matmuls, in the precision the run uses (a preset's auto: the
+faster of bf16 and fp32 here), run at 800 GFLOP/s or more; a slower one gets it scaled by the rate measured here
+just before each run (printed beside the times, with its precision): half as fast, twice the time. A faster one
+gets the stated minutes, not fewer (a CPU with AMX tiles runs bf16 matmuls several times past 800 at this shape,
+but only its matmuls run that much faster). A run
 still going at its budget is stopped (SIGTERM) and reported as over budget. Checkpoints are written only
 at the end and the loss plot is off. Run it on an otherwise idle machine; --seeds gives the spread.
 """
@@ -34,9 +35,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quillgpt.config import build_config, load_toml, parse_overrides
 from quillgpt.errors import UserError, run_main
 from quillgpt.machine import load_average, with_shakespeare_input
-from quillgpt.metrics import bf16_matmul_ceiling
+from quillgpt.metrics import matmul_ceiling
 
 REPO = Path(__file__).resolve().parent
 CONFIGS = [
@@ -54,7 +56,7 @@ class Run:
     config: str
     variant: str
     seed: int
-    gflops: float  # bf16 matmul rate measured just before the run
+    gflops: float  # matmul rate measured just before the run, in its precision
     budget: float  # seconds
     rungs: dict[float, tuple[float, int]] = field(
         default_factory=dict
@@ -64,20 +66,27 @@ class Run:
     seconds: float = 0.0  # wall time to the final evaluation, or to the last one read
     best_val: float = float("inf")  # best val loss of any evaluation
     over_budget: bool = False
+    precision: str = "bf16"  # the precision the run trains in, whose matmul rate scales its budget
 
 
 def budget_seconds(minutes: float, gflops: float) -> float:
-    """The wall-time budget on a machine whose bf16 matmul measured `gflops`: `minutes` at 800 GFLOP/s or more,
+    """The wall-time budget on a machine whose matmuls measured `gflops`: `minutes` at 800 GFLOP/s or more,
     scaled up on a slower machine."""
     return minutes * 60 * max(1.0, REFERENCE_GFLOPS / gflops)
+
+
+def run_precision(config: str, cli: list[str]) -> str:
+    """training.precision as the run's config and overrides set it (auto, fp32, bf16...)."""
+    return build_config(load_toml(config), parse_overrides(cli), source=config).training.precision
 
 
 def run_once(
     config: str, variant: tuple[str, list[str]], seed: int, args: argparse.Namespace, extra: list[str], out_dir: str
 ) -> Run:
     """One train.py run, timed from launch; its rungs, final val loss and wall time."""
-    gflops = bf16_matmul_ceiling() / 1e9
-    run = Run(config, variant[0], seed, gflops, budget_seconds(args.budget_minutes, gflops))
+    flops, precision = matmul_ceiling(run_precision(config, [*variant[1], *extra]))
+    gflops = flops / 1e9
+    run = Run(config, variant[0], seed, gflops, budget_seconds(args.budget_minutes, gflops), precision=precision)
     name = "-".join([Path(config).stem, str(seed), *re.findall(r"[\w.]+", variant[0])])
     cmd = [
         sys.executable,
@@ -146,7 +155,7 @@ def cell(run: Run, target: float) -> str:
 def print_runs(runs: list[Run], targets: list[float], final_batches: int) -> None:
     print(
         f"| config | variant | seed | {' | '.join(f'to {t}' for t in targets)} | final val ({final_batches} batches) "
-        f"| wall | budget (bf16 matmul) |"
+        f"| wall | budget (matmul rate) |"
     )
     print("| --- | --- | ---: |" + " ---: |" * len(targets) + " ---: | ---: | ---: |")
     for r in runs:
@@ -155,7 +164,7 @@ def print_runs(runs: list[Run], targets: list[float], final_batches: int) -> Non
         )
         print(
             f"| {Path(r.config).name} | {r.variant or '-'} | {r.seed} | {' | '.join(cell(r, t) for t in targets)} | "
-            f"{final} | {r.seconds:.1f}s | {r.budget:.0f}s ({r.gflops:,.0f} GFLOP/s) |"
+            f"{final} | {r.seconds:.1f}s | {r.budget:.0f}s ({r.gflops:,.0f} GFLOP/s {r.precision}) |"
         )
 
 

@@ -91,13 +91,19 @@ def matmul_flops(
     return 2 * rows * width * 4 * width / best
 
 
-def bf16_matmul_ceiling() -> float:
-    """This machine's bf16 matmul FLOP/s on the CPU at the GPU preset's MLP shape ((2048, 384) @ (384, 1536)), the
-    figure speed targets are scaled by. Bounded in time: where bf16 is emulated (no AVX512-BF16 or AMX) each such
-    matmul is hundreds of times slower, and a fixed count of them would hold up every run it is measured for."""
+def matmul_ceiling(precision: str = "bf16") -> tuple[float, str]:
+    """This machine's CPU matmul FLOP/s at the GPU preset's MLP shape ((2048, 384) @ (384, 1536)) in the precision a
+    run uses, and that precision ("auto": the one training's auto picks here): the figure speed targets and budgets
+    are scaled by. Bounded in time: where bf16 is emulated (no AVX512-BF16 or AMX) each such matmul is hundreds of
+    times slower, and a fixed count of them would hold up every run it is measured for."""
     import torch
 
-    return matmul_flops(384, 2048, torch.bfloat16, torch.device("cpu"), repeats=34, max_seconds=1.0)
+    from quillgpt.precision import PRECISIONS, measure_cpu_rates
+
+    if precision == "auto":
+        precision = measure_cpu_rates(384, 2048).faster
+    flops = matmul_flops(384, 2048, PRECISIONS[precision], torch.device("cpu"), repeats=34, max_seconds=1.0)
+    return flops, precision
 
 
 def read_cpuinfo() -> str:

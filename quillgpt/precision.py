@@ -11,6 +11,9 @@ and shape.
 from __future__ import annotations
 
 import functools
+import getpass
+import os
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -21,8 +24,17 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 # sample.py's --dtype also takes int8: weight-only int8 matmuls whose activations run in bf16
 SAMPLING_DTYPES = {**PRECISIONS, "int8": torch.bfloat16}
 # Environment caps under which this CPU runs the code paths of an AVX2-only one: oneDNN's matmuls and ATen's own
-# kernels. Both are read when torch loads its kernels, so they must be set before the process starts.
-ISA_ENV = {"native": {}, "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
+# kernels. Both are read when torch loads its kernels, so they must be set before the process starts. The capped
+# path keeps its own inductor cache: the caps are not part of inductor's cache key, and kernels compiled for the
+# native path crashed when loaded on the capped one.
+ISA_ENV = {
+    "native": {},
+    "avx2": {
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_avx2_{getpass.getuser()}"),
+    },
+}
 PROBE_SECONDS = 0.05  # per precision, after one warm-up call
 PROBE_MAX_ROWS = 256  # rows of the probe's (rows, width) @ (width, 4 * width)
 

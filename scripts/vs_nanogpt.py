@@ -39,7 +39,7 @@ from quillgpt.data import Dataset, find_dataset  # noqa: E402
 from quillgpt.distributed import DistInfo  # noqa: E402
 from quillgpt.errors import UserError, run_main  # noqa: E402
 from quillgpt.machine import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD, SHAKESPEARE, load_average
-from quillgpt.metrics import bf16_matmul_ceiling  # noqa: E402
+from quillgpt.metrics import matmul_ceiling  # noqa: E402
 
 BABY_GPT = [
     "--device=cpu",
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         workdir = nanogpt_workdir(args.nanogpt.resolve(), dataset, Path(tmp))
         commands = arm_commands(args.nanogpt.resolve(), workdir, args.iters)
         for r in range(args.rounds):
-            ceilings.append(bf16_matmul_ceiling())
+            ceilings.append(matmul_ceiling("bf16")[0])
             order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
             for arm in order:
                 cmd, cwd, env, pattern = commands[arm]

@@ -360,7 +360,7 @@ def test_speedrun_times_rungs_seeds_and_variants(tiny, tmp_path):
         assert re.fullmatch(r"[\d.]+s @0", row[3])  # the iter-0 eval is already below 100
         assert row[4] == "—"  # 0.01 is never reached
         assert re.fullmatch(r"[\d.]+ @4", row[5])
-        assert re.fullmatch(r"\d+s \([\d,]+ GFLOP/s\)", row[7])
+        assert re.fullmatch(r"\d+s \([\d,]+ GFLOP/s (fp32|bf16)\)", row[7])
     assert re.search(r"fast.toml / .*slow.toml to 100.0: [\d.]+s / [\d.]+s = [\d.]+ of the wall time", result.stdout)
     for name in ("slow", "fast"):  # --keep: each run's final model stays, to sample from
         assert load_checkpoint(RunDir(tmp_path / "kept" / f"{name}-1-a").latest())["iter_num"] == 4
@@ -393,7 +393,7 @@ def test_speedrun_stops_a_run_at_its_budget_once_per_seed(tiny, tmp_path):
 
 
 def test_speedrun_budget_scales_up_on_slower_machines_only():
-    """The record's budget: 10 minutes at 800 GFLOP/s (bf16 matmul) or more, twice that at 400; an AMX machine
+    """The record's budget: 10 minutes at 800 GFLOP/s (matmuls in the run's precision) or more, twice that at 400; an AMX machine
     measuring 3,600 gets the 10 minutes, not 2.2."""
     assert speedrun.budget_seconds(10, 800) == 600 and speedrun.budget_seconds(10, 400) == 1200
     assert speedrun.budget_seconds(10, 3600) == 600
