@@ -75,7 +75,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="score characters a char model has never seen as a stand-in character instead of stopping",
     )
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16", "fp16"),
+        default="auto",
+        help="autocast precision (default auto: bf16 on a CUDA device that has it; on the CPU the faster of fp32 and "
+        "bf16 at the model's shape, measured)",
+    )
     p.add_argument("--json", metavar="FILE", help="write every figure, the checkpoint, data hashes and settings here")
     args = p.parse_args(argv)
     args.tasks = ",".join(args.tasks) if args.tasks else None  # the harness's own form: one comma-separated list

@@ -423,7 +423,7 @@ class GPT(nn.Module):
 class Int8Linear(nn.Module):
     """A Linear for decoding with its weight in int8, one scale per output row (weight-only quantization, as gpt-fast
     and llama.cpp's q8_0 do): a batch-1 token reads every weight once, so a quarter of fp32's bytes is ~4x less
-    time in the matmuls on a CPU. Activations stay bf16 (torch._weight_int8pack_mm)."""
+    time in the matmuls on a CPU. Activations stay in the model's dtype (torch._weight_int8pack_mm)."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype):
         super().__init__()
@@ -439,13 +439,14 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_int8(model: GPT) -> GPT:
-    """Every Linear of the model (blocks and head) as an Int8Linear, the rest in bf16: for generation on a CPU only."""
-    model.to(torch.bfloat16)
+def quantize_int8(model: GPT, dtype: torch.dtype = torch.bfloat16) -> GPT:
+    """Every Linear of the model (blocks and head) as an Int8Linear, the rest and the activations in `dtype` (bf16
+    where the CPU runs it natively, fp32 where bf16 is emulated): for generation on a CPU only."""
+    model.to(dtype)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, Int8Linear(child, torch.bfloat16))
+                setattr(module, name, Int8Linear(child, dtype))
     return model
 
 

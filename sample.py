@@ -37,7 +37,6 @@ import torch
 from model import GPT
 from quillgpt.errors import UserError, run_main
 from quillgpt.generate import encode_prompt, generate_texts, load_for_sampling, unescape
-from quillgpt.precision import SAMPLING_DTYPES
 from quillgpt.tokenizer import Tokenizer
 
 
@@ -67,10 +66,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
     p.add_argument(
         "--dtype",
-        choices=list(SAMPLING_DTYPES),
-        default=None,
-        help="weights' dtype while sampling; int8: weight-only int8 with bf16 activations, CPU "
-        "(default: bf16 on a CUDA device that has it, else fp32)",
+        choices=["auto", "fp32", "bf16", "fp16", "int8"],
+        default="auto",
+        help="weights' dtype while sampling (default auto: bf16 on a CUDA device that has it; on the CPU the faster of "
+        "fp32 and bf16 at the decoding step's shape, measured); int8: weight-only int8 on the CPU, its activations in "
+        "the faster of them",
     )
     p.add_argument("--compile", action="store_true", help="compile the one-token decoding step (pays for long samples)")
     p.add_argument("--interactive", action="store_true", help="read prompts in a loop (one per line; \\n escapes work)")
@@ -149,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {args.device} but this machine has no CUDA device")
-    dtype = args.dtype or ("bf16" if args.device.startswith("cuda") and torch.cuda.is_bf16_supported() else "fp32")
-    model, tokenizer, label = load_for_sampling(args.ckpt, args.device, dtype)
+    model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype, batch=args.num_samples)
     first_prompt = args.prompt
     if args.prompt_file:
         try:

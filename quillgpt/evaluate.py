@@ -23,6 +23,7 @@ from quillgpt.files import atomic_write, sha256_file
 from quillgpt.loading import load_model
 from quillgpt.machine import keep_freed_memory
 from quillgpt.precision import autocast as precision_autocast
+from quillgpt.precision import inference_precision
 from quillgpt.scoring import TextScore, document_streams, hellaswag_items, map_unknown, score_hellaswag, score_text
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
 
@@ -111,7 +112,9 @@ def evaluate(args: argparse.Namespace) -> dict:
     if device.type == "cpu":
         keep_freed_memory()  # batches re-allocate the same activations, which glibc would fault in again (docs/LOG.md)
     model.to(device).eval()
-    autocast = precision_autocast(device.type, args.precision)
+    rows = min(args.context, model.config.block_size) * 4  # a few windows a forward pass
+    precision, _ = inference_precision(args.precision, device, model.config.n_embd, rows)
+    autocast = precision_autocast(device.type, precision)
     report = {
         "checkpoint": loaded.source,
         "model_args": model.config.to_dict(),
@@ -119,7 +122,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         "tokenizer": tokenizer_label(loaded.tokenizer),
         "settings": {
             "stride": args.stride or model.config.block_size // 2,
-            "precision": args.precision,
+            "precision": precision,
             "device": args.device,
             "limit": args.limit,
             "map_unknown": args.map_unknown,

@@ -13,15 +13,18 @@ import torch
 from model import GPT, quantize_int8
 from quillgpt.errors import UserError
 from quillgpt.loading import load_model
-from quillgpt.precision import SAMPLING_DTYPES
+from quillgpt.precision import PRECISIONS, inference_precision
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
-def load_for_sampling(source: str | Path, device: str, dtype: str = "fp32") -> tuple[GPT, Tokenizer, str]:
+def load_for_sampling(
+    source: str | Path, device: str, dtype: str = "fp32", batch: int = 1
+) -> tuple[GPT, Tokenizer, str]:
     """A checkpoint, run directory, .safetensors file, or Hugging Face directory or hub name -> (model in `dtype`,
-    tokenizer, label)."""
+    tokenizer, label). dtype auto (sample.py's default): bf16 on a CUDA device that has it; on the CPU the faster of fp32 and bf16 at the
+    decoding step's shape (quillgpt.precision). int8: weight-only int8 (CPU), its activations in the faster of them."""
     loaded = load_model(source)
     if loaded.tokenizer is None:
         raise UserError(
@@ -37,8 +40,10 @@ def load_for_sampling(source: str | Path, device: str, dtype: str = "fp32") -> t
         )
     if dtype == "int8" and device != "cpu":
         raise UserError(f"--dtype int8 is for the CPU (weight-only int8 matmuls); on {device} use bf16")
-    loaded.model.eval().to(device=device, dtype=SAMPLING_DTYPES[dtype])
-    model = quantize_int8(loaded.model) if dtype == "int8" else loaded.model
+    width = loaded.model.config.n_embd
+    activations, _ = inference_precision("auto" if dtype == "int8" else dtype, torch.device(device), width, batch)
+    loaded.model.eval().to(device=device, dtype=PRECISIONS[activations])
+    model = quantize_int8(loaded.model, PRECISIONS[activations]) if dtype == "int8" else loaded.model
     return model, tokenizer, loaded.source
 
 

@@ -4,8 +4,8 @@ training, evaluation and sampling.
 On a CPU, bf16 is only worth it where its matmuls run faster than fp32's: AVX512-BF16 and AMX run them several times
 faster, while an AVX2-only CPU emulates them, far slower. CPU flags can't decide this (a flag can be present while a
 library's path is emulated, and a library can gain a fast path no flag shows), so `auto` times a matmul at the
-model's own shape in both precisions and takes the faster. The probe is bounded in time, and paid once per process
-and shape.
+model's own shape in both precisions and takes bf16 where it is clearly faster (BF16_MARGIN), else fp32. The probe
+is bounded in time, and paid once per process and shape.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from dataclasses import dataclass
 import torch
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# sample.py's --dtype also takes int8: weight-only int8 matmuls whose activations run in bf16
-SAMPLING_DTYPES = {**PRECISIONS, "int8": torch.bfloat16}
 # Environment caps under which this CPU runs the code paths of an AVX2-only one: oneDNN's matmuls and ATen's own
 # kernels. Both are read when torch loads its kernels, so they must be set before the process starts. The capped
 # path keeps its own inductor cache: the caps are not part of inductor's cache key, and kernels compiled for the
@@ -35,6 +33,7 @@ ISA_ENV = {
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_avx2_{getpass.getuser()}"),
     },
 }
+BF16_MARGIN = 1.5  # bf16 must measure this much faster: near parity, fp32's exactness wins and no re-run flips
 PROBE_SECONDS = 0.05  # per precision, after one warm-up call
 PROBE_MAX_ROWS = 256  # rows of the probe's (rows, width) @ (width, 4 * width)
 
@@ -56,7 +55,8 @@ class MatmulRates:
 
     @property
     def faster(self) -> str:
-        return "bf16" if self.bf16 > self.fp32 else "fp32"
+        """bf16 where it measures clearly faster (BF16_MARGIN), else fp32."""
+        return "bf16" if self.bf16 > BF16_MARGIN * self.fp32 else "fp32"
 
     def rate(self, precision: str) -> float:
         return self.bf16 if precision == "bf16" else self.fp32
@@ -98,3 +98,17 @@ def emulation_warning(rates: MatmulRates) -> str:
         f"warning: bf16 runs {rates.fp32 / rates.bf16:,.1f}x slower than fp32 on this CPU (emulated; "
         f"{rates.describe()}): --training.precision auto or fp32 is faster"
     )
+
+
+def inference_precision(requested: str, device: torch.device, width: int, rows: int) -> tuple[str, MatmulRates | None]:
+    """The precision sampling or evaluation runs in: `requested`, or for "auto" bf16 on a CUDA device that has it and
+    on the CPU whichever of fp32 and bf16 measures faster at (rows, width) @ (width, 4 * width) — decoding one token
+    is a (1, width) row, where reading the weights, not the arithmetic, sets the pace. Returns the rates measured."""
+    if requested != "auto":
+        return requested, None
+    if device.type == "cuda":
+        return ("bf16" if torch.cuda.is_bf16_supported() else "fp32"), None
+    if device.type != "cpu":
+        return "fp32", None
+    rates = measure_cpu_rates(width, rows)
+    return rates.faster, rates

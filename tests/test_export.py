@@ -215,7 +215,7 @@ def test_safetensors_round_trip_gives_identical_logits(tmp_path, model_args):
 def test_sample_reads_safetensors(tmp_path):
     ckpt = write_char_checkpoint(tmp_path / "ckpt.pt")
     export.main(["--ckpt", str(ckpt), "--safetensors", str(tmp_path / "m.safetensors")])
-    args = ["--prompt", "abc", "--max-new-tokens", "30", "--temperature", "0"]
+    args = ["--prompt", "abc", "--max-new-tokens", "30", "--temperature", "0", "--dtype", "fp32"]
     from_file = run_script("sample.py", "--ckpt", str(tmp_path / "m.safetensors"), *args)
     assert from_file.returncode == 0, from_file.stderr
     from quillgpt import generate as sample

@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import REPO_ROOT, tiny_overrides
 
-from quillgpt.precision import ISA_ENV, MatmulRates, measure_cpu_rates
+from quillgpt.precision import BF16_MARGIN, ISA_ENV, MatmulRates, measure_cpu_rates
 
 x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 caps are x86's")
 DEVICE_LINE = re.compile(r"device: cpu, (fp32|bf16) \(.*: fp32 ([\d,.]+), bf16 ([\d,.]+) GFLOP/s\)")
@@ -47,7 +47,7 @@ def test_auto_picks_the_precision_the_probe_measured_faster(tiny_data, tmp_path,
     out = run_train(quick(tiny_data, tmp_path, **{"training.precision": "auto"}), isa)
     chosen, fp32, bf16 = chosen_and_rates(out)
     assert "auto picked the faster" in out
-    assert chosen == ("bf16" if bf16 > fp32 else "fp32")
+    assert chosen == ("bf16" if bf16 > BF16_MARGIN * fp32 else "fp32")
     if isa == "avx2":
         assert chosen == "fp32" and bf16 < fp32 / 5
 
@@ -92,3 +92,23 @@ def test_bench_probe_on_the_avx2_path_shows_the_capped_kernels_and_rates():
     assert out.returncode == 0, out.stderr
     assert "ATen CPU capability: AVX2" in out.stdout and "auto picks fp32" in out.stdout
     assert "'ONEDNN_MAX_CPU_ISA': 'AVX2'" in out.stdout
+
+
+@pytest.mark.parametrize("dtype", ["auto", "int8"])
+def test_sampling_dtype_follows_the_rates_at_the_decoding_shape(tmp_path, monkeypatch, dtype):
+    """sample.py's auto dtype, and int8's activations, are the faster of fp32 and bf16 at a decoding step's shape:
+    with bf16 measured emulated, fp32; with bf16 measured fast, bf16 (rates injected, the rule is what's tested)."""
+    import torch
+    from test_export import write_char_checkpoint
+
+    from quillgpt import generate, precision
+
+    ckpt = write_char_checkpoint(tmp_path / "ckpt.pt")
+    for fp32, bf16, expected in ((100e9, 1e9, torch.float32), (100e9, 400e9, torch.bfloat16)):
+        monkeypatch.setattr(
+            precision, "measure_cpu_rates", lambda w, r, a=fp32, b=bf16: MatmulRates(a, b, (r, w, 4 * w))
+        )
+        model, _, _ = generate.load_for_sampling(ckpt, "cpu", dtype)
+        assert model.transformer.wte.weight.dtype == expected
+        if dtype == "int8":
+            assert model.lm_head.weight.dtype == torch.int8 and model.lm_head.scale.dtype == expected
