@@ -56,7 +56,8 @@ def table_rows(out: str) -> list[list[str]]:
     return [[c.strip() for c in row] for row in rows if not row[0].strip().startswith("---")]
 
 
-def test_training_table_and_baseline_ratio(tiny, capsys):
+def test_bench_tables_the_optimised_and_baseline_steps_and_the_speed_up(tiny, capsys):
+    """Per step: median and best ms/iter, tokens/s, MFU, peak RSS; then the speed-up and the share of the ceiling."""
     # eager: bench builds the step with trainer.build, whose compiled path test_train.py runs (a cold compile is slow)
     bench.main([*tiny, "--warmup", "2", "--iters", "3", "--repeats", "2", "--baseline", "--training.compile", "false"])
     out = capsys.readouterr().out
@@ -86,7 +87,7 @@ def test_against_a_commit_alternates_both_codes(tiny, capsys):
     assert float(rows["HEAD"][2]) > 0 and number_after("this checkout / HEAD:", out) > 0
 
 
-def test_json_output_and_profile_trace(tiny, tmp_path, capsys):
+def test_json_prints_the_results_and_profile_writes_a_trace_of_aten_ops(tiny, tmp_path, capsys):
     trace_dir = tmp_path / "prof"
     bench.main(
         [
@@ -123,7 +124,7 @@ def test_baseline_batches_equal_vectorised_batches(tiny):
             assert torch.equal(a, b)
 
 
-def test_sample_mode(capsys):
+def test_sample_mode_times_decoding_in_each_precision_with_and_without_cache(capsys):
     bench.main(
         [
             "--sample",
@@ -145,7 +146,7 @@ def test_sample_mode(capsys):
     assert "bf16 matmul ceiling here" in out
 
 
-def test_muon_mode(tiny, capsys):
+def test_muon_mode_times_torch_muon_against_the_batched_muon(tiny, capsys):
     bench.main(["--muon", *tiny, "--optimizer.name", "muon", "--warmup", "1", "--iters", "2", "--repeats", "1"])
     out = capsys.readouterr().out
     rows = {row[0]: row for row in table_rows(out)}
@@ -203,14 +204,14 @@ def test_kernels_mode_needs_a_compiled_step(tiny):
         bench.main(["--kernels", *tiny, "--training.compile", "false", "--warmup", "1"])
 
 
-def test_hellaswag_mode(capsys):
+def test_hellaswag_mode_reports_seconds_per_1000_items(capsys):
     bench.main(["--hellaswag", *TINY_MODEL, "--model.block_size", "64", "--items", "6"])
     out = capsys.readouterr().out
     assert re.search(r"6 items \(\d+ tokens a row\)", out)
     assert number_after("", out.split("\n")[1]) > 0 and "s per 1,000 items" in out and "matmul ceiling here" in out
 
 
-def test_prepare_mode(tmp_path, capsys):
+def test_prepare_mode_times_each_worker_count_and_finds_identical_outputs(tmp_path, capsys):
     text = tmp_path / "small.txt"
     text.write_text(TEXT.replace("king.\n", "king.\n\n"))  # paragraphs: the documents of the jsonl corpus
     bench.main(["--prepare", "--input", str(text), "--vocab-size", "300", "--size-mb", "1", "--workers", "2"])
@@ -224,7 +225,7 @@ def test_prepare_mode(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_memory_mode(tiny, capsys):
+def test_memory_mode_reports_the_peak_rss_a_larger_train_bin_adds(tiny, capsys):
     bench.main(["--memory", *tiny, "--training.compile", "false", "--size-mb", "2", "--iters", "3"])
     out = capsys.readouterr().out
     rows = table_rows(out)
@@ -234,7 +235,7 @@ def test_memory_mode(tiny, capsys):
 
 
 @pytest.mark.slow
-def test_precision_curves(tiny, capsys):
+def test_precision_curves_show_bf16_tracking_fp32_at_every_eval(tiny, capsys):
     bench.main(["--precision-curves", *tiny, "--iters", "4", "--eval-interval", "2", "--training.eval_iters", "2"])
     out = capsys.readouterr().out
     rows = table_rows(out)
@@ -314,7 +315,7 @@ def test_help_lists_the_modes_and_each_mode_its_own_flags_and_defaults(capsys):
     assert "--vocab-size VOCAB_SIZE" in out and "(default 4096)" in out and "--baseline" not in out
 
 
-def test_write_repeated(tmp_path):
+def test_write_repeated_repeats_the_pattern_to_exactly_the_size(tmp_path):
     path = tmp_path / "f"
     write_repeated(path, b"abc", 8)
     assert path.read_bytes() == b"abcabcab"
@@ -399,7 +400,9 @@ def test_speedrun_budget_scales_up_on_slower_machines_only():
     assert speedrun.budget_seconds(10, 3600) == 600
 
 
-def test_speedrun_ratio_when_the_baseline_never_reaches_the_target():
+def test_speedrun_ratio_is_a_bound_when_the_baseline_never_reaches_the_target():
+    """'< 0.33' (20 s of 60 s) when the baseline never gets there; swapped, the line says the run did not reach it."""
+
     def run(config: str, seconds: float | None, total: float) -> speedrun.Run:
         return speedrun.Run(
             config, "", 1, 400.0, 1200.0, {} if seconds is None else {1.88: (seconds, 100)}, seconds=total

@@ -97,7 +97,7 @@ def test_bad_config_exits_2_with_one_line(toml, args, fragment, tmp_path, capsys
     assert all(line.startswith("error: ") for line in err.strip().splitlines())
 
 
-def test_data_dependent_errors(tiny_data, tmp_path, capsys):
+def test_a_block_or_vocab_size_the_dataset_cannot_take_exits_2(tiny_data, tmp_path, capsys):
     base = [f"--data.data_dir={tiny_data}", "--data.dataset=tiny", f"--run.out_dir={tmp_path}", "--max-iters=2"]
     code, err = run_cli([*base, "--model.block_size", "200000"], capsys)
     assert code == 2 and "fewer than block_size + 1" in err
@@ -126,7 +126,7 @@ def test_real_subprocess_error_has_no_traceback(tmp_path):
     assert proc.stderr.strip() == "error: model.n_embd = 100 is not divisible by model.n_head = 3"
 
 
-def test_precedence_defaults_toml_cli(tmp_path):
+def test_cli_overrides_toml_and_toml_overrides_the_defaults(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[training]\nbatch_size = 7\nmax_iters = 100\n[optimizer]\nlearning_rate = 1e-3\n")
     cfg = load_config(path, ["--training.max_iters", "5", "--optimizer.learning_rate=2e-3"])
@@ -155,7 +155,7 @@ def test_precedence_defaults_toml_cli(tmp_path):
         ("--tokenizer=bpe", "data.tokenizer", "bpe"),
     ],
 )
-def test_override_parsing_for_every_type(arg, key, expected):
+def test_an_override_parses_to_its_fields_type_in_either_flag_form(arg, key, expected):
     cfg = build_config(None, parse_overrides([arg]))
     section, name = key.split(".")
     assert getattr(getattr(cfg, section), name) == expected
@@ -208,7 +208,7 @@ def test_the_model_arguments_carry_no_training_switch():
     )
 
 
-def test_list_fields_parse():
+def test_list_typed_fields_coerce_and_parse_from_the_command_line():
     """No field is a list yet; the coercion for list types still works for when one is added."""
     from quillgpt.fields import coerce
 
@@ -296,7 +296,7 @@ def test_docs_config_reference_is_generated_from_the_schema():
     )
 
 
-def test_validate_reports_feasibility(tiny_data, tmp_path, capsys):
+def test_validate_reports_size_memory_and_time_and_writes_nothing(tiny_data, tmp_path, capsys):
     argv = [
         f"--data.data_dir={tiny_data}",
         "--data.dataset=tiny",

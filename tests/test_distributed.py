@@ -457,7 +457,7 @@ def test_collectives_return_only_after_gloo_lets_go_of_our_tensors(tmp_path):
 
 
 @pytest.mark.slow
-def test_compile_with_ddp_and_gradient_checkpointing(workdir):
+def test_compiled_ddp_with_gradient_checkpointing_trains_on_two_ranks(workdir):
     """Dynamo's DDP graph splitter is switched off for checkpointed blocks; the combination trains on 2 gloo ranks."""
     out = workdir / "compiled"
     env_threads = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no compile worker pool per rank on a small machine

@@ -16,7 +16,8 @@ def run(*args, timeout=300):
 
 
 @pytest.mark.slow
-def test_prepare_train_sample(tmp_path):
+def test_prepared_data_trains_a_run_that_samples_deterministically(tmp_path):
+    """prepare.py (BPE) -> train.py (checkpoints, log, curve) -> sample.py twice with one seed gives the same text."""
     text = tmp_path / "corpus.txt"
     text.write_text(tiny_corpus(60_000), encoding="utf-8")
     data, ckpts = tmp_path / "data", tmp_path / "checkpoints"

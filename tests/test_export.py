@@ -212,7 +212,7 @@ def test_safetensors_round_trip_gives_identical_logits(tmp_path, model_args):
     assert (model.lm_head.weight is model.transformer.wte.weight) == tied
 
 
-def test_sample_reads_safetensors(tmp_path):
+def test_sample_from_safetensors_prints_what_the_checkpoint_generates(tmp_path):
     ckpt = write_char_checkpoint(tmp_path / "ckpt.pt")
     export.main(["--ckpt", str(ckpt), "--safetensors", str(tmp_path / "m.safetensors")])
     args = ["--prompt", "abc", "--max-new-tokens", "30", "--temperature", "0", "--dtype", "fp32"]
@@ -269,7 +269,8 @@ def tiny_run(tmp: Path, dataset: str, text: str, name: str, **overrides) -> dict
     }
 
 
-def test_finetune_from_a_checkpoint_run_into_a_new_run(tmp_path):
+def test_finetune_from_a_run_starts_a_new_run_and_leaves_the_source_untouched(tmp_path):
+    """The checkpoint's architecture (the config's n_layer is ignored), the config's dropout; weights move a little."""
     from quillgpt.checkpoint import load_checkpoint
     from train import train
 
@@ -328,7 +329,8 @@ def test_gpt2_init_refuses_a_char_dataset(hf_dir, tmp_path):
 
 @pytest.mark.slow
 @needs_gpt2_encoding
-def test_finetune_from_local_hf_gpt2_on_a_gpt2_dataset(transformers, tmp_path):
+def test_finetuned_local_hf_gpt2_resumes_and_exports_with_equal_logits(transformers, tmp_path):
+    """GPT-2 from save_pretrained trains on gpt2 tokens cropped to model.block_size, resumes, exports equal logits."""
     from train import train
 
     directory = tmp_path / "hf"
@@ -353,7 +355,7 @@ def test_finetune_from_local_hf_gpt2_on_a_gpt2_dataset(transformers, tmp_path):
 
 
 @pytest.mark.slow
-def test_shakespeare_finetune_preset_end_to_end(shakespeare_path, tmp_path):
+def test_shakespeare_finetune_preset_commands_train_tune_and_sample(shakespeare_path, tmp_path):
     """The commands in configs/finetune/shakespeare_from_checkpoint.toml, shortened, in temporary directories."""
     where = [
         "--data.data_dir",

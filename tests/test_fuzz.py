@@ -170,7 +170,7 @@ def test_any_text_in_a_free_text_field_round_trips_through_config_toml(field, va
     | text.map(str.encode)
     | st.sampled_from([b"", b"\x00", b"\xff\xfe", b"[model]\nn_layer = \x00"])
 )
-def test_any_bytes_as_a_config_file(raw, tmp_path):
+def test_any_bytes_as_a_config_file_give_a_config_or_a_config_error(raw, tmp_path):
     path = tmp_path / "raw.toml"
     path.write_bytes(raw)
     assert_config_or_error(lambda: load_config(path), "raw config files")
@@ -415,7 +415,8 @@ def huge_line(path: Path) -> None:
             f.write(b"abc\xc3\xa9" * (2**20 // 5) + b"x" * (2**20 % 5))
 
 
-def test_prepare_cli_on_hostile_files(tmp_path):
+def test_prepare_cli_exits_0_or_2_without_traceback_on_hostile_files(tmp_path):
+    """Binary, empty, NUL bytes, invalid UTF-8, a 17 MB line; empty is refused, invalid UTF-8 warns once, counted."""
     rng = random.Random(3)
     files = {
         "binary": rng.randbytes(5000),

@@ -644,7 +644,8 @@ def tiny_tmpfs(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_full_disk(tiny_data, tiny_tmpfs):
+def test_a_really_full_disk_exits_2_naming_the_last_good_checkpoint(tiny_data, tiny_tmpfs):
+    """800 kB tmpfs: periodic saves warn, training goes on, the final save names a checkpoint on disk; no temp files."""
     over = tiny_overrides(
         tiny_data, tiny_tmpfs, **{"training.max_iters": 12, "training.save_interval": 1, "training.eval_interval": 6}
     )

@@ -31,7 +31,8 @@ def tiny(**kw) -> GPT:
 
 
 @pytest.mark.parametrize("kw", VARIANTS)
-def test_shapes_and_loss(kw):
+def test_forward_gives_logits_per_position_and_a_near_uniform_loss(kw):
+    """(B, T, vocab) logits, a scalar loss near ln(vocab) untrained; last_only: the last position and no loss."""
     model = tiny(**kw)
     x = torch.randint(0, 50, (3, 20))
     logits, loss = model(x, x)
@@ -44,7 +45,7 @@ def test_shapes_and_loss(kw):
 
 
 @pytest.mark.parametrize("kw", VARIANTS)
-def test_causality(kw):
+def test_a_later_token_never_changes_the_logits_of_earlier_positions(kw):
     """Changing a later token never changes the logits of earlier positions."""
     model = tiny(**kw).eval()
     x = torch.randint(0, 50, (2, 16))
@@ -56,7 +57,8 @@ def test_causality(kw):
     assert not torch.allclose(lx[:, 10:], ly[:, 10:])
 
 
-def test_gpt2_init_and_tying():
+def test_init_scales_projections_like_gpt2_and_ties_embeddings_by_default():
+    """Weights of std 0.02, residual projections 0.02 / sqrt(2 n_layer); lm_head is wte unless tie_embeddings is off."""
     model = tiny(n_layer=4)
     assert model.lm_head.weight is model.transformer.wte.weight
     proj = model.transformer.h[0].attn.c_proj.weight
@@ -68,7 +70,7 @@ def test_gpt2_init_and_tying():
     assert untied.num_params() > tiny().num_params()
 
 
-def test_zero_init_proj():
+def test_zero_init_proj_zeroes_the_projections_and_the_untied_head():
     model = tiny(zero_init_proj=True, tie_embeddings=False)
     assert model.transformer.h[0].attn.c_proj.weight.abs().sum() == 0
     assert model.lm_head.weight.abs().sum() == 0
@@ -118,7 +120,8 @@ def test_kv_cache_costs_one_position_per_token():
     assert seen == [8] + [1] * 9
 
 
-def test_sampling_filters():
+def test_sampling_draws_only_the_tokens_top_k_top_p_and_temperature_keep():
+    """top-k 2 draws only the two best tokens, top-p 0.5 only the one holding that mass, temperature 0 the argmax."""
     logits = torch.tensor([[5.0, 4.0, 1.0, 0.0, -1.0]])
     g = torch.Generator().manual_seed(0)
     draws = {sample_next(logits.clone(), 1.0, 2, None, g).item() for _ in range(200)}
@@ -137,7 +140,7 @@ def test_sampling_is_deterministic_under_a_seed():
     assert torch.equal(a, b)
 
 
-def test_flops_and_mfu():
+def test_flops_per_token_exceed_6n_and_mfu_divides_by_the_peak():
     model = tiny()
     n = model.num_params()
     assert model.flops_per_token() > 6 * n

@@ -10,7 +10,7 @@ from quillgpt.config import OptimizerConfig, build_config
 from quillgpt.optim import Muon, lr_multiplier, make_optimizers
 
 
-def test_optimizer_groups_no_decay_on_1d():
+def test_adamw_decays_matrices_only_and_holds_every_parameter():
     model = tiny()
     (adamw,) = make_optimizers(model, OptimizerConfig(weight_decay=0.1, learning_rate=1e-3), "cpu")
     decay, no_decay = adamw.param_groups
@@ -65,7 +65,9 @@ def test_batched_muon_equals_torch_muon_and_resumes_its_state():
     assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
 
 
-def test_lr_schedule():
+def test_lr_warms_up_decays_to_min_lr_and_stays_there():
+    """Warmup (it + 1) / (warmup_iters + 1), the peak at warmup_iters, halfway down at the middle of the decay, min_lr
+    from lr_decay_iters on; decay_lr off keeps the peak."""
     cfg = build_config(
         None,
         {

@@ -94,7 +94,7 @@ def check_dataset(out_dir, kind):
     return meta, train, val, tok
 
 
-def test_char_dataset(tmp_path, text_file):
+def test_char_dataset_decodes_to_the_input_split_at_nanogpts_cut(tmp_path, text_file):
     out_dir = prepare_dataset("mytext", input_path=str(text_file), data_dir=tmp_path / "data", verbose=False)
     assert out_dir == tmp_path / "data" / "mytext"
     meta, train, val, tok = check_dataset(out_dir, "char")
@@ -106,7 +106,7 @@ def test_char_dataset(tmp_path, text_file):
     assert 0 <= len(tok.decode(train).encode()) - int(len(raw) * 0.9) < 4  # nanoGPT's cut, at a character start
 
 
-def test_bpe_dataset(tmp_path, text_file):
+def test_bpe_dataset_decodes_to_the_input_in_fewer_tokens_than_bytes(tmp_path, text_file):
     out_dir = prepare_dataset(
         "mytext", input_path=str(text_file), tokenizer="bpe", vocab_size=300, data_dir=tmp_path, verbose=False
     )
@@ -141,7 +141,8 @@ def test_small_chunks_give_the_same_tokens(tmp_path, text_file, monkeypatch, kin
         assert (whole / name).read_bytes() == (chunked / name).read_bytes()
 
 
-def test_reuse_conflict_and_reset(tmp_path, text_file, capsys):
+def test_a_prepared_dataset_is_reused_and_another_request_needs_reset(tmp_path, text_file, capsys):
+    """The same request reuses the files untouched; another tokenizer, vocab or input is refused naming --reset."""
     kwargs = dict(input_path=str(text_file), data_dir=tmp_path, verbose=True)
     out_dir = prepare_dataset("mytext", **kwargs)
     stamps = {p.name: p.stat().st_mtime_ns for p in out_dir.iterdir()}
@@ -200,7 +201,8 @@ def test_shakespeare_defaults_to_gpt2(tmp_path, shakespeare_path):
     assert json.loads((out_dir / "tokenizer.json").read_text()) == {"kind": "tiktoken", "name": "gpt2"}
 
 
-def test_tiktoken_kind_with_a_stand_in_encoding(tmp_path, text_file, monkeypatch):
+def test_tiktoken_dataset_records_the_encoding_name_and_decodes_to_the_input(tmp_path, text_file, monkeypatch):
+    """tokenizer='gpt2' stores the encoding's name, not its tokens; a vocab_size below the encoding's is refused."""
     # the real gpt2 files need the network once; a locally trained encoding under the name "gpt2" stands in
     bpe = train_tokenizer("bpe", [TEXT], 300)
     stand_in = tokenizer_module.NamedTiktokenTokenizer("gpt2", bpe.encoding)
@@ -235,7 +237,7 @@ def test_pystdlib_is_an_offline_corpus_of_documents(tmp_path):
         prepare_dataset("pystdlib", data_dir=tmp_path / "one", verbose=False)
 
 
-def test_invalid_utf8_and_nul_bytes(tmp_path, capsys):
+def test_invalid_utf8_becomes_u_fffd_with_a_warning_and_nul_bytes_stay(tmp_path, capsys):
     path = tmp_path / "bad.txt"
     path.write_bytes(b"good \x00 text\n" * 20 + b"bad \xff\xfe bytes \xe6\x97 cut\n" + b"more text here\n" * 20)
     out_dir = prepare_dataset("bad", input_path=str(path), data_dir=tmp_path, verbose=False)
@@ -280,7 +282,7 @@ def test_large_vocabulary_uses_uint32(tmp_path):
         (dict(dataset="../x", input_path="a.txt"), "plain folder name"),
     ],
 )
-def test_user_errors(tmp_path, kwargs, message):
+def test_bad_prepare_arguments_are_user_errors_naming_the_fault(tmp_path, kwargs, message):
     with pytest.raises(UserError, match=message):
         prepare_dataset(**kwargs, data_dir=tmp_path, verbose=False)
 
@@ -294,7 +296,7 @@ def test_an_option_that_is_not_one_is_named(tmp_path, name):
     assert not (tmp_path / "x").exists()
 
 
-def test_too_small_for_a_split(tmp_path):
+def test_an_input_too_small_for_a_split_is_refused_writing_nothing(tmp_path):
     path = tmp_path / "tiny.txt"
     path.write_text("ab")
     with pytest.raises(UserError, match="too small for a validation split"):
@@ -331,7 +333,7 @@ def test_shakespeare_download_is_verified_and_kept(tmp_path, shakespeare_path, m
     )  # no second download
 
 
-def test_cli_shakespeare_download_offline(tmp_path):
+def test_offline_shakespeare_download_names_the_local_input_flag(tmp_path):
     """Offline, prepare.py and train.py (which prepares a missing preset dataset) each name the flag that gives a
     local copy, and leave nothing behind."""
     result = run_cli("--dataset", "shakespeare_char", cwd=tmp_path, timeout=30)
@@ -358,7 +360,7 @@ def test_cli_shakespeare_download_offline(tmp_path):
     assert not (tmp_path / "data" / "shakespeare_char").exists()
 
 
-def test_cli_gpt2_offline(tmp_path, text_file):
+def test_cli_gpt2_offline_is_one_line_naming_the_offline_tokenizers(tmp_path, text_file):
     env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache")}
     result = run_cli("--dataset", "x", "--input", str(text_file), "--tokenizer", "gpt2", cwd=tmp_path, env_extra=env)
     if result.returncode == 0:
@@ -397,7 +399,7 @@ def test_txt_dir_builds_and_reuses_cache(tmp_path, capsys):
     assert tok.kind == "bpe" and tok.decode(train) == "hello world\n" * 50
 
 
-def test_txt_dir_with_nanogpt_char_meta(tmp_path):
+def test_txt_dir_honours_the_order_of_a_nanogpt_char_meta(tmp_path):
     src = make_txt_dir(tmp_path / "processed", train="abcabc\n" * 5, val="cab\n")
     itos = {str(i): c for i, c in enumerate("cba\n")}  # a non-sorted order, to see it is honoured
     (src / "meta.json").write_text(
@@ -408,7 +410,8 @@ def test_txt_dir_with_nanogpt_char_meta(tmp_path):
     assert val.tolist() == [0, 2, 1, 3]
 
 
-def test_txt_dir_with_token_ids(tmp_path):
+def test_txt_dir_loads_token_ids_and_refuses_ids_beyond_the_tokenizer(tmp_path):
+    """Token ids in train.npy/val.npy load with the meta's tokenizer; an id beyond it or no tokenizer is refused."""
     src = tmp_path / "processed"
     src.mkdir()
     tok = train_tokenizer("char", ["abc\n"], None)
@@ -427,7 +430,7 @@ def test_txt_dir_with_token_ids(tmp_path):
         prepare_txt_dir(src, verbose=False)
 
 
-def test_txt_dir_missing_files(tmp_path):
+def test_txt_dir_without_its_files_is_a_user_error(tmp_path):
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "train.txt").write_text("abc")
     with pytest.raises(UserError, match="missing val.txt"):

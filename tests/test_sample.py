@@ -109,7 +109,7 @@ def test_different_seeds_differ(loaded):
     assert a[0] != a[1]  # the rows of a batch are independent samples
 
 
-def test_stop_sequence_spanning_tokens(loaded):
+def test_a_stop_sequence_spanning_tokens_ends_the_text_before_it(loaded):
     full = greedy(loaded, "a")
     stop = full[10:13]  # three characters: three tokens of the char tokenizer
     stopped = greedy(loaded, "a", stop=[stop])
@@ -131,7 +131,7 @@ def test_streaming_never_shows_the_stop_sequence(loaded):
 
 
 @pytest.mark.parametrize("stream", ["--stream", "--no-stream"])
-def test_stop_via_cli(ckpt, loaded, capsys, stream):
+def test_cli_stop_ends_the_printed_text_before_the_stop_streamed_or_not(ckpt, loaded, capsys, stream):
     full = greedy(loaded, "a", 60)
     stop = full[20:22]
     sample.main(
@@ -225,7 +225,7 @@ def test_showable_length_holds_back_partial_stops_and_characters():
     assert showable_length("ab\ufffd", []) == 2
 
 
-def test_unescape():
+def test_unescape_decodes_backslash_escapes_and_keeps_unknown_ones():
     assert unescape(r"a\nb\tc\\n") == "a\nb\tc\\n"
     assert unescape("é\\n") == "é\n"
     assert unescape(r"\q") == r"\q"

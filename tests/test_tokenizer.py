@@ -35,7 +35,7 @@ def bpe():
     return train_tokenizer("bpe", [CORPUS], 300)
 
 
-def test_char_round_trip_non_ascii():
+def test_char_tokenizer_round_trips_non_ascii_one_id_per_character():
     tok = train_tokenizer("char", [UNICODE_TEXT, "\x00abc"], None)
     assert tok.kind == "char" and tok.name is None
     assert tok.chars == sorted(set(UNICODE_TEXT + "\x00abc"))
@@ -86,7 +86,7 @@ def test_char_large_vocabulary_uses_wide_ids():
     assert tok.decode(ids) == text
 
 
-def test_bpe_round_trip_arbitrary_unicode(bpe):
+def test_bpe_round_trips_any_unicode_and_learns_merges(bpe):
     assert bpe.kind == "bpe" and bpe.vocab_size == 300
     for text in [UNICODE_TEXT, CORPUS, "never seen: Ωμέγα ☃ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \x00 \r\n", ""]:
         ids = bpe.encode(text)
@@ -121,7 +121,8 @@ def test_end_of_text_is_the_last_id_and_never_comes_from_text(bpe):
         train_tokenizer("char", ["ab"], 2, eot=True)
 
 
-def test_bpe_vocab_size_rules():
+def test_bpe_vocab_size_is_at_least_257_and_4096_at_most_by_default():
+    """Below 257 (256 bytes + <|endoftext|>) is refused, the default is at most 4096, ids beyond it do not decode."""
     with pytest.raises(UserError, match="at least 257"):
         train_tokenizer("bpe", ["abc"], 256)
     assert train_tokenizer("bpe", ["abc abc abc"], None).vocab_size <= 4096
@@ -164,7 +165,7 @@ def test_malformed_dict_is_a_user_error(d, message):
         tokenizer_from_dict(d)
 
 
-def test_save_and_load(tmp_path, bpe):
+def test_a_saved_tokenizer_loads_equal_and_bad_files_are_user_errors(tmp_path, bpe):
     save_tokenizer(bpe, tmp_path / "tokenizer.json")
     assert load_tokenizer(tmp_path / "tokenizer.json").encode(CORPUS) == bpe.encode(CORPUS)
     assert [p.name for p in tmp_path.iterdir()] == ["tokenizer.json"]  # no temp file left behind
@@ -175,7 +176,7 @@ def test_save_and_load(tmp_path, bpe):
         load_tokenizer(tmp_path / "missing.json")
 
 
-def test_unknown_tiktoken_name():
+def test_unknown_tiktoken_name_is_a_user_error():
     with pytest.raises(UserError, match="unknown tokenizer 'gpt5'"):
         get_tiktoken("gpt5")
 
@@ -190,7 +191,7 @@ def test_tiktoken_offline_is_a_user_error(tmp_path, monkeypatch):
         pytest.skip(f"network available, loaded {tok}")
 
 
-def test_gpt2_round_trip_when_available():
+def test_gpt2_tiktoken_round_trips_unicode_when_available():
     try:
         tok = get_tiktoken("gpt2")
     except UserError as e:

@@ -23,7 +23,8 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {p["iter"]: p["loss"] for p in history if p["kind"] == "train"}
 
 
-def test_end_to_end_python_api(tiny_data, tmp_path):
+def test_train_api_writes_checkpoints_log_curve_and_eval_metrics(tiny_data, tmp_path):
+    """train() leaves last and best checkpoints, config, log, latest and a PNG curve; evals carry ppl and accuracy."""
     result = train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"logging.plot": True}))
     run = tmp_path / "t"
     assert result.iterations == 20 and result.total_tokens == 20 * 4 * 32
@@ -136,7 +137,7 @@ def test_early_stopping_waits_for_patience(tiny_data, tmp_path):
     assert ckpt["iter_num"] == 15 and ckpt["bad_evals"] == 3
 
 
-def test_best_checkpoint_holds_best_val_loss_and_pruning(tiny_data, tmp_path):
+def test_best_checkpoint_holds_the_best_val_loss_and_keep_last_prunes(tiny_data, tmp_path):
     train(
         None,
         overrides=tiny_overrides(
@@ -161,7 +162,7 @@ def test_best_checkpoint_holds_best_val_loss_and_pruning(tiny_data, tmp_path):
     assert run.latest() == run.last and load_checkpoint(run.latest())["iter_num"] == 30
 
 
-def test_fp16_gradscaler_on_cpu(tiny_data, tmp_path):
+def test_fp16_on_cpu_trains_to_a_finite_loss_and_saves_its_grad_scaler(tiny_data, tmp_path):
     result = train(
         None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.precision": "fp16", "training.max_iters": 6})
     )
@@ -170,7 +171,7 @@ def test_fp16_gradscaler_on_cpu(tiny_data, tmp_path):
     assert ckpt["scaler"] is not None and ckpt["scaler"]["scale"] > 0
 
 
-def test_bf16_autocast_on_cpu(tiny_data, tmp_path):
+def test_bf16_autocast_on_cpu_trains_to_a_finite_loss(tiny_data, tmp_path):
     result = train(
         None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.precision": "bf16", "training.max_iters": 6})
     )
@@ -246,7 +247,7 @@ def test_nonfinite_loss_stops_with_last_good_checkpoint(tiny_data, tmp_path):
     load_checkpoint(RunDir(tmp_path / "t").latest())  # still loadable
 
 
-def test_eval_only(tiny_data, tmp_path):
+def test_eval_only_from_init_from_evaluates_and_writes_nothing(tiny_data, tmp_path):
     train(None, overrides=tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 4}))
     result = train(
         None,
