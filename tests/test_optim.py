@@ -1,6 +1,7 @@
 """optim.py: parameter groups, AdamW and Muon, the learning-rate schedule."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -65,8 +66,8 @@ def test_batched_muon_equals_torch_muon_and_resumes_its_state():
     assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
 
 
-def test_lr_warms_up_decays_to_min_lr_and_stays_there():
-    """Warmup (it + 1) / (warmup_iters + 1), the peak at warmup_iters, halfway down at the middle of the decay, min_lr
+def test_lr_warms_up_decays_by_cosine_to_min_lr_and_stays_there():
+    """Warmup (it + 1) / (warmup_iters + 1), the peak at warmup_iters, a cosine down to halfway at the middle, min_lr
     from lr_decay_iters on; decay_lr off keeps the peak."""
     cfg = build_config(
         None,
@@ -82,6 +83,7 @@ def test_lr_warms_up_decays_to_min_lr_and_stays_there():
     assert lr_multiplier(9, cfg) == pytest.approx(10 / 11)
     assert lr_multiplier(10, cfg) == pytest.approx(1.0)
     assert lr_multiplier(60, cfg) == pytest.approx(0.55)
+    assert lr_multiplier(35, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))  # cosine, not linear
     assert lr_multiplier(110, cfg) == pytest.approx(0.1)
     assert lr_multiplier(150, cfg) == pytest.approx(0.1)
     flat = build_config(None, {"optimizer.decay_lr": False})
