@@ -350,6 +350,9 @@ def resolve_run(
     ckpt = load_resumable(run, path)
     saved = layer_from_dict(ckpt.config)
     saved["run"].update(name=run.path.name, out_dir=str(run.path.parent))
+    if saved.get("training", {}).get("precision") == "auto" and not torch.cuda.is_available():
+        # written before runs recorded what auto chose, when the CPU's auto meant fp32: the run goes on as it began
+        saved["training"]["precision"] = "fp32"
     cfg = build_config(saved, overrides, source=f"{run.path}/config", world_size=world_size, stored=True)
     return cfg, run, ckpt
 

@@ -79,6 +79,7 @@ def tiny_overrides(data_dir: Path, out_dir: Path, **extra) -> dict:
         "run.out_dir": str(out_dir),
         "run.name": "t",
         "run.device": "cpu",
+        "training.precision": "fp32",  # auto measures and may pick bf16 (test_precision.py); these runs fix it
         "model.n_layer": 2,
         "model.n_head": 2,
         "model.n_embd": 32,

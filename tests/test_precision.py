@@ -66,11 +66,9 @@ def test_a_resumed_run_keeps_the_precision_auto_chose(tiny_data, tmp_path):
     """A run started on the AVX2 path (auto: fp32) resumes natively in fp32 without probing again, so the resumed
     losses continue the same computation."""
     run_train(quick(tiny_data, tmp_path, **{"training.precision": "auto", "training.save_interval": 1}), "avx2")
-    out = run_train(
-        quick(tiny_data, tmp_path, **{"training.max_iters": 3}),
-        "native",
-        extra=("--resume", str(tmp_path / "t")),
-    )
+    resume = quick(tiny_data, tmp_path, **{"training.max_iters": 3})
+    del resume["training.precision"]  # what the run recorded decides
+    out = run_train(resume, "native", extra=("--resume", str(tmp_path / "t")))
     assert "device: cpu, fp32" in out and "GFLOP/s" not in out
 
 
