@@ -21,14 +21,16 @@ from dataclasses import dataclass
 import torch
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Environment caps under which this CPU runs the code paths of an AVX2-only one: oneDNN's matmuls and ATen's own
-# kernels. Both are read when torch loads its kernels, so they must be set before the process starts. The capped
+# Environment caps under which this CPU runs the code paths of an AVX2-only one: oneDNN's (bf16) and MKL's (fp32)
+# matmuls, ATen's own kernels and the code inductor generates (it follows ATen's capability). They are read when
+# torch loads its kernels, so they must be set before the process starts. The capped
 # path keeps its own inductor cache: the caps are not part of inductor's cache key, and kernels compiled for the
 # native path crashed when loaded on the capped one.
 ISA_ENV = {
     "native": {},
     "avx2": {
         "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
         "ATEN_CPU_CAPABILITY": "avx2",
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_avx2_{getpass.getuser()}"),
     },

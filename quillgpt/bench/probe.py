@@ -39,7 +39,11 @@ def onednn_isa() -> str:
 
 def run(args: argparse.Namespace, cli: list[str]) -> None:
     rates = measure_cpu_rates(args.width, args.rows)
-    caps = {k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY") if k in os.environ}
+    caps = {
+        k: os.environ[k]
+        for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+        if k in os.environ
+    }
     print(f"ATen CPU capability: {torch.backends.cpu.get_cpu_capability()}; oneDNN ISA (bf16 matmul): {onednn_isa()}")
     print(f"caps from the environment: {caps or 'none'}; {torch.get_num_threads()} threads")
     print(f"{rates.describe()}; bf16/fp32 {rates.bf16 / rates.fp32:.2f}; training.precision auto picks {rates.faster}")
