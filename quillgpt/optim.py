@@ -32,7 +32,9 @@ def param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
     return hidden, embed, flat
 
 
-def make_optimizers(model: nn.Module, o: OptimizerConfig, device_type: str) -> list[torch.optim.Optimizer]:
+def make_optimizers(
+    model: nn.Module, o: OptimizerConfig, device_type: str, matmul_dtype: torch.dtype = torch.bfloat16
+) -> list[torch.optim.Optimizer]:
     """[AdamW] for optimizer.name = adamw; [Muon for the hidden matrices, AdamW for the rest] for muon.
 
     fused = None picks fused AdamW where the device has it (CUDA and CPU)."""
@@ -60,6 +62,7 @@ def make_optimizers(model: nn.Module, o: OptimizerConfig, device_type: str) -> l
             lr=o.muon_lr,
             momentum=o.muon_momentum,
             weight_decay=o.weight_decay,
+            ns_dtype=matmul_dtype,
         )
         return [muon, adam]
     raise ValueError(f"unknown optimizer {o.name!r}")
@@ -91,15 +94,19 @@ def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> float:
 # ---- Muon ----------------------------------------------------------------------------------------
 
 
-def make_muon(groups: list[dict], lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
-    return Muon(groups, lr=lr, momentum=momentum, weight_decay=weight_decay)
+def make_muon(
+    groups: list[dict], lr: float, momentum: float, weight_decay: float, ns_dtype: torch.dtype = torch.bfloat16
+) -> torch.optim.Optimizer:
+    return Muon(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, ns_dtype=ns_dtype)
 
 
-def zeropower_via_newtonschulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """Approximately orthogonalise each matrix of G (G, m, n) in bf16: Keller Jordan's quintic Newton-Schulz
+def zeropower_via_newtonschulz(
+    G: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Approximately orthogonalise each matrix of G (G, m, n) in `dtype`: Keller Jordan's quintic Newton-Schulz
     iteration, as torch.optim.Muon runs it for one matrix, here for a batch of same-shape matrices at once."""
     a, b, c = 3.4445, -4.7750, 2.0315
-    X = G.bfloat16()
+    X = G.to(dtype)
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT  # (G, n, m): the Gram matrix on the short side
@@ -123,8 +130,17 @@ class Muon(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0, ns_steps: int = 5):
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_dtype: torch.dtype = torch.bfloat16,
+    ):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
+        self.ns_dtype = ns_dtype  # bf16 as torch.optim.Muon; fp32 where bf16 matmuls are emulated
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -155,7 +171,7 @@ class Muon(torch.optim.Optimizer):
         update = grads[0].new_empty((len(params), *params[0].shape))  # (G, m, n)
         for grad, buf, out in zip(grads, bufs, update.unbind(0)):
             torch.lerp(grad, buf, momentum, out=out)
-        ortho = zeropower_via_newtonschulz(update, group["ns_steps"]).to(params[0].dtype)
+        ortho = zeropower_via_newtonschulz(update, group["ns_steps"], dtype=self.ns_dtype).to(params[0].dtype)
         scale = 0.2 * math.sqrt(max(params[0].shape))
         if keep is None:
             torch._foreach_mul_(params, 1 - lr * group["weight_decay"])

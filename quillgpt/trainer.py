@@ -42,7 +42,7 @@ from quillgpt.loading import load_model, load_model_weights, model_config_from_a
 from quillgpt.machine import keep_freed_memory
 from quillgpt.metrics import MetricsLog, default_peak_flops, rss_mb
 from quillgpt.optim import lr_multiplier, make_optimizers, set_lr
-from quillgpt.precision import MatmulRates, emulation_warning, measure_cpu_rates
+from quillgpt.precision import PRECISIONS, MatmulRates, emulation_warning, measure_cpu_rates
 from quillgpt.precision import autocast as precision_autocast
 from quillgpt.scoring import HellaSwagItem, hellaswag_items, score_hellaswag
 
@@ -189,6 +189,15 @@ class Trainer:
         return tokens_per_step(self.cfg.training, self.rt.dist.world_size, self.raw_model.config.block_size)
 
 
+def muon_dtype(cfg: Config, rt: Runtime) -> torch.dtype:
+    """The dtype of Muon's Newton-Schulz matmuls: bf16, as torch.optim.Muon runs them, except on a CPU where bf16
+    measures slower than fp32 (emulated): there bf16 would make the optimizer the step's slowest part."""
+    if rt.device.type != "cpu" or cfg.optimizer.name != "muon":
+        return torch.bfloat16
+    rates = rt.matmul_rates or measure_cpu_rates(cfg.model.n_embd, cfg.training.batch_size * cfg.model.block_size)
+    return PRECISIONS[rates.faster]
+
+
 def tokens_per_step(t: TrainingConfig, world_size: int, block_size: int) -> int:
     """Tokens per optimizer step over all ranks: batch_size x grad_accum_steps x world_size x block_size."""
     return t.batch_size * t.grad_accum_steps * world_size * block_size
@@ -211,7 +220,8 @@ def build(
     model = distributed.wrap_model(
         raw_model, rt.dist, rt.device, rt.compile, cfg.distributed.fsdp, cfg.training.gradient_checkpointing
     )
-    optimizers = make_optimizers(raw_model, cfg.optimizer, rt.device.type)  # after wrapping: FSDP swaps the parameters
+    # after wrapping: FSDP swaps the parameters. Muon's Newton-Schulz matmuls run in bf16 only where the run does
+    optimizers = make_optimizers(raw_model, cfg.optimizer, rt.device.type, muon_dtype(cfg, rt))
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
     batches = BatchSource(dataset, raw_model.config.block_size, cfg.training.batch_size, cfg.run.seed, rt.device)
     evaluation = Evaluation.load(cfg.eval, dataset, rt.device)

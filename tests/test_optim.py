@@ -88,3 +88,15 @@ def test_lr_warms_up_decays_by_cosine_to_min_lr_and_stays_there():
     assert lr_multiplier(150, cfg) == pytest.approx(0.1)
     flat = build_config(None, {"optimizer.decay_lr": False})
     assert lr_multiplier(5000, flat) == 1.0
+
+
+def test_muon_in_fp32_orthogonalises_as_in_bf16():
+    """The fp32 Newton-Schulz chain (for CPUs that emulate bf16) gives the bf16 chain's update within bf16's precision."""
+    from quillgpt.optim import zeropower_via_newtonschulz
+
+    torch.manual_seed(0)
+    G = torch.randn(3, 32, 48)
+    fp32 = zeropower_via_newtonschulz(G, dtype=torch.float32)
+    bf16 = zeropower_via_newtonschulz(G).float()
+    assert fp32.dtype == torch.float32
+    assert torch.allclose(fp32, bf16, atol=0.05) and (fp32 - bf16).abs().mean() < 0.01

@@ -110,3 +110,19 @@ def test_sampling_dtype_follows_the_rates_at_the_decoding_shape(tmp_path, monkey
         assert model.transformer.wte.weight.dtype == expected
         if dtype == "int8":
             assert model.lm_head.weight.dtype == torch.int8 and model.lm_head.scale.dtype == expected
+
+
+def test_muon_orthogonalises_in_fp32_where_bf16_measures_slower(tiny_data, tmp_path, monkeypatch):
+    """Muon's Newton-Schulz matmuls follow the measured rates as training does: fp32 where bf16 is emulated (bf16
+    would make the optimizer the slowest part of the step), bf16 where it is fast."""
+    import torch
+
+    from quillgpt import trainer
+    from quillgpt.config import build_config
+    from quillgpt.distributed import DistInfo
+
+    cfg = build_config(None, tiny_overrides(tiny_data, tmp_path, **{"optimizer.name": "muon"}))
+    rt = trainer.setup(cfg, DistInfo())
+    for fp32, bf16, expected in ((100e9, 1e9, torch.float32), (100e9, 400e9, torch.bfloat16)):
+        monkeypatch.setattr(trainer, "measure_cpu_rates", lambda w, r, a=fp32, b=bf16: MatmulRates(a, b, (r, w, 4 * w)))
+        assert trainer.muon_dtype(cfg, rt) == expected
