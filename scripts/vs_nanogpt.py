@@ -3,6 +3,8 @@
     git clone https://github.com/karpathy/nanoGPT ~/nanoGPT
     python scripts/vs_nanogpt.py --nanogpt ~/nanoGPT                       # 3 rounds of 150 iterations per arm
     python scripts/vs_nanogpt.py --nanogpt ~/nanoGPT --iters 300 --rounds 4
+    python scripts/vs_nanogpt.py --nanogpt ~/nanoGPT --precision fp32        # ours in fp32 too, as nanoGPT on a CPU
+    python scripts/vs_nanogpt.py --nanogpt ~/nanoGPT --isa avx2              # every arm on this CPU's AVX2-only path
 
 Four arms, each a fresh process, the order turning each round (drift hits every arm alike):
 - nanoGPT as its README trains the "baby GPT" on a CPU: `python train.py config/train_shakespeare_char.py
@@ -16,7 +18,8 @@ Four arms, each a fresh process, the order turning each round (drift hits every 
 All read our prepared shakespeare_char train.bin (byte for byte nanoGPT's 90/10 character split); nanoGPT gets
 it through a scratch directory holding links to its configurator and config and a meta.pkl with the vocabulary
 size. An arm's ms/iter is the median of the per-iteration times its trainer prints, leaving out the first
---skip iterations (compile, warm-up). The bf16 matmul ceiling is measured before each round and printed beside.
+--skip iterations (compile, warm-up). The matmul ceiling of the precision ours runs in is measured before each round
+and printed beside. --isa avx2 runs every arm (and the ceiling) under quillgpt.precision.ISA_ENV's caps.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from quillgpt.distributed import DistInfo  # noqa: E402
 from quillgpt.errors import UserError, run_main  # noqa: E402
 from quillgpt.machine import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD, SHAKESPEARE, load_average
 from quillgpt.metrics import matmul_ceiling  # noqa: E402
+from quillgpt.precision import ISA_ENV
 
 BABY_GPT = [
     "--device=cpu",
@@ -98,7 +102,9 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
     return proc.stdout
 
 
-def arm_commands(nanogpt: Path, workdir: Path, iters: int) -> dict[str, tuple[list[str], Path, dict, re.Pattern]]:
+def arm_commands(
+    nanogpt: Path, workdir: Path, iters: int, precision: str, caps: dict[str, str]
+) -> dict[str, tuple[list[str], Path, dict, re.Pattern]]:
     nano = [
         sys.executable,
         str(nanogpt / "train.py"),
@@ -128,12 +134,14 @@ def arm_commands(nanogpt: Path, workdir: Path, iters: int) -> dict[str, tuple[li
         "false",
         "--data.input",
         str(SHAKESPEARE),
+        "--training.precision",
+        precision,
     ]
     return {
-        ARMS[0]: ([*nano, "--compile=False"], workdir, {}, NANOGPT_ITER),
-        ARMS[1]: ([*nano, "--compile=True"], workdir, {}, NANOGPT_ITER),
-        ARMS[2]: ([*nano, "--compile=False"], workdir, KEEP_FREED, NANOGPT_ITER),
-        OURS: (ours, REPO_ROOT, {}, OUR_ITER),
+        ARMS[0]: ([*nano, "--compile=False"], workdir, caps, NANOGPT_ITER),
+        ARMS[1]: ([*nano, "--compile=True"], workdir, caps, NANOGPT_ITER),
+        ARMS[2]: ([*nano, "--compile=False"], workdir, {**caps, **KEEP_FREED}, NANOGPT_ITER),
+        OURS: (ours, REPO_ROOT, caps, OUR_ITER),
     }
 
 
@@ -143,7 +151,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=150, help="iterations per arm and round")
     p.add_argument("--skip", type=int, default=20, help="first iterations left out of the median (compile, warm-up)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--precision", choices=("auto", "fp32", "bf16"), default="auto", help="ours (default: the preset's auto)"
+    )
+    p.add_argument("--isa", choices=list(ISA_ENV), default="native", help="run every arm on this CPU path")
     args = p.parse_args(argv)
+    if args.isa != "native" and any(os.environ.get(k) != v for k, v in ISA_ENV[args.isa].items()):
+        # the ceiling too must be measured under the caps, which torch reads when it loads: this script again, capped
+        env = {**os.environ, **ISA_ENV[args.isa]}
+        raise SystemExit(subprocess.call([sys.executable, __file__, *(argv or sys.argv[1:])], env=env))
     if not (args.nanogpt / "train.py").is_file() or not (args.nanogpt / "configurator.py").is_file():
         raise UserError(f"--nanogpt {args.nanogpt}: not a nanoGPT clone (no train.py and configurator.py)")
     if not SHAKESPEARE.is_file():
@@ -159,18 +175,19 @@ def main(argv: list[str] | None = None) -> None:
     ceilings = []
     with tempfile.TemporaryDirectory(prefix="vs_nanogpt_") as tmp:
         workdir = nanogpt_workdir(args.nanogpt.resolve(), dataset, Path(tmp))
-        commands = arm_commands(args.nanogpt.resolve(), workdir, args.iters)
+        commands = arm_commands(args.nanogpt.resolve(), workdir, args.iters, args.precision, ISA_ENV[args.isa])
         for r in range(args.rounds):
-            ceilings.append(matmul_ceiling("bf16")[0])
+            ceiling, precision = matmul_ceiling(args.precision)
+            ceilings.append(ceiling)
             order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
             for arm in order:
                 cmd, cwd, env, pattern = commands[arm]
                 ms[arm].append(iteration_ms(run(cmd, cwd, env), pattern, args.skip))
                 print(f"round {r + 1}, {arm}: {ms[arm][-1]:.1f} ms/iter", flush=True)
-    print_table(ms, ceilings, cfg.training.batch_size * cfg.model.block_size)
+    print_table(ms, ceilings, cfg.training.batch_size * cfg.model.block_size, precision)
 
 
-def print_table(ms: dict[str, list[float]], ceilings: list[float], tokens_per_iter: int) -> None:
+def print_table(ms: dict[str, list[float]], ceilings: list[float], tokens_per_iter: int, precision: str) -> None:
     ours = ms[OURS]
     print("\n| arm | ms/iter (median of rounds) | tokens/s | ours faster by (median of rounds, range) |")
     print("| --- | ---: | ---: | ---: |")
@@ -180,7 +197,7 @@ def print_table(ms: dict[str, list[float]], ceilings: list[float], tokens_per_it
         ratio = "—" if arm == OURS else (f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
         print(f"| {arm} | {median:.1f} | {tokens_per_iter / median * 1e3:,.0f} | {ratio} |")
     print(
-        f"bf16 matmul ceiling: {statistics.median(ceilings) / 1e9:,.0f} GFLOP/s (median of {len(ceilings)}, "
+        f"{precision} matmul ceiling: {statistics.median(ceilings) / 1e9:,.0f} GFLOP/s (median of {len(ceilings)}, "
         f"{min(ceilings) / 1e9:,.0f}-{max(ceilings) / 1e9:,.0f}, one before each round); {load_average()}"
     )
 
