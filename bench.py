@@ -19,7 +19,7 @@ A mode flag picks another benchmark, one at a time:
     python bench.py --probe              # the CPU path: capability, oneDNN's ISA, fp32 vs bf16 matmul rates
 Each mode is a module of quillgpt/bench/ with its own flags and defaults (`python bench.py --sample --help`); any
 other --section.key value pair overrides the config. --isa avx2, with any mode, runs it on this CPU's AVX2-only path
-(oneDNN and ATen capped at AVX2: bf16 matmuls are emulated there, as on most laptops).
+(oneDNN, MKL and ATen capped at AVX2: bf16 matmuls are emulated there, as on most laptops).
 """
 
 from __future__ import annotations
@@ -62,6 +62,12 @@ def add_mode_flags(p: argparse.ArgumentParser) -> None:
             exclusive.add_argument(mode.flag, metavar=mode.metavar, help=mode.summary)
         else:
             exclusive.add_argument(mode.flag, action="store_true", help=mode.summary)
+    p.add_argument(
+        "--isa",
+        choices=list(ISA_ENV),
+        default="native",
+        help="with any mode: run it on this CPU's AVX2-only path (oneDNN, MKL and ATen capped at AVX2)",
+    )
 
 
 def mode_parser(mode: Mode) -> argparse.ArgumentParser:
@@ -119,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     picker = argparse.ArgumentParser(prog="bench.py", add_help=False, allow_abbrev=False)
     add_mode_flags(picker)
-    picker.add_argument("--isa", choices=list(ISA_ENV), default="native")
     picked, rest = picker.parse_known_args(argv)
     if picked.isa != "native" and (code := run_on_isa(picked.isa, argv)) >= 0:
         return code
