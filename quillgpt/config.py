@@ -212,7 +212,9 @@ class LoggingConfig:
     plot: bool = _f(True, "write loss_curve.png in the run directory at each evaluation")
     wandb_project: str | None = _f(None, "log to this Weights & Biases project (needs the wandb extra)")
     wandb_run_name: str | None = _f(None, "wandb run name (None: the run name)")
-    peak_tflops: float | None = _f(None, "device peak TFLOP/s for MFU (None: a default per device)")
+    peak_tflops: float | None = _f(
+        None, "device peak TFLOP/s for MFU (None: a CPU's measured matmul rate in the run's precision; a GPU's default)"
+    )
 
 
 @dataclass

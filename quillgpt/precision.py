@@ -36,7 +36,8 @@ ISA_ENV = {
     },
 }
 BF16_MARGIN = 1.5  # bf16 must measure this much faster: near parity, fp32's exactness wins and no re-run flips
-PROBE_SECONDS = 0.05  # per precision, after one warm-up call
+PROBE_SECONDS = 0.06  # per precision, after one warm-up call, in PROBE_ROUNDS windows
+PROBE_ROUNDS = 3
 PROBE_MAX_ROWS = 256  # rows of the probe's (rows, width) @ (width, 4 * width)
 
 
@@ -68,30 +69,33 @@ class MatmulRates:
         return f"matmul ({m}, {k}) @ ({k}, {n}): fp32 {self.fp32 / 1e9:,.1f}, bf16 {self.bf16 / 1e9:,.1f} GFLOP/s"
 
 
-def matmul_rate(rows: int, width: int, dtype: torch.dtype, seconds: float = PROBE_SECONDS) -> float:
-    """FLOP/s of (rows, width) @ (width, 4 * width) on the CPU: the best call within `seconds` after a warm-up call
-    (oneDNN picks and builds its kernel on the first). An emulated bf16 path is slow enough that one call tells."""
-    a = torch.randn(rows, width, dtype=dtype)
-    b = torch.randn(width, 4 * width, dtype=dtype)
-    a @ b
-    best, start = float("inf"), time.perf_counter()
-    while True:
-        t0 = time.perf_counter()
-        a @ b
-        now = time.perf_counter()
-        best = min(best, now - t0)
-        if now - start >= seconds:
-            return 2 * rows * width * 4 * width / best
-
-
 @functools.cache
 def measure_cpu_rates(width: int, rows: int) -> MatmulRates:
-    """fp32 and bf16 rates at a model's MLP shape (rows capped: the probe stays well under a second)."""
+    """fp32 and bf16 rates of (rows, width) @ (width, 4 * width), a model's MLP shape (rows capped: the probe stays
+    well under a second). The two precisions take turns in PROBE_ROUNDS short windows and each keeps its best call,
+    so that a busy moment of the machine (another process, threads descheduled mid-matmul) cannot fall on one
+    precision only; an emulated bf16 path is slow enough that its single calls tell."""
     rows = max(1, min(rows, PROBE_MAX_ROWS))
+    operands = {
+        name: (torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype))
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+    }
+    best = dict.fromkeys(operands, float("inf"))
     with torch.no_grad():
-        fp32 = matmul_rate(rows, width, torch.float32)
-        bf16 = matmul_rate(rows, width, torch.bfloat16)
-    return MatmulRates(fp32, bf16, (rows, width, 4 * width))
+        for a, b in operands.values():
+            a @ b  # oneDNN picks and builds its kernel on the first call
+        for _ in range(PROBE_ROUNDS):
+            for name, (a, b) in operands.items():
+                window_end = time.perf_counter() + PROBE_SECONDS / PROBE_ROUNDS
+                while True:
+                    t0 = time.perf_counter()
+                    a @ b
+                    now = time.perf_counter()
+                    best[name] = min(best[name], now - t0)
+                    if now >= window_end:
+                        break
+    flops = 2 * rows * width * 4 * width
+    return MatmulRates(flops / best["fp32"], flops / best["bf16"], (rows, width, 4 * width))
 
 
 def emulation_warning(rates: MatmulRates) -> str:

@@ -85,8 +85,7 @@ def setup(cfg: Config, dist: DistInfo) -> Runtime:
         torch.utils.deterministic.fill_uninitialized_memory = False  # we never read torch.empty's contents
         keep_freed_memory()  # steps re-allocate the same tensors: reuse them, not fresh zeroed pages (docs/LOG.md)
     torch.manual_seed(cfg.run.seed + dist.rank)
-    peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else default_peak_flops(device, precision)
-    peak *= dist.world_size
+    peak = mfu_peak(cfg, device, precision, rates) * dist.world_size
     autocast = precision_autocast(device.type, precision)
     return Runtime(device, precision, dist, compile, peak, autocast, rates, cfg.training.precision)
 
@@ -108,13 +107,24 @@ def resolve_device(name: str, dist: DistInfo) -> torch.device:
 
 
 def probe_matmuls(cfg: Config, device: torch.device, dist: DistInfo) -> MatmulRates | None:
-    """On the CPU, where auto (or bf16) must know whether bf16 pays: fp32 and bf16 matmul rates at the model's MLP
-    shape, rank 0's for every rank (so that all ranks run the same precision)."""
-    if device.type != "cpu" or cfg.training.precision not in ("auto", "bf16"):
+    """On the CPU: fp32 and bf16 matmul rates at the model's MLP shape, rank 0's for every rank (so that all ranks
+    run the same precision). auto decides by them, and MFU is measured against the rate of the precision in use."""
+    if device.type != "cpu":
         return None
     rows = cfg.training.batch_size * cfg.model.block_size
     rates = measure_cpu_rates(cfg.model.n_embd, rows) if dist.is_main else None
     return distributed.broadcast_object(rates, dist)
+
+
+def mfu_peak(cfg: Config, device: torch.device, precision: str, rates: MatmulRates | None) -> float:
+    """One device's peak FLOP/s for MFU: logging.peak_tflops; on the CPU the measured matmul rate of the precision
+    in use (a nominal CPU peak says little: emulated bf16, AMX tiles and clock speeds put the reachable rate
+    anywhere from 1% to 100% of it); else a default per device (metrics.default_peak_flops)."""
+    if cfg.logging.peak_tflops:
+        return cfg.logging.peak_tflops * 1e12
+    if rates and precision in ("fp32", "bf16"):
+        return rates.rate(precision)
+    return default_peak_flops(device, precision)
 
 
 def resolve_precision(requested: str, device: torch.device, rates: MatmulRates | None = None) -> str:
@@ -192,10 +202,9 @@ class Trainer:
 def muon_dtype(cfg: Config, rt: Runtime) -> torch.dtype:
     """The dtype of Muon's Newton-Schulz matmuls: bf16, as torch.optim.Muon runs them, except on a CPU where bf16
     measures slower than fp32 (emulated): there bf16 would make the optimizer the step's slowest part."""
-    if rt.device.type != "cpu" or cfg.optimizer.name != "muon":
+    if rt.device.type != "cpu" or cfg.optimizer.name != "muon" or rt.matmul_rates is None:
         return torch.bfloat16
-    rates = rt.matmul_rates or measure_cpu_rates(cfg.model.n_embd, cfg.training.batch_size * cfg.model.block_size)
-    return PRECISIONS[rates.faster]
+    return PRECISIONS[rt.matmul_rates.faster]
 
 
 def tokens_per_step(t: TrainingConfig, world_size: int, block_size: int) -> int:

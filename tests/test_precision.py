@@ -63,13 +63,13 @@ def test_forcing_bf16_where_it_is_emulated_warns_with_the_measured_slowdown(tiny
 
 @x86
 def test_a_resumed_run_keeps_the_precision_auto_chose(tiny_data, tmp_path):
-    """A run started on the AVX2 path (auto: fp32) resumes natively in fp32 without probing again, so the resumed
-    losses continue the same computation."""
+    """A run started on the AVX2 path (auto: fp32) resumes natively in fp32, as recorded, not by a new choice (where
+    bf16 is native auto would pick it), so the resumed losses continue the same computation."""
     run_train(quick(tiny_data, tmp_path, **{"training.precision": "auto", "training.save_interval": 1}), "avx2")
     resume = quick(tiny_data, tmp_path, **{"training.max_iters": 3})
     del resume["training.precision"]  # what the run recorded decides
     out = run_train(resume, "native", extra=("--resume", str(tmp_path / "t")))
-    assert "device: cpu, fp32" in out and "GFLOP/s" not in out
+    assert "device: cpu, fp32 (" in out and "as configured" in out and "auto picked" not in out
 
 
 def test_the_probe_is_bounded_and_cached():
@@ -112,9 +112,11 @@ def test_sampling_dtype_follows_the_rates_at_the_decoding_shape(tmp_path, monkey
             assert model.lm_head.weight.dtype == torch.int8 and model.lm_head.scale.dtype == expected
 
 
-def test_muon_orthogonalises_in_fp32_where_bf16_measures_slower(tiny_data, tmp_path, monkeypatch):
+def test_muon_orthogonalises_in_fp32_where_bf16_measures_slower(tiny_data, tmp_path):
     """Muon's Newton-Schulz matmuls follow the measured rates as training does: fp32 where bf16 is emulated (bf16
     would make the optimizer the slowest part of the step), bf16 where it is fast."""
+    from dataclasses import replace
+
     import torch
 
     from quillgpt import trainer
@@ -124,5 +126,18 @@ def test_muon_orthogonalises_in_fp32_where_bf16_measures_slower(tiny_data, tmp_p
     cfg = build_config(None, tiny_overrides(tiny_data, tmp_path, **{"optimizer.name": "muon"}))
     rt = trainer.setup(cfg, DistInfo())
     for fp32, bf16, expected in ((100e9, 1e9, torch.float32), (100e9, 400e9, torch.bfloat16)):
-        monkeypatch.setattr(trainer, "measure_cpu_rates", lambda w, r, a=fp32, b=bf16: MatmulRates(a, b, (r, w, 4 * w)))
-        assert trainer.muon_dtype(cfg, rt) == expected
+        measured = replace(rt, matmul_rates=MatmulRates(fp32, bf16, (128, 32, 128)))
+        assert trainer.muon_dtype(cfg, measured) == expected
+
+
+def test_cpu_mfu_is_measured_against_the_matmul_rate_of_the_precision_in_use(tiny_data, tmp_path):
+    from quillgpt import trainer
+    from quillgpt.config import build_config
+    from quillgpt.distributed import DistInfo
+
+    for precision in ("fp32", "bf16"):
+        cfg = build_config(None, tiny_overrides(tiny_data, tmp_path, **{"training.precision": precision}))
+        rt = trainer.setup(cfg, DistInfo())
+        assert rt.matmul_rates and rt.peak_flops == rt.matmul_rates.rate(precision)
+    cfg = build_config(None, tiny_overrides(tiny_data, tmp_path, **{"logging.peak_tflops": 2.0}))
+    assert trainer.setup(cfg, DistInfo()).peak_flops == 2e12
