@@ -17,6 +17,7 @@ A mode flag picks another benchmark, one at a time:
     python bench.py --finetune           # SmolLM2-135M's shape (random): fine-tuning tokens/s and RSS vs --validate
 
     python bench.py --probe              # the CPU path: capability, oneDNN's ISA, fp32 vs bf16 matmul rates
+    python bench.py --vs-transformers    # batch-1 greedy decoding, load included: sample.py's default vs HF generate
 Each mode is a module of quillgpt/bench/ with its own flags and defaults (`python bench.py --sample --help`); any
 other --section.key value pair overrides the config. --isa avx2, with any mode, runs it on this CPU's AVX2-only path
 (oneDNN, MKL and ATen capped at AVX2: bf16 matmuls are emulated there, as on most laptops).
@@ -42,6 +43,7 @@ from quillgpt.bench import (
     probe,
     sample,
     training,
+    vs_transformers,
 )
 from quillgpt.bench.common import Mode
 from quillgpt.config import SHORT_FLAGS, parse_overrides
@@ -50,7 +52,20 @@ from quillgpt.precision import ISA_ENV
 
 DEFAULT = training.MODE  # no mode flag: the training step
 MODES = [
-    m.MODE for m in (against, kernels, sample, hellaswag, prepare, memory, precision_curves, muon, finetune, probe)
+    m.MODE
+    for m in (
+        against,
+        kernels,
+        sample,
+        hellaswag,
+        prepare,
+        memory,
+        precision_curves,
+        muon,
+        finetune,
+        probe,
+        vs_transformers,
+    )
 ]
 
 

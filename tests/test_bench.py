@@ -449,3 +449,15 @@ def test_vs_nanogpt_reads_both_trainers_iteration_lines_and_gives_nanogpt_our_da
     assert (data / "train.bin").read_bytes() == (tiny_data / "tiny" / "train.bin").read_bytes()
     assert pickle.loads((data / "meta.pkl").read_bytes()) == {"vocab_size": 77}
     assert (work / "configurator.py").resolve() == (nanogpt / "configurator.py").resolve()
+
+
+def test_vs_transformers_decodes_the_same_greedy_tokens_as_transformers_generate(transformers, capsys):
+    """Both sides load the same exported directory and decode greedily; the table has both rows and the tokens match."""
+    small = ["--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32"]
+    bench.main(["--vs-transformers", "--new-tokens", "12", "--repeats", "1", *small])
+    out = capsys.readouterr().out
+    rows = {row[0]: row for row in table_rows(out)}
+    assert any(name.startswith("sample.py's default") for name in rows) and "transformers generate (fp32)" in rows
+    assert "greedy tokens equal: True" in out
+    with pytest.raises(UserError, match="exceed the context 32"):
+        bench.main(["--vs-transformers", "--new-tokens", "30", *small])
