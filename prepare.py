@@ -36,6 +36,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+class GivenOnce(argparse.Action):
+    """A single-valued flag whose repetition would read as a list: a second one is an error, not a silent
+    replacement of the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option_string} takes one pattern, given twice; list further files with --input")
+        setattr(namespace, self.dest, values)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", required=True, help=f"output folder name; {', '.join(KNOWN_DATASETS)} need no input")
@@ -47,7 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="PATH",
         help="text files, directories, .jsonl(.gz/.zst) and .parquet files",
     )
-    source.add_argument("--glob", help="in directories, the files to read (default: all but hidden ones), e.g. '*.md'")
+    source.add_argument(
+        "--glob",
+        action=GivenOnce,
+        help="in directories, the files to read (default: all but hidden ones), e.g. '*.md'",
+    )
     source.add_argument("--text-field", default="text", help="the records' text field or column (default: text)")
     source.add_argument(
         "--skip-bad-records",

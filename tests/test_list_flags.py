@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO_ROOT, tiny_overrides
 
 import eval as eval_script
@@ -101,3 +102,12 @@ def test_eval_text_scores_every_file_whether_given_after_one_flag_or_one_flag_ea
     scored = [(t["path"], t["bytes"]) for t in reports["one each"]]
     assert scored == [(str(files[0]), 1999), (str(files[1]), 999)]  # each file's first character is context
     assert all(t["bpb"] > 0 for t in reports["one each"])
+
+
+def test_a_second_glob_is_an_error_not_a_silent_replacement(tmp_path):
+    import prepare
+
+    with pytest.raises(SystemExit) as exc:
+        prepare.parse_args(["--dataset", "d", "--input", str(tmp_path), "--glob", "*.md", "--glob", "*.txt"])
+    assert exc.value.code == 2
+    assert prepare.parse_args(["--dataset", "d", "--glob", "*.md"]).glob == "*.md"
