@@ -8,7 +8,7 @@
     with StopRequest() as stop:
         outcome = fit(tr, state, log, stop)           # step, log, evaluate, save
 
-train.py is that sequence; bench.py and validate.py build the same Trainer and time its
+train.py is that sequence; bench.py and feasibility.py (--validate) build the same Trainer and time its
 train_step. The config flows down: build() returns the config the run records (config.resolved),
 and nothing here writes into the one it was given. Optimizers and the LR schedule live in
 optim.py, checkpoint contents and run directories in checkpoint.py, telemetry in metrics.py.

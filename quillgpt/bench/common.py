@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from model import GPT
-from quillgpt.config import build_config, load_toml
+from model import GPT, GPTConfig
+from quillgpt.config import build_config, load_toml, parse_overrides
 from quillgpt.data import find_dataset
 from quillgpt.distributed import DistInfo
 from quillgpt.errors import UserError
@@ -236,6 +236,16 @@ def matmul_ceiling(tr: Trainer, repeats: int = 10) -> float:
 
 
 # ---- decoding -------------------------------------------------------------------------------------
+
+CHAR_VOCAB = 65  # tiny Shakespeare's characters: the vocabulary of a model benchmarked without data
+PROMPT_TOKENS = 16
+
+
+def decoding_model_args(config: str, cli: list[str]) -> GPTConfig:
+    """The config's model as decoding benchmarks build it: random weights need no data, so a char vocabulary unless
+    the config gives one, and no dropout."""
+    cfg = build_config(load_toml(config), parse_overrides(cli), source=config)
+    return GPTConfig.from_dict({**cfg.model_args(), "vocab_size": cfg.model.vocab_size or CHAR_VOCAB, "dropout": 0.0})
 
 
 def time_generation(

@@ -11,14 +11,19 @@ import time
 
 import torch
 
-from model import GPT, GPTConfig, quantize_int8
-from quillgpt.bench.common import GPU_PRESET, Mode, add_config, print_table, time_generation
-from quillgpt.config import build_config, load_toml, parse_overrides
+from model import GPT, quantize_int8
+from quillgpt.bench.common import (
+    GPU_PRESET,
+    PROMPT_TOKENS,
+    Mode,
+    add_config,
+    decoding_model_args,
+    print_table,
+    time_generation,
+)
 from quillgpt.machine import load_average
 from quillgpt.metrics import matmul_flops
 
-CHAR_VOCAB = 65  # tiny Shakespeare's characters: the vocabulary of a model benchmarked without data
-PROMPT_TOKENS = 16
 # (weights, KV cache, compiled step), in the table's order
 PATHS = [
     ("fp32", False, False),
@@ -46,8 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, cli: list[str]) -> None:
-    cfg = build_config(load_toml(args.config), parse_overrides(cli), source=args.config)
-    margs = GPTConfig.from_dict({**cfg.model_args(), "vocab_size": cfg.model.vocab_size or CHAR_VOCAB, "dropout": 0.0})
+    margs = decoding_model_args(args.config, cli)
     torch.manual_seed(0)
     fp32 = GPT(margs).eval()  # random weights: the speed does not depend on them
     models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16), "int8": quantize_int8(copy.deepcopy(fp32))}

@@ -13,17 +13,13 @@ import time
 
 import torch
 
-from model import GPT, GPTConfig
-from quillgpt.bench.common import GPU_PRESET, Mode, add_config, print_table
-from quillgpt.config import build_config, load_toml, parse_overrides
+from model import GPT
+from quillgpt.bench.common import GPU_PRESET, PROMPT_TOKENS, Mode, add_config, decoding_model_args, print_table
 from quillgpt.errors import UserError
 from quillgpt.hf import export_hf
 from quillgpt.loading import load_model
 from quillgpt.machine import load_average
 from quillgpt.precision import PRECISIONS, inference_precision
-
-CHAR_VOCAB = 65
-PROMPT_TOKENS = 16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,8 +57,7 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
         import transformers  # noqa: F401
     except ImportError:
         raise UserError("--vs-transformers needs transformers: pip install -e '.[hf]'") from None
-    cfg = build_config(load_toml(args.config), parse_overrides(cli), source=args.config)
-    margs = GPTConfig.from_dict({**cfg.model_args(), "vocab_size": cfg.model.vocab_size or CHAR_VOCAB, "dropout": 0.0})
+    margs = decoding_model_args(args.config, cli)
     if PROMPT_TOKENS + args.new_tokens > margs.block_size:
         raise UserError(
             f"--new-tokens {args.new_tokens} + a {PROMPT_TOKENS}-token prompt exceed the context {margs.block_size}"
