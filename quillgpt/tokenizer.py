@@ -606,14 +606,15 @@ def canonical_spec(spec: str) -> str:
 
 
 def same_tokenizer(a: dict, b: dict) -> bool:
-    """Two to_dict()s encode alike: tiktoken by name, hf by their files (wherever they were read from), others whole."""
+    """Two to_dict()s encode alike: tiktoken by name, hf by their files (wherever they were read from), others whole;
+    a chat template renders conversations and changes no encoding, so it does not count."""
     if a.get("kind") != b.get("kind"):
         return False
     if a.get("kind") == "tiktoken":
-        return all(a.get(k) == b.get(k) for k in ("name", "chat_tokens", "chat_template"))
+        return all(a.get(k) == b.get(k) for k in ("name", "chat_tokens"))
     if a.get("kind") == "hf":
-        return all(a.get(k) == b.get(k) for k in ("tokenizer_json", "eos_id", "bos_id", "chat_template"))
-    return a == b
+        return all(a.get(k) == b.get(k) for k in ("tokenizer_json", "eos_id", "bos_id"))
+    return {k: v for k, v in a.items() if k != "chat_template"} == {k: v for k, v in b.items() if k != "chat_template"}
 
 
 def tokenizer_kind(spec: str) -> str:
