@@ -26,7 +26,7 @@ from quillgpt.tokenizer import Tokenizer
 
 
 class QueueFull(Exception):
-    """Every slot is busy and the waiting line is at its bound: the server answers 503 with Retry-After."""
+    """Every slot is taken and max_queue requests wait already: the server answers 503 with Retry-After."""
 
 
 @dataclass(frozen=True)
@@ -135,8 +135,8 @@ class Engine:
 
     def submit(self, request: GenRequest, loop: asyncio.AbstractEventLoop) -> Handle:
         handle = Handle(request, loop)
-        with self.lock:
-            if len(self.pending) >= self.max_queue:
+        with self.lock:  # waiting beyond the free slots is what the queue bounds
+            if len(self.pending) >= self.max_queue + self.max_batch - len(self.active):
                 raise QueueFull
             self.pending.append(handle)
         self.wake.set()

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
+from quillgpt.chat_template import ChatFormat, chat_format, check_messages
 from quillgpt.engine import Engine, Finish, GenRequest, Handle, QueueFull
 from quillgpt.errors import UserError
 from quillgpt.generate import encode_prompt
@@ -97,6 +98,11 @@ class CompletionRequest(SamplingFields):
     prompt: str = ""
 
 
+class ChatRequest(SamplingFields):
+    messages: list[Any]  # checked by chat_template.check_messages: one place for what a conversation is
+    max_completion_tokens: int | None = Field(None, ge=1)  # newer clients' name for max_tokens
+
+
 # ---- the app ------------------------------------------------------------------------------------------
 
 
@@ -142,7 +148,31 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         gen = generation(body, ids, frozenset() if eot is None else {eot}, settings, "prompt", default_max_tokens=16)
         return await respond(engine, gen, body, request, CompletionShape(settings.model_name))
 
+    chat = chat_or_why_not(engine)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        check_model(body.model, settings)
+        if isinstance(chat, str):
+            raise APIError(400, f"this model can't chat: {chat}", param="messages")
+        try:
+            ids = chat.prompt_ids(check_messages(body.messages, "messages"))
+        except UserError as e:
+            raise APIError(400, str(e), param="messages") from None
+        if body.max_completion_tokens is not None:
+            body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
+        gen = generation(body, ids, chat.stop_ids, settings, "messages")
+        return await respond(engine, gen, body, request, ChatShape(settings.model_name))
+
     return app
+
+
+def chat_or_why_not(engine: Engine) -> ChatFormat | str:
+    """The tokenizer's chat format, or why it has none (the chat endpoint's 400)."""
+    try:
+        return chat_format(engine.tokenizer)
+    except UserError as e:
+        return str(e)
 
 
 def check_model(name: str, settings: ServerSettings, status: int = 400) -> None:
@@ -234,6 +264,30 @@ class CompletionShape:
 
     def first_chunk(self) -> dict | None:
         return None
+
+
+class ChatShape(CompletionShape):
+    """/v1/chat/completions' objects: chat.completion with a message, streamed as chat.completion.chunk deltas (the
+    first carries the role)."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def choice(self, text: str, finish_reason: str | None) -> dict:
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+
+    def chunk_choice(self, text: str, finish_reason: str | None) -> dict:
+        return {
+            "index": 0,
+            "delta": {"content": text} if text else {},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+
+    def first_chunk(self) -> dict | None:
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
 
 async def respond(engine: Engine, gen: GenRequest, body: SamplingFields, request: Request, shape: CompletionShape):
