@@ -20,7 +20,9 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+import bench  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from quillgpt.bench.serve import ServerProcess  # noqa: E402
 from quillgpt.chat_template import chat_format, with_chat_tokens  # noqa: E402
 from quillgpt.checkpoint import save_checkpoint  # noqa: E402
 from quillgpt.generate import encode_prompt, generate_texts, load_for_sampling  # noqa: E402
@@ -50,42 +52,14 @@ def write_checkpoint(path: Path, seed: int = 0, eot: bool = True, **model_args) 
     return path
 
 
-class Server:
-    """serve.py in a subprocess on 127.0.0.1, a free port picked by the server itself (--port 0)."""
+class Server(ServerProcess):
+    """serve.py in a subprocess on 127.0.0.1 (a port it picks itself), in fp32, with the test's API key."""
 
     def __init__(self, ckpt: Path, *flags: str):
-        self.proc = subprocess.Popen(
-            [sys.executable, "serve.py", "--ckpt", str(ckpt), "--port", "0", "--dtype", "fp32", *flags],
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        line = self.proc.stdout.readline()
-        assert line.startswith("serving "), line + self.proc.stderr.read()
-        self.base = line.split(" on ")[-1].strip()  # http://127.0.0.1:PORT/v1
-        self.root = self.base.removesuffix("/v1")
-        for _ in range(200):
-            try:
-                if httpx.get(f"{self.root}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
-
-    def health(self) -> dict:
-        return httpx.get(f"{self.root}/health").json()
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base, api_key=KEY, max_retries=0, **kw)
+        super().__init__(ckpt, "--dtype", "fp32", *flags, api_key=KEY)
 
     def post(self, path: str, headers: dict | None = None, **kw) -> httpx.Response:
         return httpx.post(f"{self.base}{path}", headers={"Authorization": f"Bearer {KEY}", **(headers or {})}, **kw)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self.proc.stdout.close()
-        self.proc.stderr.close()
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +69,7 @@ def ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    s = Server(ckpt, "--api-key", KEY, "--model-name", "tiny", "--max-queue", "8", "--max-body-kb", "4")
+    s = Server(ckpt, "--model-name", "tiny", "--max-queue", "8", "--max-body-kb", "4")
     yield s
     s.close()
 
@@ -106,7 +80,7 @@ def busy_server(tmp_path_factory):
     end-of-text id to end it sooner)."""
     path = tmp_path_factory.mktemp("busy") / "ckpt_best.pt"
     ckpt = write_checkpoint(path, eot=False, block_size=2048, n_layer=4, n_embd=256)
-    s = Server(ckpt, "--api-key", KEY, "--model-name", "busy", "--max-batch", "1", "--max-queue", "1")
+    s = Server(ckpt, "--model-name", "busy", "--max-batch", "1", "--max-queue", "1")
     yield s
     s.close()
 
@@ -363,3 +337,10 @@ def test_a_taken_port_or_a_bad_checkpoint_is_one_line_and_exit_2(server, tmp_pat
             [sys.executable, "serve.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
         )
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
+
+
+def test_bench_serve_tables_tokens_per_second_by_clients_and_checks_the_greedy_text(capsys):
+    tiny = ["--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "64"]
+    bench.main(["--serve", "--clients", "1,4", "--requests", "2", "--max-tokens", "8", *tiny])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 ") or line.startswith("| 4 ")]
+    assert len(rows) == 2 and all(row.rstrip(" |").endswith("yes") for row in rows), rows
