@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import secrets
 import threading
 from dataclasses import dataclass, field
 
@@ -198,7 +199,7 @@ class Engine:
         generator = None
         if request.temperature > 0:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(request.seed if request.seed is not None else torch.seed())
+            generator.manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
         idx = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
         cache = self.model.new_cache(1, idx.size(1))
         logits, _ = self.model(idx, cache=cache, last_only=True)
