@@ -41,6 +41,7 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     stop_ids: frozenset[int] = frozenset()  # ids that end the reply, left out of its text (eot, a chat's end of turn)
     seed: int | None = None
+    stream: bool = True  # send text as it is made; False: only the whole text, at the end (one wake-up of the server)
 
 
 @dataclass
@@ -248,7 +249,7 @@ class Engine:
             self.finish(slot, "stop")
         elif len(slot.ids) >= r.max_tokens:
             self.finish(slot, "length")
-        else:
+        elif r.stream:
             end = showable_length(slot.text, list(r.stop))
             if end > slot.shown:
                 slot.handle.put(slot.text[slot.shown : end])

@@ -225,6 +225,7 @@ def generation(
         stop=tuple(s for s in stop if s),
         stop_ids=frozenset(stop_ids),
         seed=body.seed,
+        stream=body.stream,
     )
 
 
