@@ -18,6 +18,7 @@ A mode flag picks another benchmark, one at a time:
 
     python bench.py --probe              # the CPU path: capability, oneDNN's ISA, fp32 vs bf16 matmul rates
     python bench.py --vs-transformers    # batch-1 greedy decoding, load included: sample.py's default vs HF generate
+    python bench.py --serve              # serve.py: aggregate tokens/s of 1, 8 and 16 concurrent greedy clients
 Each mode is a module of quillgpt/bench/ with its own flags and defaults (`python bench.py --sample --help`); any
 other --section.key value pair overrides the config. --isa avx2, with any mode, runs it on this CPU's AVX2-only path
 (oneDNN, MKL and ATen capped at AVX2: bf16 matmuls are emulated there, as on most laptops).
@@ -42,6 +43,7 @@ from quillgpt.bench import (
     prepare,
     probe,
     sample,
+    serve,
     training,
     vs_transformers,
 )
@@ -65,6 +67,7 @@ MODES = [
         finetune,
         probe,
         vs_transformers,
+        serve,
     )
 ]
 

@@ -174,7 +174,8 @@ class CausalSelfAttention(nn.Module):
         B, nh, _, hs = q.shape
         q = q.view(B, self.n_kv_head, nh // self.n_kv_head, hs)  # (B, nkv, group, hs): GQA without copying k, v
         scores = (q @ k.transpose(-2, -1)).float() * hs**-0.5  # (B, nkv, group, L)
-        probs = scores.masked_fill(~visible.view(1, 1, 1, -1), float("-inf")).softmax(-1).to(v.dtype)
+        mask = ~visible.view(-1, 1, 1, visible.size(-1))  # (1 or B, 1, 1, L): one mask, or one per row (decode_rows)
+        probs = scores.masked_fill(mask, float("-inf")).softmax(-1).to(v.dtype)
         return (probs @ v).view(B, nh, 1, hs)
 
 
@@ -328,6 +329,23 @@ class GPT(nn.Module):
         visible = torch.arange(cache.length, device=token.device) <= position  # (L,)
         for block in self.transformer.h:
             x = block(x, rope, cache, (position, visible))
+        return self.head(x)[:, -1, :]
+
+    def decode_rows(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """decode_one with each row at its own position: tokens (B, 1), positions (B,) -> next-token logits (B, V).
+        For continuous batching (quillgpt/engine.py), where requests that started at different times share a step.
+        The cache's write(layer, positions, k, v) stores row i's k and v at positions[i] and returns the buffers
+        (B, nkv, L, hs) the rows attend over; cache.length is L. Each row sees the positions up to its own."""
+        B = tokens.size(0)
+        x = self.transformer.wte(tokens)  # (B, 1, C)
+        rope = None
+        if self.config.pos_emb == "learned":
+            x = x + self.transformer.wpe(positions).unsqueeze(1)  # (B, 1, C)
+        else:
+            rope = (self.rope_cos[positions].view(B, 1, 1, -1), self.rope_sin[positions].view(B, 1, 1, -1))
+        visible = torch.arange(cache.length, device=tokens.device) <= positions[:, None]  # (B, L)
+        for block in self.transformer.h:
+            x = block(x, rope, cache, (positions, visible))
         return self.head(x)[:, -1, :]
 
     # ---- accounting -------------------------------------------------------------------------

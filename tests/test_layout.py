@@ -25,7 +25,7 @@ def test_the_checks_see_a_cycle_and_an_import_of_a_script():
 
 def test_the_entry_scripts_build_from_the_package_not_from_each_other():
     graph = import_graph()
-    assert {"train", "sample", "prepare", "eval", "export", "bench", "speedrun"} <= entry_scripts(graph)
+    assert {"train", "sample", "prepare", "eval", "export", "bench", "speedrun", "serve"} <= entry_scripts(graph)
     assert script_imports(graph) == []
     assert "quillgpt.trainer" in graph["train"] and "quillgpt.prepare" in graph["prepare"]
 
@@ -41,11 +41,13 @@ def test_the_package_imports_nothing_from_the_root_but_model():
 def test_the_root_holds_only_the_scripts_and_model():
     assert sorted(p.name for p in REPO_ROOT.glob("*.py")) == [
         "bench.py",
+        "chat.py",
         "eval.py",
         "export.py",
         "model.py",
         "prepare.py",
         "sample.py",
+        "serve.py",
         "speedrun.py",
         "train.py",
     ]

@@ -1,0 +1,164 @@
+"""--serve: serve.py under load: aggregate tokens/s of 1, 8 and 16 concurrent greedy clients (the openai client, one
+thread each, each sending --requests completions of --max-tokens tokens one after another) against one server, and
+whether every level's replies equal the single client's. The model is the config's (default: the GPU preset's char
+model) with random weights and a tokenizer without an end-of-text id, so every reply is --max-tokens long; or
+--ckpt's. ServerProcess, serve.py in a subprocess, is what the tests and scripts/soak_serve.py start too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import string
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from model import GPT
+from quillgpt.bench.common import GPU_PRESET, REPO, Mode, add_config, decoding_model_args, print_table
+from quillgpt.checkpoint import save_checkpoint
+from quillgpt.errors import UserError
+from quillgpt.machine import load_average
+from quillgpt.tokenizer import CharTokenizer
+
+BENCH_CHARS = list("\n !',.:;?" + string.ascii_letters + "0123")  # 65, as tiny Shakespeare's vocabulary
+
+
+class ServerProcess:
+    """serve.py in a subprocess on 127.0.0.1 with a port it picks itself (--port 0), ready once /health answers."""
+
+    def __init__(self, ckpt: str | Path, *flags: str, api_key: str = "bench", startup_timeout: float = 120):
+        import httpx
+
+        self.api_key = api_key
+        self.proc = subprocess.Popen(
+            [sys.executable, "serve.py", "--ckpt", str(ckpt), "--port", "0", "--api-key", api_key, *flags],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        line = self.proc.stdout.readline()  # "serving NAME (...) on http://127.0.0.1:PORT/v1" once the model is loaded
+        if not line.startswith("serving "):
+            self.proc.wait(timeout=30)
+            raise UserError(f"serve.py did not start: {self.proc.stderr.read().strip() or line.strip()}")
+        self.base = line.rsplit(" on ", 1)[1].strip()
+        self.root = self.base.removesuffix("/v1")
+        self.pid = self.proc.pid
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            try:
+                if httpx.get(f"{self.root}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def health(self) -> dict:
+        import httpx
+
+        return httpx.get(f"{self.root}/health").json()
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.base, api_key=self.api_key, max_retries=0, **kw)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config(p, GPU_PRESET)
+    p.add_argument("--ckpt", help="serve this checkpoint instead of the config's model with random weights")
+    p.add_argument("--clients", default="1,8,16", help="concurrency levels, comma-separated (default %(default)s)")
+    p.add_argument("--requests", type=int, default=3, help="requests per client (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (default %(default)s)")
+    p.add_argument("--dtype", default="fp32", help="serve.py's --dtype (default %(default)s)")
+
+
+def bench_checkpoint(config: str, cli: list[str], directory: Path) -> Path:
+    margs = decoding_model_args(config, cli)
+    torch.manual_seed(0)
+    model = GPT(margs)
+    tokenizer = CharTokenizer(BENCH_CHARS)  # no end-of-text id: a reply never ends before max_tokens
+    path = directory / "ckpt_best.pt"
+    save_checkpoint(
+        path, {"model": model.state_dict(), "model_args": margs.to_dict(), "tokenizer": tokenizer.to_dict()}
+    )
+    return path
+
+
+def prompts(n: int) -> list[str]:
+    """n different prompts (their first letters differ), in the bench tokenizer's characters."""
+    return [f"{BENCH_CHARS[10 + i % 52]}he king said " for i in range(n)]
+
+
+def load(server: ServerProcess, model: str, clients: int, requests: int, max_tokens: int) -> tuple[float, list[str]]:
+    """Aggregate completion tokens/s of `clients` concurrent clients, and each client's last reply."""
+    client = server.client(timeout=600)
+
+    def run(prompt: str) -> tuple[int, str]:
+        tokens, text = 0, ""
+        for _ in range(requests):
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+            tokens, text = tokens + r.usage.completion_tokens, r.choices[0].text
+        return tokens, text
+
+    with ThreadPoolExecutor(clients) as pool:
+        t0 = time.perf_counter()
+        results = list(pool.map(run, prompts(clients)))
+        seconds = time.perf_counter() - t0
+    return sum(tokens for tokens, _ in results) / seconds, [text for _, text in results]
+
+
+def run(args: argparse.Namespace, cli: list[str]) -> None:
+    levels = [int(c) for c in args.clients.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = args.ckpt or bench_checkpoint(args.config, cli, Path(tmp))
+        with ServerProcess(ckpt, "--dtype", args.dtype, "--max-batch", str(max(levels))) as server:
+            model = server.client().models.list().data[0].id
+            load(server, model, 1, 1, 8)  # warm-up: first-call costs out of the timings
+            client = server.client(timeout=600)
+            alone = [  # each prompt's reply with the server to itself
+                client.completions.create(model=model, prompt=p, max_tokens=args.max_tokens, temperature=0)
+                .choices[0]
+                .text
+                for p in prompts(max(levels))
+            ]
+            rows = []
+            for clients in levels:
+                rate, texts = load(server, model, clients, args.requests, args.max_tokens)
+                rows.append((clients, rate, texts == alone[:clients]))
+    base = rows[0][1]
+    print(
+        f"serve.py --dtype {args.dtype}: {args.requests} requests per client, {args.max_tokens} tokens each, greedy; "
+        f"{load_average()}"
+    )
+    print_table(
+        ["clients", "tokens/s", "vs first row", "greedy text = 1 client's"],
+        [[str(c), f"{r:,.0f}", f"{r / base:.2f}x", "yes" if s else "NO"] for c, r, s in rows],
+    )
+
+
+MODE = Mode(
+    "--serve",
+    "serve.py under load: aggregate tokens/s of 1, 8 and 16 concurrent greedy clients",
+    __doc__,
+    add_arguments,
+    run,
+)

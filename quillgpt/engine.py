@@ -1,0 +1,273 @@
+"""Continuous batching for serve.py: one thread owns the model and decodes one token for every active request per
+step; new requests join between steps (their prompt prefilled alone, then their row added to the batch) and a
+finished or cancelled one leaves at once, so a short reply never waits for a long one.
+
+The KV cache is one buffer per layer with a row per slot (SlotCache). The active requests keep rows 0..B-1: a
+request that leaves hands its row to the last one (a copy of that row's filled positions), so each step runs on the
+contiguous first B rows (GPT.decode_rows) and attends only up to the furthest position among them.
+
+A request's tokens follow sample.py's rules (quillgpt.generate): the same prompt encoding, the same sampling
+(model.sample_next), the end-of-turn ids and stop strings left out of the text, and text streamed only as far as it
+can't yet be the start of a stop string (showable_length).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import secrets
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from model import GPT, sample_next
+from quillgpt.generate import showable_length
+from quillgpt.tokenizer import Tokenizer
+
+
+class QueueFull(Exception):
+    """Every slot is taken and max_queue requests wait already: the server answers 503 with Retry-After."""
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One completion to generate: prompt_ids fit the context with max_tokens to spare (the server checks)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+    stop_ids: frozenset[int] = frozenset()  # ids that end the reply, left out of its text (eot, a chat's end of turn)
+    seed: int | None = None
+    stream: bool = True  # send text as it is made; False: only the whole text, at the end (one wake-up of the server)
+
+
+@dataclass
+class Finish:
+    reason: str  # "stop" (an end id or stop string), "length" (max_tokens) or "error"
+    prompt_tokens: int
+    completion_tokens: int
+    error: str = ""
+
+
+class Handle:
+    """The server's side of a request: text deltas then a Finish arrive on `queue`, put there from the engine's
+    thread through the event loop (call_soon_threadsafe). cancel() frees the request's slot at the next step."""
+
+    def __init__(self, request: GenRequest, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.loop = loop
+        self.queue: asyncio.Queue[str | Finish] = asyncio.Queue()
+        self.cancelled = False
+
+    def put(self, item: str | Finish) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
+            pass
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass
+class Slot:
+    """A request being decoded: its row of the cache holds positions 0..position-1; next_token goes at position."""
+
+    handle: Handle
+    generator: torch.Generator | None
+    position: int = 0
+    next_token: int = 0
+    ids: list[int] = field(default_factory=list)  # generated so far (what the text decodes from)
+    text: str = ""
+    shown: int = 0  # characters of text already sent
+    sampled: int = 0  # tokens sampled, an ending id included (the usage's completion_tokens)
+
+
+class SlotCache:
+    """A KV cache with a row per slot (n_layer buffers of (slots, nkv, block_size, hs)), for GPT.decode_rows: write()
+    puts row i's new k, v at positions[i] and returns rows 0..B-1 up to `length`, the step's attended span."""
+
+    def __init__(self, model: GPT, slots: int):
+        full = model.new_cache(slots)  # block_size long: a request never outgrows it (the server checks)
+        self.k, self.v = full.k, full.v
+        self.length = full.length
+
+    def write(
+        self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.arange(k.size(0), device=k.device)
+        self.k[layer][rows, :, positions] = k[:, :, 0]  # k (B, nkv, 1, hs) -> (B, nkv, hs) at (row, :, position)
+        self.v[layer][rows, :, positions] = v[:, :, 0]
+        B = k.size(0)
+        return self.k[layer][:B, :, : self.length], self.v[layer][:B, :, : self.length]
+
+    def fill(self, row: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """A prefilled prompt's per-layer k, v (1, nkv, T, hs) into positions 0..T-1 of `row`."""
+        for layer in range(len(self.k)):
+            T = k[layer].size(2)
+            self.k[layer][row, :, :T] = k[layer][0]
+            self.v[layer][row, :, :T] = v[layer][0]
+
+    def move(self, src: int, dst: int) -> None:
+        """Row src into row dst, whole: mid-step, src may hold one position more than its slot has counted yet."""
+        for layer in range(len(self.k)):
+            self.k[layer][dst] = self.k[layer][src]
+            self.v[layer][dst] = self.v[layer][src]
+
+
+class Engine:
+    """The decoding loop, run on its own thread (start/stop). submit() is called from the event loop."""
+
+    def __init__(self, model: GPT, tokenizer: Tokenizer, max_batch: int = 16, max_queue: int = 64):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.device = next(model.parameters()).device
+        self.cache = SlotCache(model, max_batch)
+        self.active: list[Slot] = []  # active[i] owns row i of the cache
+        self.pending: collections.deque[Handle] = collections.deque()
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.running = False
+        self.thread: threading.Thread | None = None
+
+    # ---- the event loop's side ----------------------------------------------------------------------
+
+    def submit(self, request: GenRequest, loop: asyncio.AbstractEventLoop) -> Handle:
+        handle = Handle(request, loop)
+        with self.lock:  # waiting beyond the free slots is what the queue bounds
+            if len(self.pending) >= self.max_queue + self.max_batch - len(self.active):
+                raise QueueFull
+            self.pending.append(handle)
+        self.wake.set()
+        return handle
+
+    def counts(self) -> dict[str, int]:
+        """Requests holding a slot and requests waiting for one."""
+        with self.lock:
+            return {"active": len(self.active), "queued": len(self.pending)}
+
+    def start(self) -> None:
+        self.running = True
+        self.thread = threading.Thread(target=self.run, name="quillgpt-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.running = False
+        self.wake.set()
+        if self.thread is not None:
+            self.thread.join()
+
+    # ---- the engine's thread ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self) -> None:
+        while self.running:
+            self.drop_cancelled()
+            self.admit()
+            if not self.active:
+                self.wake.wait(timeout=0.5)
+                self.wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception as e:  # a failed step fails its requests, not the server
+                for slot in list(self.active):
+                    self.finish(slot, "error", f"{type(e).__name__}: {e}")
+
+    def drop_cancelled(self) -> None:
+        for slot in [s for s in self.active if s.handle.cancelled]:
+            self.release(slot)
+        with self.lock:
+            self.pending = collections.deque(h for h in self.pending if not h.cancelled)
+
+    def admit(self) -> None:
+        """Prefill waiting requests into free slots, one forward pass each (as sample.py's prompt pass)."""
+        while len(self.active) < self.max_batch:
+            with self.lock:
+                if not self.pending:
+                    return
+                handle = self.pending.popleft()
+            try:
+                self.prefill(handle)
+            except Exception as e:
+                handle.put(Finish("error", len(handle.request.prompt_ids), 0, f"{type(e).__name__}: {e}"))
+
+    def prefill(self, handle: Handle) -> None:
+        request = handle.request
+        generator = None
+        if request.temperature > 0:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
+        idx = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+        cache = self.model.new_cache(1, idx.size(1))
+        logits, _ = self.model(idx, cache=cache, last_only=True)
+        slot = Slot(handle, generator, position=idx.size(1))
+        with self.lock:
+            self.active.append(slot)
+        self.cache.fill(len(self.active) - 1, cache.k, cache.v)
+        self.advance(slot, self.pick(logits[:, -1, :], [slot])[0])
+
+    def step(self) -> None:
+        """One token for every active request."""
+        tokens = torch.tensor([[s.next_token] for s in self.active], device=self.device)  # (B, 1)
+        positions = torch.tensor([s.position for s in self.active], device=self.device)  # (B,)
+        self.cache.length = int(positions.max()) + 1
+        logits = self.model.decode_rows(tokens, positions, self.cache)
+        for slot, token in zip(list(self.active), self.pick(logits, self.active)):
+            slot.position += 1
+            self.advance(slot, token)
+
+    def pick(self, logits: torch.Tensor, slots: list[Slot]) -> list[int]:
+        """Each row's next token (B, V) -> B ids: argmax for the greedy rows together, sample_next for each other
+        row with its own generator (so a seed gives the same reply whatever else is in the batch)."""
+        logits = logits.float()
+        if self.tokenizer.vocab_size < logits.size(-1):  # a vocabulary padded for speed: ids with no text
+            logits[:, self.tokenizer.vocab_size :] = -float("inf")
+        chosen = logits.argmax(dim=-1).tolist()
+        for i, slot in enumerate(slots):
+            r = slot.handle.request
+            if r.temperature > 0:
+                chosen[i] = int(sample_next(logits[i : i + 1], r.temperature, None, r.top_p, slot.generator))
+        return chosen
+
+    def advance(self, slot: Slot, token: int) -> None:
+        """Take one sampled token: end the reply, or add its text and send what is safe to show."""
+        r = slot.handle.request
+        slot.sampled += 1
+        if token in r.stop_ids:
+            self.finish(slot, "stop")
+            return
+        slot.ids.append(token)
+        slot.next_token = token
+        slot.text = self.tokenizer.decode_after(r.prompt_ids[-8:], slot.ids)
+        hits = [slot.text.index(s) for s in r.stop if s in slot.text]
+        if hits:
+            slot.text = slot.text[: min(hits)]
+            self.finish(slot, "stop")
+        elif len(slot.ids) >= r.max_tokens:
+            self.finish(slot, "length")
+        elif r.stream:
+            end = showable_length(slot.text, list(r.stop))
+            if end > slot.shown:
+                slot.handle.put(slot.text[slot.shown : end])
+                slot.shown = end
+
+    def finish(self, slot: Slot, reason: str, error: str = "") -> None:
+        r = slot.handle.request
+        if slot.shown < len(slot.text) and reason != "error":
+            slot.handle.put(slot.text[slot.shown :])
+        slot.handle.put(Finish(reason, len(r.prompt_ids), slot.sampled, error))
+        self.release(slot)
+
+    def release(self, slot: Slot) -> None:
+        """Free the slot's row: the last active request moves into it, so rows 0..B-1 stay the active ones."""
+        with self.lock:
+            row = self.active.index(slot)
+            last = self.active.pop()
+            if last is not slot:
+                self.active[row] = last
+        if last is not slot:
+            self.cache.move(len(self.active), row)

@@ -1,0 +1,93 @@
+"""Serve a checkpoint over an OpenAI-compatible HTTP API (docs/serving.md).
+
+    python serve.py --ckpt checkpoints/base                              # http://127.0.0.1:8000/v1
+    python serve.py --ckpt checkpoints/chat --port 8080 --api-key s3cret    # requests need Authorization: Bearer s3cret
+    python serve.py --ckpt exports/base.safetensors --host 0.0.0.0       # reachable from other machines
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (both stream with "stream": true), GET /v1/models,
+GET /health. Concurrent requests are decoded together, one token for each per step (quillgpt/engine.py); greedy
+replies (temperature 0) are sample.py's --temperature 0 replies. --ckpt takes what sample.py's does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from quillgpt.engine import Engine
+from quillgpt.errors import UserError, run_main
+from quillgpt.generate import load_for_sampling
+
+try:
+    import uvicorn
+
+    from quillgpt.serving import ServerSettings, build_app
+except ImportError as e:
+    SERVE_EXTRA_MISSING = f"serve.py needs {e.name}: pip install '.[serve]'"
+else:
+    SERVE_EXTRA_MISSING = None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="what sample.py's --ckpt takes")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("QUILLGPT_API_KEY"),
+        help="require Authorization: Bearer KEY on /v1/ (default: $QUILLGPT_API_KEY, else no key)",
+    )
+    p.add_argument("--model-name", help="the model's id in the API (default: --ckpt's last path component, stem)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16", "int8"], default="auto", help="as sample.py's")
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default %(default)s)")
+    p.add_argument(
+        "--max-queue", type=int, default=64, help="requests waiting for a slot before 503s (default %(default)s)"
+    )
+    p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body (default %(default)s KiB)")
+    args = p.parse_args(argv)
+    if args.max_batch < 1 or args.max_queue < 0 or args.max_body_kb < 1:
+        p.error("--max-batch and --max-body-kb must be >= 1, --max-queue >= 0")
+    if not 0 <= args.port < 65536:
+        p.error("--port must be in 0..65535")
+    return args
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a taken port is one line at once."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if SERVE_EXTRA_MISSING:
+        raise UserError(SERVE_EXTRA_MISSING)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {args.device} but this machine has no CUDA device")
+    sock = listen(args.host, args.port)
+    model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype, batch=args.max_batch)
+    name = args.model_name or Path(args.ckpt.rstrip("/")).stem
+    settings = ServerSettings(name, model.config.block_size, args.api_key, args.max_body_kb * 1024)
+    app = build_app(Engine(model, tokenizer, args.max_batch, args.max_queue), settings)
+
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving {name} ({label}) on http://{shown}:{port}/v1", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,346 @@
+"""serve.py: a real server on 127.0.0.1 (a subprocess), spoken to with the real openai client and httpx: greedy
+replies equal sample.py's, streams equal whole replies, 16 concurrent clients get the sequential answers, refusals
+have OpenAI's error shape, the queue bound answers 503, a dropped stream frees its slot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO_ROOT
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+import bench  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from quillgpt.bench.serve import ServerProcess  # noqa: E402
+from quillgpt.chat_template import chat_format, with_chat_tokens  # noqa: E402
+from quillgpt.checkpoint import save_checkpoint  # noqa: E402
+from quillgpt.generate import encode_prompt, generate_texts, load_for_sampling  # noqa: E402
+from quillgpt.tokenizer import CharTokenizer  # noqa: E402
+
+CHARS = list("\n abcdefghijklmnopqrstuvwxyz.,:?!'")
+KEY = "test-key"
+BLOCK = 96
+PROMPTS = ["the ", "a", "to be or not", "king", "", "queen of the", "what say you", "o", "lord, ", "my love"]
+CONVERSATION = [{"role": "system", "content": "be brief."}, {"role": "user", "content": "what is love?"}]
+
+
+def write_checkpoint(path: Path, seed: int = 0, eot: bool = True, **model_args) -> Path:
+    """A tiny random char model whose tokenizer has the chat tokens (weights scaled up so greedy text varies).
+    Without eot a completion runs to max_tokens."""
+    tokenizer = with_chat_tokens(CharTokenizer(CHARS, eot=eot))
+    torch.manual_seed(seed)
+    args = dict(block_size=BLOCK, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_embd=32)
+    config = GPTConfig(**{**args, **model_args})
+    model = GPT(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10.0 if p.dim() > 1 else 1.0)
+    save_checkpoint(
+        path, {"model": model.state_dict(), "model_args": config.to_dict(), "tokenizer": tokenizer.to_dict()}
+    )
+    return path
+
+
+class Server(ServerProcess):
+    """serve.py in a subprocess on 127.0.0.1 (a port it picks itself), in fp32, with the test's API key."""
+
+    def __init__(self, ckpt: Path, *flags: str):
+        super().__init__(ckpt, "--dtype", "fp32", *flags, api_key=KEY)
+
+    def post(self, path: str, headers: dict | None = None, **kw) -> httpx.Response:
+        return httpx.post(f"{self.base}{path}", headers={"Authorization": f"Bearer {KEY}", **(headers or {})}, **kw)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("serve") / "ckpt_best.pt")
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    s = Server(ckpt, "--model-name", "tiny", "--max-queue", "8", "--max-body-kb", "4")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def busy_server(tmp_path_factory):
+    """One slot and a queue of one, on a model slow enough that a long reply holds its slot for seconds (and with no
+    end-of-text id to end it sooner)."""
+    path = tmp_path_factory.mktemp("busy") / "ckpt_best.pt"
+    ckpt = write_checkpoint(path, eot=False, block_size=2048, n_layer=4, n_embd=256)
+    s = Server(ckpt, "--model-name", "busy", "--max-batch", "1", "--max-queue", "1")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    model, tokenizer, _ = load_for_sampling(ckpt, "cpu", "fp32")
+    return model, tokenizer
+
+
+def complete(client, prompt: str, **kw) -> str:
+    kw = {"max_tokens": 40, "temperature": 0, **kw}
+    return client.completions.create(model="tiny", prompt=prompt, **kw).choices[0].text
+
+
+def streamed_completion(client, prompt: str, **kw) -> str:
+    kw = {"max_tokens": 40, "temperature": 0, **kw}
+    return "".join(c.choices[0].text for c in client.completions.create(model="tiny", prompt=prompt, stream=True, **kw))
+
+
+def chat(client, messages: list[dict], **kw) -> str:
+    kw = {"max_tokens": 40, "temperature": 0, **kw}
+    return client.chat.completions.create(model="tiny", messages=messages, **kw).choices[0].message.content
+
+
+def greedy_chat_reference(loaded, messages: list[dict], max_tokens: int) -> str:
+    """The reply as the model decodes it alone, through sample.py's generation (GPT.generate_stream), ended at the
+    template's end-of-turn ids."""
+    model, tokenizer = loaded
+    fmt = chat_format(tokenizer)
+    prompt = fmt.prompt_ids(messages)
+    ids = []
+    for token in model.generate_stream(torch.tensor([prompt]), max_tokens, temperature=0):
+        if int(token) in fmt.stop_ids:
+            break
+        ids.append(int(token))
+    return tokenizer.decode_after(prompt[-8:], ids)
+
+
+# ---- replies ------------------------------------------------------------------------------------------
+
+
+def test_greedy_completions_equal_sample_py(server, ckpt, loaded):
+    client = server.client()
+    model, tokenizer = loaded
+    for prompt in PROMPTS:
+        ids = encode_prompt(tokenizer, prompt, BLOCK)
+        assert complete(client, prompt) == generate_texts(model, tokenizer, ids, 1, 40, temperature=0)[0][0], prompt
+    cli = subprocess.run(
+        [sys.executable, "sample.py", "--ckpt", str(ckpt), "--prompt", "king", "--max-new-tokens", "40"]
+        + ["--temperature", "0", "--dtype", "fp32", "--no-stream"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout == "king" + complete(client, "king") + "\n"
+
+
+def test_greedy_chat_equals_the_model_decoding_the_template_alone(server, loaded):
+    client = server.client()
+    reply = chat(client, CONVERSATION)
+    assert reply == greedy_chat_reference(loaded, CONVERSATION, 40) and reply
+    one_turn = [{"role": "user", "content": "hello"}]
+    assert chat(client, one_turn, max_tokens=30) == greedy_chat_reference(loaded, one_turn, 30)
+
+
+def test_stream_deltas_concatenate_to_the_whole_reply(server):
+    client = server.client()
+    for prompt in PROMPTS[:4]:
+        assert streamed_completion(client, prompt) == complete(client, prompt)
+        assert streamed_completion(client, prompt, stop=["d", "e "]) == complete(client, prompt, stop=["d", "e "])
+    chunks = list(
+        client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=40, temperature=0, stream=True)
+    )
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat(client, CONVERSATION)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_stream_ends_with_done_and_can_report_usage(server):
+    body = {"model": "tiny", "prompt": "the ", "max_tokens": 5, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    r = server.post("/completions", json=body)
+    events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert usage == {"prompt_tokens": 4, "completion_tokens": 5, "total_tokens": 9}
+
+
+def test_stop_strings_are_left_out_and_the_reply_says_why_it_ended(server):
+    client = server.client()
+    full = complete(client, "the ")
+    stop = full[5:7]
+    r = client.completions.create(model="tiny", prompt="the ", max_tokens=40, temperature=0, stop=stop)
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="tiny", prompt="the ", max_tokens=7, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 7
+
+
+def test_a_seed_repeats_a_sampled_reply_alone_or_in_a_batch(server):
+    client = server.client()
+    alone = complete(client, "the ", temperature=1.0, top_p=0.9, seed=7)
+    with ThreadPoolExecutor(8) as pool:
+        batch = list(
+            pool.map(lambda s: complete(client, "the ", temperature=1.0, top_p=0.9, seed=s), [7] * 4 + [8] * 4)
+        )
+    assert batch[:4] == [alone] * 4
+    assert len({alone, complete(client, "the ", temperature=1.0, seed=8)}) == 2
+
+
+def test_models_lists_the_one_model_served(server):
+    models = server.client().models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert server.client().models.retrieve("tiny").id == "tiny"
+
+
+# ---- under load ---------------------------------------------------------------------------------------
+
+
+def test_sixteen_concurrent_clients_get_the_sequential_greedy_answers(server):
+    client = server.client()
+    jobs = [(PROMPTS[i % len(PROMPTS)], 20 + 3 * i) for i in range(16)]  # lengths differ: requests leave mid-batch
+    sequential = [complete(client, p, max_tokens=n) for p, n in jobs]
+    chats = [[{"role": "user", "content": p or "hi"}] for p, _ in jobs[:4]]
+    sequential_chats = [chat(client, m) for m in chats]
+    start = threading.Barrier(20)
+
+    def run(job):
+        start.wait()
+        return complete(client, *job[:1], max_tokens=job[1]) if len(job) == 2 else chat(client, job[0])
+
+    with ThreadPoolExecutor(20) as pool:
+        concurrent = list(pool.map(run, jobs + [(m,) for m in chats]))
+    assert concurrent == sequential + sequential_chats
+    assert server.health() == {"status": "ok", "active": 0, "queued": 0}
+
+
+def test_past_the_queue_bound_the_server_answers_503_with_retry_after(busy_server):
+    long = {"model": "busy", "prompt": "the ", "max_tokens": 1500, "temperature": 0, "stream": True}
+    client = httpx.Client(headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    with client.stream("POST", f"{busy_server.base}/completions", json=long) as first:
+        lines = first.iter_lines()  # kept: a dropped iterator closes the connection, which cancels the request
+        next(lines)  # decoding: the one slot is taken
+        with client.stream("POST", f"{busy_server.base}/completions", json=long) as second:
+            wait_for(lambda: busy_server.health()["queued"] == 1)
+            third = busy_server.post("/completions", json={**long, "stream": False})
+            assert third.status_code == 503 and third.headers["Retry-After"] == "1"
+            assert third.json()["error"]["code"] == "server_overloaded"
+            assert second.status_code == 200
+    wait_for(lambda: busy_server.health()["active"] == 0)
+
+
+def test_a_client_that_drops_a_stream_frees_its_slot(busy_server):
+    client = busy_server.client()
+    stream = client.completions.create(model="busy", prompt="the ", max_tokens=1500, temperature=0, stream=True)
+    next(iter(stream))
+    assert busy_server.health()["active"] == 1
+    stream.close()  # long before 1,500 tokens are decoded
+    wait_for(lambda: busy_server.health() == {"status": "ok", "active": 0, "queued": 0})
+    assert client.completions.create(model="busy", prompt="a", max_tokens=3).choices[0].finish_reason == "length"
+
+
+def wait_for(condition, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+# ---- bad input and security ---------------------------------------------------------------------------
+
+BAD_REQUESTS = {
+    "malformed JSON": ("/completions", b'{"model": "tiny", "prompt": ', None),
+    "a list, not an object": ("/completions", b"[1, 2]", None),
+    "a string temperature": ("/completions", {"model": "tiny", "prompt": "a", "temperature": "hot"}, "temperature"),
+    "a string max_tokens": ("/completions", {"model": "tiny", "prompt": "a", "max_tokens": "10"}, "max_tokens"),
+    "a number prompt": ("/completions", {"model": "tiny", "prompt": 5}, "prompt"),
+    "messages not a list": ("/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
+    "a message without content": ("/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, "messages"),
+    "an unknown model": ("/completions", {"model": "gpt-4", "prompt": "a"}, "model"),
+    "a checkpoint path as the model": ("/completions", {"model": "/tmp/other/ckpt_best.pt", "prompt": "a"}, "model"),
+    "empty messages": ("/chat/completions", {"model": "tiny", "messages": []}, "messages"),
+    "max_tokens past the context": (
+        "/completions",
+        {"model": "tiny", "prompt": "the ", "max_tokens": BLOCK},
+        "max_tokens",
+    ),
+    "a prompt past the context": ("/completions", {"model": "tiny", "prompt": "a" * BLOCK}, "prompt"),
+    "a body over the size limit": ("/completions", {"model": "tiny", "prompt": "a" * 5000}, None),
+    "a field naming a checkpoint": ("/completions", {"model": "tiny", "prompt": "a", "ckpt": "/etc/passwd"}, "ckpt"),
+    "a field naming a template": (
+        "/chat/completions",
+        {"model": "tiny", "messages": CONVERSATION, "chat_template": "{{ 1 }}"},
+        "chat_template",
+    ),
+    "two choices": ("/completions", {"model": "tiny", "prompt": "a", "n": 2}, "n"),
+    "five stop strings": ("/completions", {"model": "tiny", "prompt": "a", "stop": list("abcde")}, "stop"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_a_bad_request_gets_a_400_in_openais_error_shape_and_the_server_stays_up(server, case):
+    path, body, param = BAD_REQUESTS[case]
+    headers = {"Content-Type": "application/json"}
+    r = server.post(path, headers=headers, content=body if isinstance(body, bytes) else json.dumps(body))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["message"]
+    assert server.health()["status"] == "ok"
+    assert complete(server.client(), "a", max_tokens=3)  # still serving
+
+
+def test_the_openai_client_raises_bad_request_for_a_400(server):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        server.client().completions.create(model="tiny", prompt="the ", max_tokens=10_000)
+
+
+def test_a_body_streamed_past_the_limit_without_a_length_gets_a_400(server):
+    def chunks():
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(10):
+            yield b"a" * 1000
+        yield b'"}'
+
+    r = server.post("/completions", headers={"Content-Type": "application/json"}, content=chunks())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_without_the_bearer_key_a_request_gets_401(server):
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(f"{server.base}/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.base}/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base, api_key="wrong", max_retries=0).models.list()
+    assert server.post("/completions", json=body).status_code == 200
+
+
+def test_the_server_binds_127_0_0_1_unless_told_otherwise(server):
+    import serve
+
+    assert serve.parse_args(["--ckpt", "x"]).host == "127.0.0.1"
+    assert server.base.startswith("http://127.0.0.1:")
+
+
+def test_a_taken_port_or_a_bad_checkpoint_is_one_line_and_exit_2(server, tmp_path):
+    port = server.base.rsplit(":", 1)[1].split("/")[0]
+    for args in (["--ckpt", "x", "--port", port], ["--ckpt", str(tmp_path / "missing.pt"), "--port", "0"]):
+        r = subprocess.run(
+            [sys.executable, "serve.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
+
+
+def test_bench_serve_tables_tokens_per_second_by_clients_and_checks_the_greedy_text(capsys):
+    tiny = ["--model.n_layer", "2", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "64"]
+    bench.main(["--serve", "--clients", "1,4", "--requests", "2", "--max-tokens", "8", *tiny])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 ") or line.startswith("| 4 ")]
+    assert len(rows) == 2 and all(row.rstrip(" |").endswith("yes") for row in rows), rows
