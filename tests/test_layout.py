@@ -41,6 +41,7 @@ def test_the_package_imports_nothing_from_the_root_but_model():
 def test_the_root_holds_only_the_scripts_and_model():
     assert sorted(p.name for p in REPO_ROOT.glob("*.py")) == [
         "bench.py",
+        "chat.py",
         "eval.py",
         "export.py",
         "model.py",
