@@ -175,6 +175,12 @@ def conversations(tasks: list[str], split: str, n: int, seed: int, turns: int = 
     return out
 
 
+def plain_prompt(item: Item, shots: list[Item]) -> str:
+    """A base model's form of the question (it knows no chat template): the shots answered, then the question, each
+    as "Q: ...\nA: ..." and a blank line; the answer is what follows "A:" up to the end of the line."""
+    return "".join(f"Q: {s.question}\nA: {s.answer}\n\n" for s in shots) + f"Q: {item.question}\nA:"
+
+
 def grade(item: Item, reply: str) -> bool:
     """A reply is right when, stripped of surrounding spaces and a final full stop, it is the answer."""
     return reply.strip().removesuffix(".").strip() == item.answer

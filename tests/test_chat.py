@@ -4,6 +4,7 @@ when the context is outgrown, and the command line (streamed replies, /reset, /s
 model refused)."""
 
 import io
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,133 @@ def test_chat_cli_refuses_a_base_model_in_one_line(tmp_path):
     base = save_chat_checkpoint(tmp_path / "base.pt", random_chat_model(), CharTokenizer(CHARS + ["@", "#", "$"]))
     proc = run_chat("--ckpt", str(base), "--prompt", "Hi")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no chat template" in proc.stderr, proc.stderr
+
+
+# ---- evaluation: the chat tasks, and the harness's chat mode ---------------------------------------
+
+
+def run_eval(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "eval.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def base_ckpt(tmp_path_factory) -> Path:
+    """A model without a chat template: its char vocabulary as large as the chat one's, with no special tokens."""
+    path = tmp_path_factory.mktemp("base") / "ckpt_best.pt"
+    return save_chat_checkpoint(path, random_chat_model(), CharTokenizer(CHARS + ["@", "#", "$"]))
+
+
+def plain_reference(ckpt: Path, question: str, shots: list) -> str:
+    """Greedy text after the few-shot prompt, by whole-sequence forward passes, up to the end of the line."""
+    from quillgpt.evaluate import ANSWER_TOKENS
+    from quillgpt.tasks import Item, plain_prompt
+
+    model, tok, _ = load_for_sampling(ckpt, "cpu", "fp32")
+    prompt = tok.encode(plain_prompt(Item("", "", question, ""), shots))
+    text = tok.decode(greedy_reencoding(model, prompt, ANSWER_TOKENS, stop=set()))
+    return text.split("\n")[0]
+
+
+def test_eval_grades_held_out_chat_task_answers_in_the_template_or_few_shot(chat_ckpt, base_ckpt, tmp_path):
+    from quillgpt.evaluate import ANSWER_TOKENS, FEW_SHOT
+    from quillgpt.tasks import grade, sample_items
+
+    chat_ckpt, _ = chat_ckpt
+    for ckpt, form in ((chat_ckpt, "chat template"), (base_ckpt, f"plain, up to {FEW_SHOT}-shot")):
+        out = tmp_path / f"{ckpt.parent.name}.json"
+        proc = run_eval(
+            "--ckpt", str(ckpt), "--chat-task", "arithmetic,reverse", "--chat-items", "4", "--json", str(out)
+        )
+        assert proc.returncode == 0, proc.stderr
+        report = json.loads(out.read_text())["chat_tasks"]
+        assert report["form"] == form and list(report["tasks"]) == ["arithmetic", "reverse"]
+        assert f"chat task reverse ({form}, greedy): acc" in proc.stdout
+        for task, result in report["tasks"].items():
+            items = sample_items(task, "test", 4, seed=0, distinct=True)
+            assert [e["question"] for e in result["examples"]] == [i.question for i in items]
+            assert result["correct"] == sum(grade(i, e["reply"]) for i, e in zip(items, result["examples"]))
+            assert result["items"] == 4 and result["acc"] == result["correct"] / 4
+            if ckpt == chat_ckpt:
+                model, tok, _ = load_for_sampling(ckpt, "cpu", "fp32")
+                expected = [ChatSession(model, tok, max_new_tokens=ANSWER_TOKENS).reply(i.question) for i in items]
+            else:
+                shots = sample_items(task, "train", FEW_SHOT, seed=0, distinct=True)
+                expected = [plain_reference(ckpt, i.question, shots) for i in items]
+            assert [e["reply"] for e in result["examples"]] == expected
+
+
+def test_eval_rejects_an_unknown_chat_task_before_loading_anything(tmp_path):
+    proc = run_eval("--ckpt", str(tmp_path / "missing.pt"), "--chat-task", "arithmetic,poetry")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "unknown chat task poetry" in proc.stderr
+
+
+def write_chat_harness_task(directory: Path) -> tuple[Path, list]:
+    """A harness task over local files: held-out arithmetic questions, answers graded by exact match."""
+    from quillgpt.tasks import sample_items
+
+    items = sample_items("arithmetic", "test", 4, seed=0, distinct=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    data = directory / "items.jsonl"
+    data.write_text("".join(json.dumps({"question": i.question, "answer": i.answer}) + "\n" for i in items))
+    (directory / "chat_sums.yaml").write_text(
+        f"task: chat_sums\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+        'output_type: generate_until\ntest_split: test\ndoc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\n'
+        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 12\nmetric_list:\n  - metric: exact_match\n'
+        "    aggregation: mean\n    higher_is_better: true\n"
+    )
+    return directory, items
+
+
+def test_harness_chat_mode_renders_requests_in_the_template_and_answers_as_chat_does(chat_ckpt, tmp_path):
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from quillgpt.lm_harness import QuillLM
+
+    seen = []
+
+    class Recording(QuillLM):
+        def generate_until(self, requests):
+            out = super().generate_until(requests)
+            seen.extend((r.args[0], o) for r, o in zip(requests, out))
+            return out
+
+    task_dir, items = write_chat_harness_task(tmp_path / "tasks")
+    model, tok, _ = load_for_sampling(chat_ckpt[0], "cpu", "fp32")
+    fmt = chat_format(tok)
+    lm = Recording(model, tok, chat=True)
+    results = simple_evaluate(
+        model=lm,
+        tasks=["chat_sums"],
+        task_manager=TaskManager(include_path=str(task_dir)),
+        apply_chat_template=True,
+        log_samples=False,
+        bootstrap_iters=0,
+        verbosity="ERROR",
+    )
+    asked = {i.question: [{"role": "user", "content": i.question}] for i in items}
+    assert sorted(context for context, _ in seen) == sorted(fmt.render(m, True) for m in asked.values())
+    for context, output in seen:
+        messages = next(m for m in asked.values() if fmt.render(m, True) == context)
+        assert lm.encode_context(context) == fmt.prompt_ids(messages)  # special tokens read as their ids
+        assert output == ChatSession(model, tok, max_new_tokens=12).reply(messages[0]["content"]).split("\n")[0]
+    assert results["results"]["chat_sums"]["exact_match,none"] == 0.0  # a random model
+    assert lm.chat_template(True) == tok.chat_template and lm.tokenizer_name.startswith("quillgpt-char-")
+    ctx, cont = lm.encode_pair(fmt.render(messages, True), "42")
+    assert ctx == fmt.prompt_ids(messages) and cont == tok.encode("42")
+
+
+def test_eval_passes_apply_chat_template_to_the_harness_and_refuses_a_base_model(chat_ckpt, base_ckpt, tmp_path):
+    pytest.importorskip("lm_eval")
+    task_dir, _ = write_chat_harness_task(tmp_path / "tasks")
+    args = ("--tasks", "chat_sums", "--task-dir", str(task_dir), "--apply-chat-template")
+    proc = run_eval("--ckpt", str(chat_ckpt[0]), *args, "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert "exact_match" in json.loads((tmp_path / "r.json").read_text())["harness"]["chat_sums"]
+    base = run_eval("--ckpt", str(base_ckpt), *args)
+    assert base.returncode == 2 and "no chat template" in base.stderr.splitlines()[-1], base.stderr
+    alone = run_eval("--ckpt", str(base_ckpt), "--apply-chat-template")
+    assert alone.returncode == 2 and "give --tasks" in alone.stderr
