@@ -68,7 +68,7 @@ def greedy_reencoding(model: GPT, prompt: list[int], budget: int, stop: set[int]
     with torch.no_grad():
         for _ in range(budget):
             logits, _ = model(torch.tensor([prompt + ids]))
-            ids.append(int(logits[0, -1, : chat_tokenizer().vocab_size].argmax()))
+            ids.append(int(logits[0, -1].argmax()))
             if ids[-1] in stop:
                 break
     return ids
@@ -104,6 +104,31 @@ def test_each_turn_reads_only_its_new_ids_and_equals_reencoding_the_whole_conver
         assert session.encoded - encoded == len(prompt) - len(before)  # ... and only the rest was read
     assert session.cache.length > 64  # it grew past its first allocation, its contents carried over
     assert [m["role"] for m in session.messages] == ["system"] + ["user", "assistant"] * 3
+
+
+def test_a_reply_the_tokenizer_would_encode_otherwise_rewinds_the_cache_to_where_they_agree():
+    """A byte-level BPE's sampled ids are often not those its encoder gives the reply's text: the next turn's
+    rendering differs from the cache after the common prefix, which is all that is kept."""
+    from conftest import tiny_corpus
+
+    from quillgpt.chat_session import common_prefix
+    from quillgpt.tokenizer import train_tokenizer
+
+    tok = with_chat_tokens(train_tokenizer("bpe", [tiny_corpus(20_000) + "?+0123456789'"], 300, eot=True))
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(block_size=256, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32)).eval()
+    fmt = chat_format(tok)
+    session = ChatSession(model, tok, max_new_tokens=10)
+    rewound = 0
+    for text in TURNS:
+        before, encoded = list(session.ids), session.encoded
+        prompt = fmt.prompt_ids(session.messages + [{"role": "user", "content": text}])
+        session.reply(text)
+        assert session.ids[len(prompt) :] == greedy_reencoding(model, prompt, 10, fmt.stop_ids)
+        kept = common_prefix(before, prompt)
+        assert session.encoded - encoded == len(prompt) - kept
+        rewound += kept < len(before)
+    assert rewound  # the case this test is for happened
 
 
 def test_a_reply_stops_at_the_end_of_turn_token_which_the_cache_keeps():
