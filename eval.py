@@ -1,4 +1,4 @@
-"""Score a model where runs are compared: bits per byte on text, HellaSwag, lm-evaluation-harness tasks.
+"""Score a model where runs are compared: bits per byte on text, HellaSwag, lm-evaluation-harness tasks, chat tasks.
 
     python eval.py --ckpt checkpoints/shakespeare-char-cpu               # its dataset's val split, bits per byte first
     python eval.py --ckpt checkpoints/base --text path/to/input.txt --stride 32 --map-unknown
@@ -6,6 +6,8 @@
     python eval.py --ckpt path/to/hf-gpt2 --hellaswag hellaswag_val.jsonl --limit 1000
     python eval.py --ckpt path/to/hf-gpt2 --hellaswag                    # downloads it once (hash-checked)
     python eval.py --ckpt checkpoints/base --tasks hellaswag,arc_easy,lambada_openai   # the harness: '.[eval]'
+    python eval.py --ckpt checkpoints/chat --tasks my_task --task-dir my_tasks/ --apply-chat-template   # chat mode
+    python eval.py --ckpt checkpoints/chat --chat-task arithmetic,reverse,count --chat-items 200  # answers graded
     python eval.py --ckpt X --split val --hellaswag h.jsonl --json results.json        # every figure, traceable
 
 --ckpt takes a checkpoint file, a run directory (its best checkpoint), a .safetensors file from
@@ -15,6 +17,10 @@ a long context scores windows of at most --context tokens (default 2048). Text i
 (bits per byte, HellaSwag) and quillgpt/lm_harness.py (lm-evaluation-harness). --json writes every figure with
 the checkpoint, the sha256 of each file scored and the settings, so that a number in a README can be
 traced to its run.
+
+--chat-task asks the held-out items of the synthetic chat tasks (quillgpt/tasks.py) and grades the greedy answers:
+a model with a chat template in it (a reply ends at its end-of-turn token), a base model in a plain few-shot form
+("Q: ...\nA: ..."), so that a base model and its fine-tuned chat model answer the same items (docs/chat.md).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 from quillgpt.errors import run_main
 from quillgpt.evaluate import DEFAULT_CONTEXT, evaluate, print_report
 from quillgpt.files import atomic_write_json
+from quillgpt.tasks import parse_tasks
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,8 +74,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="lm-evaluation-harness tasks, space- or comma-separated, or one --tasks each (needs '.[eval]')",
     )
     p.add_argument("--task-dir", help="a directory of harness task YAML files of your own")
+    p.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="harness tasks: put each request in the model's chat template (the harness's chat mode)",
+    )
     p.add_argument("--num-fewshot", type=int, default=None, help="harness tasks: few-shot examples")
     p.add_argument("--limit", type=int, default=None, help="score at most this many HellaSwag items (and harness docs)")
+    p.add_argument(
+        "--chat-task",
+        metavar="TASKS",
+        help="synthetic chat tasks to answer and grade, comma-separated: arithmetic, reverse, count",
+    )
+    p.add_argument("--chat-items", type=int, default=100, help="held-out items of each chat task (default 100)")
     p.add_argument(
         "--map-unknown",
         action="store_true",
@@ -85,10 +103,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE", help="write every figure, the checkpoint, data hashes and settings here")
     args = p.parse_args(argv)
     args.tasks = ",".join(args.tasks) if args.tasks else None  # the harness's own form: one comma-separated list
-    if not (args.text or args.split or args.hellaswag is not None or args.tasks):
+    if not (args.text or args.split or args.hellaswag is not None or args.tasks or args.chat_task):
         args.split = "val"
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be at least 1")
+    if args.chat_task:
+        args.chat_task = ",".join(parse_tasks(args.chat_task))  # an unknown name stops here, before the model loads
+    if args.chat_items < 1:
+        p.error("--chat-items must be at least 1")
+    if args.apply_chat_template and not args.tasks:
+        p.error("--apply-chat-template is for harness tasks: give --tasks")
     if args.context < 2:
         p.error("--context must be at least 2")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -1,6 +1,7 @@
-"""Score a model where runs are compared: bits per byte on text, HellaSwag, lm-evaluation-harness tasks. eval.py is
-the command line over `evaluate`; how each figure is computed: scoring.py (bits per byte, HellaSwag) and
-lm_harness.py (lm-evaluation-harness)."""
+"""Score a model where runs are compared: bits per byte on text, HellaSwag, lm-evaluation-harness tasks, and the
+accuracy of its answers on the synthetic chat tasks. eval.py is the command line over `evaluate`; how each figure is
+computed: scoring.py (bits per byte, HellaSwag), lm_harness.py (lm-evaluation-harness), run_chat_tasks below (chat
+tasks, quillgpt/tasks.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from model import GPT
-from quillgpt import corpus
+from quillgpt import corpus, tasks
+from quillgpt.chat_session import ChatSession
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.data import check_vocab_compatible, load_dataset
 from quillgpt.errors import UserError
 from quillgpt.files import atomic_write, sha256_file
+from quillgpt.generate import generate_texts
 from quillgpt.loading import load_model
 from quillgpt.machine import keep_freed_memory
 from quillgpt.precision import autocast as precision_autocast
@@ -32,6 +36,8 @@ HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/
 HELLASWAG_BLOB_SHA1 = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
 HELLASWAG_PATH = Path("data") / "hellaswag" / "hellaswag_val.jsonl"
 DEFAULT_CONTEXT = 2048
+ANSWER_TOKENS = 32  # a chat task's answer is a few characters: a reply longer than this is wrong anyway
+FEW_SHOT = 3  # a base model's examples of the answer's form, fewer when they would not fit its context
 
 
 # ---- what to score ------------------------------------------------------------------------------
@@ -130,6 +136,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         "text": [],
         "hellaswag": None,
         "harness": None,
+        "chat_tasks": None,
     }
     if Path(loaded.source).is_file():
         report["checkpoint_sha256"] = sha256_file(Path(loaded.source))
@@ -152,8 +159,18 @@ def evaluate(args: argparse.Namespace) -> dict:
         from quillgpt.lm_harness import run_tasks
 
         report["harness"] = run_tasks(
-            model, tokenizer, args.tasks.split(","), args.task_dir, args.limit, args.num_fewshot, autocast
+            model,
+            tokenizer,
+            args.tasks.split(","),
+            args.task_dir,
+            args.limit,
+            args.num_fewshot,
+            autocast,
+            apply_chat_template=args.apply_chat_template,
         )
+    if args.chat_task:
+        with autocast:
+            report["chat_tasks"] = run_chat_tasks(model, tokenizer, tasks.parse_tasks(args.chat_task), args.chat_items)
     return report
 
 
@@ -194,6 +211,49 @@ def run_hellaswag(args: argparse.Namespace, model: GPT, tokenizer: Tokenizer, au
     }
 
 
+def run_chat_tasks(model: GPT, tokenizer: Tokenizer, names: list[str], n_items: int) -> dict:
+    """Accuracy on n_items held-out items of each chat task, greedy answers graded by tasks.grade.
+
+    A model whose tokenizer has a chat template is asked in it, one conversation per question, and answers until an
+    end-of-turn token; a base model gets the plain form (tasks.plain_prompt): up to FEW_SHOT solved training items
+    of the same task, then the question, and answers to the end of the line."""
+    chat = tokenizer.chat_template is not None
+    session = ChatSession(model, tokenizer, max_new_tokens=ANSWER_TOKENS, notices=None) if chat else None
+    out = {"form": "chat template" if chat else f"plain, up to {FEW_SHOT}-shot", "tasks": {}}
+    for name in names:
+        items = tasks.sample_items(name, "test", n_items, seed=0, distinct=True)
+        shots = tasks.sample_items(name, "train", FEW_SHOT, seed=0, distinct=True)
+        correct, examples, t0 = 0, [], time.perf_counter()
+        for item in tqdm(items, desc=name, unit="item", leave=False, disable=None):
+            if session is not None:
+                session.reset()
+                reply = session.reply(item.question)
+            else:
+                reply = plain_answer(model, tokenizer, item, shots)
+            correct += tasks.grade(item, reply)
+            if len(examples) < 5:
+                examples.append({"question": item.question, "answer": item.answer, "reply": reply})
+        out["tasks"][name] = {
+            "items": len(items),
+            "correct": correct,
+            "acc": correct / len(items),
+            "seconds": time.perf_counter() - t0,
+            "examples": examples,
+        }
+    return out
+
+
+def plain_answer(model: GPT, tokenizer: Tokenizer, item: tasks.Item, shots: list[tasks.Item]) -> str:
+    """A base model's greedy answer to the plain form of the question, with as many shots as fit its context."""
+    for k in range(len(shots), -1, -1):
+        ids = tokenizer.prompt_ids(tasks.plain_prompt(item, shots[:k]))
+        if len(ids) + ANSWER_TOKENS <= model.config.block_size or k == 0:
+            break
+    ids = ids[-(model.config.block_size - 1) :]
+    texts, _ = generate_texts(model, tokenizer, ids, 1, ANSWER_TOKENS, temperature=0, top_k=None, stop=["\n"])
+    return texts[0]
+
+
 def print_report(report: dict) -> None:
     print(
         f"{report['checkpoint']}: {report['parameters'] / 1e6:.2f}M parameters, {report['tokenizer']} tokenizer, "
@@ -218,3 +278,10 @@ def print_report(report: dict) -> None:
         )
     for task, metrics in (report["harness"] or {}).items():
         print(f"{task}: " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    if report.get("chat_tasks"):
+        chat = report["chat_tasks"]
+        for task, r in chat["tasks"].items():
+            print(
+                f"chat task {task} ({chat['form']}, greedy): acc {r['acc']:.4f} | {r['correct']}/{r['items']} "
+                f"held-out items in {r['seconds']:.1f}s"
+            )

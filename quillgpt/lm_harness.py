@@ -9,12 +9,18 @@ QuillLM is the harness's model interface over our GPT and tokenizer (char, train
 - loglikelihood_rolling: the sum of scoring.score_text's windows over the text.
 - generate_until: greedy decoding through the KV cache (model.generate_stream), cut at the first
   stop string.
+Chat mode (eval.py --apply-chat-template, the harness's --apply_chat_template): the harness renders each request
+with apply_chat_template below (the tokenizer's own template, quillgpt/chat_template.py) and hands over the text;
+its special tokens' text becomes their ids (Tokenizer.encode_chat, as transformers tokenizes a rendered chat, with
+no BOS added: a template writes its own), and a generation also ends at the template's end-of-turn token.
 The harness fetches its tasks' datasets from the Hugging Face hub: offline, only tasks over local
 files run (a YAML task with dataset_path: json and data_files).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 from pathlib import Path
@@ -24,20 +30,59 @@ import torch
 from lm_eval.api.model import LM
 
 from model import GPT
+from quillgpt.chat_template import chat_format, check_messages
 from quillgpt.errors import UserError
 from quillgpt.scoring import continuation_logprobs, encode_pair, score_text
 from quillgpt.tokenizer import Tokenizer
 
 
 class QuillLM(LM):
-    def __init__(self, model: GPT, tokenizer: Tokenizer, autocast=None):
+    def __init__(self, model: GPT, tokenizer: Tokenizer, autocast=None, chat: bool = False):
         super().__init__()
         self.model, self.tokenizer, self.autocast = model.eval(), tokenizer, autocast
         self._device = next(model.parameters()).device
         self.token_bytes = tokenizer.token_bytes()
+        self.format = chat_format(tokenizer) if chat else None  # a UserError when the tokenizer has no template
+        self.stop_ids = self.format.stop_ids if chat else frozenset()
+
+    # ---- the harness's chat mode ----------------------------------------------------------------------
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if self.format is None:
+            raise UserError("--apply-chat-template: the model was not opened in chat mode")
+        return self.format.render(check_messages(chat_history, "chat template"), add_generation_prompt)
+
+    @property
+    def tokenizer_name(self) -> str:
+        """Fingerprints the harness's request cache: the tokenizer and its template."""
+        d = json.dumps(self.tokenizer.to_dict(), sort_keys=True)
+        return f"quillgpt-{self.tokenizer.kind}-{hashlib.sha256(d.encode()).hexdigest()[:16]}"
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.tokenizer.chat_template if chat_template else None
+
+    def encode_context(self, context: str) -> list[int]:
+        """A request's context: a rendered chat (special tokens as their ids), or plain text after the BOS."""
+        if self.format is not None:
+            return self.tokenizer.encode_chat(context)[0]
+        return self.tokenizer.prompt_ids(context)
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids, continuation ids) by scoring.encode_pair's rule; in chat mode over encode_chat."""
+        if self.format is None:
+            return encode_pair(self.tokenizer, context, continuation)
+        spaces = len(context) - len(context.rstrip(" "))
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        ctx = self.tokenizer.encode_chat(context)[0]
+        whole = self.tokenizer.encode_chat(context + continuation)[0]
+        cont = whole[len(ctx) :] if whole[: len(ctx)] == ctx else self.tokenizer.encode_chat(continuation)[0]
+        return ctx, cont
+
+    # ---- requests -----------------------------------------------------------------------------------
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        pairs = [encode_pair(self.tokenizer, ctx, cont) for ctx, cont in (r.args for r in requests)]
+        pairs = [self.encode_pair(ctx, cont) for ctx, cont in (r.args for r in requests)]
         return [(c.logprob, c.greedy) for c in continuation_logprobs(self.model, pairs, self.autocast)]
 
     def loglikelihood_rolling(self, requests) -> list[float]:
@@ -61,12 +106,12 @@ class QuillLM(LM):
         for context, kwargs in (r.args for r in requests):
             until = [s for s in kwargs.get("until", []) if s]
             limit = int(kwargs.get("max_gen_toks", 256))
-            ids = self.tokenizer.prompt_ids(context) or [self.tokenizer.eot_id or 0]
+            ids = self.encode_context(context) or [self.tokenizer.eot_id or 0]
             idx = torch.tensor([ids], device=self._device)
             generated: list[int] = []
             text = ""
             for token in self.model.generate_stream(idx, limit, temperature=0, vocab_limit=self.tokenizer.vocab_size):
-                if int(token) == self.tokenizer.eot_id:
+                if int(token) == self.tokenizer.eot_id or int(token) in self.stop_ids:
                     break
                 generated.append(int(token))
                 text = self.tokenizer.decode_after(ids[-8:], generated)
@@ -85,8 +130,10 @@ def run_tasks(
     limit: int | None,
     num_fewshot: int | None,
     autocast=None,
+    apply_chat_template: bool = False,
 ) -> dict:
-    """The harness's results dict for the tasks; an unknown task is a UserError with the harness's own message."""
+    """The harness's results dict for the tasks; an unknown task is a UserError with the harness's own message.
+    apply_chat_template: the harness's chat mode, each request in the tokenizer's chat template."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -96,7 +143,7 @@ def run_tasks(
     manager = TaskManager(include_path=task_dir)
     try:
         results = simple_evaluate(
-            model=QuillLM(model, tokenizer, autocast),
+            model=QuillLM(model, tokenizer, autocast, chat=apply_chat_template),
             tasks=tasks,
             limit=limit,
             num_fewshot=num_fewshot,
@@ -104,6 +151,7 @@ def run_tasks(
             log_samples=False,
             bootstrap_iters=0,
             verbosity="ERROR",
+            apply_chat_template=apply_chat_template,
         )
     except (KeyError, ValueError) as e:  # the harness names an unknown task so
         first = (str(e).strip().strip("'\"").splitlines() or [type(e).__name__])[0]

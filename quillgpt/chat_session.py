@@ -1,0 +1,196 @@
+"""A multi-turn conversation with a model, its KV cache kept across turns. chat.py is the command line over it.
+
+Each turn renders the whole conversation with the tokenizer's chat template (ChatFormat.prompt_ids), as a
+re-encoding would, and runs through the model only the ids the cache doesn't hold yet: the cache holds the ids of
+every turn so far, each reply's end-of-turn token included, so the next prompt starts with them. Where the rendering
+differs from what the cache holds (a reply the tokenizer encodes differently from how it was sampled, a changed
+system message), the cache is rewound to the longest common prefix; the positions after it are overwritten. The
+new ids after the cache's first pass go through model.decode_one one at a time: GPT.forward with a cache attends
+causally only from position 0.
+
+When the prompt and the longest reply would not fit the model's context, the oldest turns are dropped (the system
+message kept), with a notice.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+import torch
+
+from model import GPT, KVCache, cache_length, sample_next
+from quillgpt.chat_template import ChatFormat, chat_format
+from quillgpt.errors import UserError
+from quillgpt.generate import showable_length
+from quillgpt.tokenizer import Tokenizer
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class ChatSession:
+    def __init__(
+        self,
+        model: GPT,
+        tokenizer: Tokenizer,
+        system: str | None = None,
+        max_new_tokens: int = 256,
+        notices: TextIO | None = sys.stderr,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.format: ChatFormat = chat_format(tokenizer)  # a UserError when the tokenizer has no chat template
+        self.max_new_tokens = max_new_tokens
+        self.notices = notices
+        self.device = next(model.parameters()).device
+        self.system = system
+        self.messages: list[dict] = []
+        self.ids: list[int] = []  # the ids whose keys and values the cache holds, in order
+        self.cache: KVCache | None = None
+        self.encoded = 0  # ids run through the model to read prompts (not to generate): what the cache saves
+        self.reset(system)
+
+    @property
+    def block_size(self) -> int:
+        return self.model.config.block_size
+
+    def reset(self, system: str | None = None) -> None:
+        """A new conversation (with this system message, if any); the cache's memory is kept for it."""
+        self.system = system or None
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.ids = []
+
+    # ---- one turn ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def reply(
+        self,
+        user_text: str,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        stream: TextIO | None = None,
+        max_new_tokens: int | None = None,
+    ) -> str:
+        """The assistant's answer to user_text, streamed to `stream` as it is produced, ending at an end-of-turn id
+        or after max_new_tokens. Both messages join the conversation."""
+        self.messages.append({"role": "user", "content": user_text})
+        try:
+            prompt, budget = self.fit(self.max_new_tokens if max_new_tokens is None else max_new_tokens)
+        except UserError:
+            self.messages.pop()
+            raise
+        logits = self.read(prompt, budget)
+        stop = self.format.stop_ids
+        generated: list[int] = []
+        shown = 0
+        for _ in range(budget):
+            token = self.sample(logits, temperature, top_k, top_p, generator)
+            logits = self.step(token)  # the cache takes every token, an end of turn too: the next turn follows it
+            if token in stop:
+                break
+            generated.append(token)
+            if stream is not None:
+                text = self.tokenizer.decode_after(prompt[-8:], generated)
+                end = showable_length(text, [])
+                stream.write(text[shown:end])
+                stream.flush()
+                shown = max(shown, end)
+        text = self.tokenizer.decode_after(prompt[-8:], generated) if generated else ""
+        if stream is not None:
+            stream.write(text[shown:])
+            stream.flush()
+        self.messages.append({"role": "assistant", "content": text})
+        return text
+
+    def fit(self, max_new_tokens: int) -> tuple[list[int], int]:
+        """(prompt ids, reply budget): the oldest turns dropped until the prompt and max_new_tokens fit the context,
+        or the budget cut when only the last message is left and still nothing else fits. A message that can't fit
+        even alone is a UserError, the conversation untouched."""
+        alone = self.format.prompt_ids([m for m in self.messages if m["role"] == "system"] + self.messages[-1:])
+        if len(alone) >= self.block_size:
+            raise UserError(
+                f"this message makes a prompt of {len(alone)} tokens, and the model's context is {self.block_size}: "
+                "say it in fewer words (or a shorter system message)"
+            )
+        dropped = 0
+        while True:
+            prompt = self.format.prompt_ids(self.messages)
+            if len(prompt) + max_new_tokens <= self.block_size or not self.drop_oldest_turn():
+                break
+            dropped += 1
+        if dropped and self.notices is not None:
+            print(
+                f"[the conversation outgrew the context of {self.block_size} tokens: dropped the oldest "
+                f"{dropped} turn{'s' if dropped > 1 else ''}]",
+                file=self.notices,
+            )
+        return prompt, min(max_new_tokens, self.block_size - len(prompt))
+
+    def drop_oldest_turn(self) -> bool:
+        """Remove the first user message and the replies after it (never the system message, nor the message being
+        answered); False when there is nothing left to drop."""
+        turns = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        if len(turns) < 2:
+            return False
+        del self.messages[turns[0] : turns[1]]
+        return True
+
+    # ---- the model and its cache --------------------------------------------------------------------
+
+    def read(self, prompt: list[int], budget: int) -> torch.Tensor:
+        """Bring the cache to hold `prompt`, running through the model only what it lacks; the next-token logits
+        (1, V). Room is made for budget more tokens."""
+        keep = min(common_prefix(self.ids, prompt), len(prompt) - 1)  # the last id must run: its logits are needed
+        self.ensure_room(len(prompt) + budget, keep)
+        if keep == 0:  # from the start: one causal pass
+            self.cache.pos = 0
+            logits, _ = self.model(torch.tensor([prompt], device=self.device), cache=self.cache, last_only=True)
+            self.ids = list(prompt)
+            self.encoded += len(prompt)
+            return logits[:, -1, :]
+        self.cache.pos = keep
+        self.ids = self.ids[:keep]
+        for token in prompt[keep:]:
+            logits = self.step(token)
+        self.encoded += len(prompt) - keep
+        return logits
+
+    def step(self, token: int) -> torch.Tensor:
+        """Append one id to the cache; the logits (1, V) of the token after it."""
+        position = torch.tensor([self.cache.pos], device=self.device)
+        logits = self.model.decode_one(torch.tensor([[token]], device=self.device), position, self.cache)
+        self.cache.pos += 1
+        self.ids.append(token)
+        return logits
+
+    def ensure_room(self, needed: int, keep: int) -> None:
+        """A cache of at least `needed` positions, its first `keep` ones carried over from the old cache."""
+        if self.cache is not None and self.cache.length >= needed:
+            return
+        old = self.cache
+        self.cache = self.model.new_cache(1, cache_length(needed, self.block_size))
+        if old is not None:
+            for layer in range(len(old.k)):
+                self.cache.k[layer][:, :, :keep] = old.k[layer][:, :, :keep]
+                self.cache.v[layer][:, :, :keep] = old.v[layer][:, :, :keep]
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        generator: torch.Generator | None,
+    ) -> int:
+        logits = logits.float()
+        if self.tokenizer.vocab_size < logits.size(-1):  # a vocabulary padded for speed: ids nothing decodes
+            logits[:, self.tokenizer.vocab_size :] = -float("inf")
+        return int(sample_next(logits, temperature, top_k, top_p, generator)[0, 0])

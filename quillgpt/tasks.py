@@ -1,0 +1,220 @@
+"""Synthetic chat tasks with checkable answers: what a small model learns on a CPU in minutes, and how it is graded.
+
+    python -m quillgpt.tasks --out data/chat_tasks.jsonl                        # 20,000 training conversations
+    python -m quillgpt.tasks --out data/chat_test.jsonl --split test --n 300    # held-out items
+    python -m quillgpt.tasks --out data/sums.jsonl --tasks arithmetic --turns 2 --seed 1
+
+Three families, each a question and a short answer in plain ASCII (any char vocabulary trained on English or code
+has every character):
+- arithmetic: "What is 17 + 25?" -> "42" (sums and differences of numbers below 100, never negative)
+- reverse: "Spell 'night' backwards." -> "thgin"
+- count: "How many times does 'r' appear in 'strawberry'?" -> "3"
+
+Each item has a key (its content: the numbers, or the word and letter, never the phrasing), and a hash of the key
+puts it in the train or the test split, so held-out items are never trained on, in any phrasing, whatever the seed.
+Written as jsonl lines {"messages": [...]} (the form prepare.py --chat reads); eval.py --chat-task grades a model on
+the test split (quillgpt.evaluate.run_chat_tasks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from quillgpt.errors import UserError, run_main
+from quillgpt.files import atomic_write
+
+# Common English words of 3 to 8 letters: reversing and counting letters of a word the model has never seen in a
+# question is the test, so the held-out split holds words no training item uses.
+WORDS = """
+able acid aged also area army away baby back ball band bank base bath bear beat been beer bell belt best bird
+blow blue boat body bone book boot born boss both bowl burn bush busy cake call calm came camp card care case
+cash cast cell chat chip city club coal coat code cold come cook cool cope copy core cost crew crop dark data
+date dawn dead deal dear debt deep deny desk diet dirt dish door down draw drop drug dust duty each earn ease
+east easy edge else even ever face fact fail fair fall farm fast fate fear feed feel file fill film find fine
+fire firm fish five flat flow food foot form fort four free from fuel full fund gain game gate gave gear gift
+girl give glad goal gold golf gone good gray grew grow hair half hall hand hang hard harm hate have head hear
+heat held help here hero high hill hire hold hole holy home hope host hour huge hung hunt idea inch into
+iron item jack join jump jury just keen keep kept kick kind king knee knew know lack lady
+laid lake land lane last late lead left less life lift like line link list live load loan lock long look lord
+lose loss lost love luck made mail main make male many mark mass meal mean meat meet menu mere mile milk mind
+mine miss mode mood moon more most move much must name navy near neck need news next nice nine none nose
+note okay once only open oral over pace pack page paid pain pair palm park part pass past path peak pick pink
+pipe plan play plot plus poem poet pool poor port post pull pure push race rail rain rank rare rate read real
+rear rely rent rest rice rich ride ring rise risk road rock role roll roof room root rope rose rule rush safe
+said sake sale salt same sand save seat seed seek seem seen self sell send sent ship shop shot show shut sick
+side sign site size skin slip slow snow soft soil sold sole some song soon sort soul spot star stay step stop
+such suit sure take tale talk tall tank tape task team tech tell tend term test text than that them then they
+thin this thus tide till time tiny told tone took tool tour town tree trip true tune turn twin type unit upon
+used user vast very vice view vote wage wait wake walk wall want ward warm wash wave ways weak wear week well
+went were west what when whom wide wife wild will wind wine wing wire wise wish with wood word wore work yard
+yeah year your zero zone apple bread chair dance earth field glass heart horse house judge knife laugh light
+money mouth night ocean paper party peace phone piano plant power queen radio river round scale shape sheep
+shirt smile sound space spoon storm sugar table teeth thing tiger toast touch tower train truth uncle voice
+water whale wheel woman world young animal basket bottle bridge butter camera candle castle circle cookie
+corner dinner doctor dragon family father finger flower forest friend garden guitar hammer island jacket
+kitten letter little market mirror monkey mother number orange parent pencil pepper person pickle planet
+pocket rabbit school silver spring square street summer ticket tomato turtle winter yellow balloon blanket
+brother chicken country diamond dolphin kitchen library monster morning picture rainbow sandwich strawberry
+teacher thunder village weather banana elephant mountain notebook umbrella
+""".split()
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+HELD_OUT = 10  # one key in HELD_OUT goes to the test split
+
+
+@dataclass(frozen=True)
+class Item:
+    task: str
+    key: str  # the item's content, whatever its phrasing: what the split is decided by
+    question: str
+    answer: str
+
+    def messages(self) -> list[dict]:
+        return [{"role": "user", "content": self.question}, {"role": "assistant", "content": self.answer}]
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    keys: Callable[[], list[tuple]]  # every item's content, in a fixed order
+    phrasings: tuple[str, ...]  # str.format templates over the fields of ask()
+    ask: Callable[[tuple], dict]  # content -> the fields a phrasing names
+    answer: Callable[[tuple], str]
+
+    def item(self, key: tuple, phrasing: str) -> Item:
+        return Item(self.name, ":".join(map(str, key)), phrasing.format(**self.ask(key)), self.answer(key))
+
+
+def arithmetic_keys() -> list[tuple]:
+    return [(a, op, b) for a in range(100) for b in range(100) for op in "+-" if op == "+" or a >= b]
+
+
+def count_keys() -> list[tuple]:
+    """Each word with each of its letters, and with half as many letters it lacks (answer 0)."""
+    keys = []
+    for w in WORDS:
+        present = sorted(set(w))
+        absent = random.Random(w).sample([c for c in LETTERS if c not in w], max(1, len(present) // 2))
+        keys += [(w, c) for c in present + sorted(absent)]
+    return keys
+
+
+TASKS = {
+    "arithmetic": Task(
+        "arithmetic",
+        arithmetic_keys,
+        ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?", "What do you get from {a} {op} {b}?"),
+        lambda k: {"a": k[0], "op": k[1], "b": k[2]},
+        lambda k: str(k[0] + k[2] if k[1] == "+" else k[0] - k[2]),
+    ),
+    "reverse": Task(
+        "reverse",
+        lambda: [(w,) for w in WORDS],
+        ("Spell '{w}' backwards.", "What is '{w}' reversed?", "Reverse the word {w}.", "Write {w} backwards."),
+        lambda k: {"w": k[0]},
+        lambda k: k[0][::-1],
+    ),
+    "count": Task(
+        "count",
+        count_keys,
+        (
+            "How many times does '{c}' appear in '{w}'?",
+            "How many {c}'s are in '{w}'?",
+            "Count the letter {c} in {w}.",
+        ),
+        lambda k: {"w": k[0], "c": k[1]},
+        lambda k: str(k[0].count(k[1])),
+    ),
+}
+
+
+def parse_tasks(spec: str | list[str]) -> list[str]:
+    names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
+    unknown = [n for n in names if n not in TASKS]
+    if unknown or not names:
+        raise UserError(f"unknown chat task {', '.join(unknown) or repr(spec)}: the tasks are {', '.join(TASKS)}")
+    return list(dict.fromkeys(names))
+
+
+def split_of(task: str, key: tuple) -> str:
+    digest = hashlib.sha256(f"{task}:{':'.join(map(str, key))}".encode()).digest()
+    return "test" if int.from_bytes(digest[:8], "big") % HELD_OUT == 0 else "train"
+
+
+def split_keys(task: str, split: str) -> list[tuple]:
+    return [k for k in TASKS[task].keys() if split_of(task, k) == split]
+
+
+def sample_items(task: str, split: str, n: int, seed: int, distinct: bool = False) -> list[Item]:
+    """n items of a task's split, each in a random phrasing: drawn with replacement, or (distinct) n different keys
+    (all of them when the split has fewer)."""
+    rng = random.Random(f"{task}:{split}:{seed}")
+    pool = split_keys(task, split)
+    keys = rng.sample(pool, min(n, len(pool))) if distinct else [rng.choice(pool) for _ in range(n)]
+    phrasings = TASKS[task].phrasings
+    return [TASKS[task].item(k, rng.choice(phrasings)) for k in keys]
+
+
+def conversations(tasks: list[str], split: str, n: int, seed: int, turns: int = 1) -> list[list[dict]]:
+    """n conversations of 1 to `turns` question-answer turns, the tasks in equal shares, in a seeded order."""
+    rng = random.Random(f"conversations:{split}:{seed}")
+    lengths = [rng.randint(1, turns) for _ in range(n)]
+    per_task = -(-sum(lengths) // len(tasks))
+    pools = {t: sample_items(t, split, per_task, seed) for t in tasks}
+    items = [item for pool in pools.values() for item in pool]
+    rng.shuffle(items)
+    out, at = [], 0
+    for length in lengths:
+        out.append([m for item in items[at : at + length] for m in item.messages()])
+        at += length
+    return out
+
+
+def plain_prompt(item: Item, shots: list[Item]) -> str:
+    """A base model's form of the question (it knows no chat template): the shots answered, then the question, each
+    as "Q: ...\nA: ..." and a blank line; the answer is what follows "A:" up to the end of the line."""
+    return "".join(f"Q: {s.question}\nA: {s.answer}\n\n" for s in shots) + f"Q: {item.question}\nA:"
+
+
+def grade(item: Item, reply: str) -> bool:
+    """A reply is right when, stripped of surrounding spaces and a final full stop, it is the answer."""
+    return reply.strip().removesuffix(".").strip() == item.answer
+
+
+# ---- the command line ------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m quillgpt.tasks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", required=True, help="the jsonl file to write")
+    p.add_argument("--n", type=int, default=20_000, help="conversations (default 20,000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split", choices=("train", "test"), default="train")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated (default {','.join(TASKS)})")
+    p.add_argument("--turns", type=int, default=1, help="at most this many question-answer turns a conversation")
+    args = p.parse_args(argv)
+    if args.n < 1 or args.turns < 1:
+        p.error("--n and --turns must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tasks = parse_tasks(args.tasks)
+    rows = conversations(tasks, args.split, args.n, args.seed, args.turns)
+    with atomic_write(args.out, "w") as f:
+        for messages in rows:
+            f.write(json.dumps({"messages": messages}) + "\n")
+    print(f"wrote {len(rows):,} conversations ({', '.join(tasks)}; {args.split} split) to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
