@@ -65,6 +65,8 @@ class Tokenizer:
     vocab_size: int
     eot_id: int | None = None  # the id of <|endoftext|>, which ends each document; None: the tokenizer has none
     bos_id: int | None = None  # an id that starts each document and prompt (Llama's <s>); None: nothing does
+    chat_template: str | None = None  # Jinja source rendering a conversation (quillgpt/chat_template.py); None: none
+    chat_tokens: tuple[str, ...] = ()  # special tokens added for chat to a char, bpe or tiktoken vocabulary
 
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
@@ -93,6 +95,40 @@ class Tokenizer:
         """The UTF-8 bytes each id stands for (0 for <|endoftext|>): what bits per byte divides by."""
         raise NotImplementedError
 
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Every special token's text -> id (<|endoftext|>, chat tokens, an hf tokenizer's added tokens)."""
+        return {}
+
+    def encode_chat(self, text: str) -> tuple[list[int], list[int]]:
+        """A rendered chat -> (ids, the character offset where each token starts). Unlike encode, a special token's
+        text becomes its id here, as transformers' apply_chat_template tokenizes what its template renders."""
+        specials = self.special_tokens
+        ids: list[int] = []
+        starts: list[int] = []
+        at = 0
+        pattern = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
+        pieces = re.split(f"({pattern})", text) if specials else [text]
+        for piece in pieces:
+            if piece in specials:
+                ids.append(specials[piece])
+                starts.append(at)
+            elif piece:
+                piece_ids, piece_starts = self.encode_with_offsets(piece)
+                ids += piece_ids
+                starts += [at + o for o in piece_starts]
+            at += len(piece)
+        return ids, starts
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """encode(text) and the character offset where each token starts."""
+        raise NotImplementedError
+
+    def chat_fields(self) -> dict:
+        """The to_dict() fields of the chat additions (none when there are none)."""
+        d: dict = {"chat_tokens": list(self.chat_tokens)} if self.chat_tokens else {}
+        return {**d, "chat_template": self.chat_template} if self.chat_template else d
+
     def __repr__(self) -> str:
         label = f"{self.kind}:{self.name}" if self.name else self.kind
         return f"<{type(self).__name__} {label} vocab_size={self.vocab_size}>"
@@ -116,7 +152,8 @@ def _check_ids(ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray:
 class CharTokenizer(Tokenizer):
     kind = "char"
 
-    def __init__(self, chars: Sequence[str], eot: bool = False):
+    def __init__(self, chars: Sequence[str], eot: bool = False, chat_tokens: Sequence[str] = ()):
+        """One id per character in order, then <|endoftext|> (eot), then the chat tokens."""
         chars = list(chars)
         for c in chars:
             if not isinstance(c, str) or len(c) != 1:
@@ -126,7 +163,8 @@ class CharTokenizer(Tokenizer):
         if not chars:
             raise UserError("char vocabulary is empty")
         self.chars = chars
-        self.vocab_size = len(chars) + eot
+        self.chat_tokens = tuple(chat_tokens)
+        self.vocab_size = len(chars) + eot + len(self.chat_tokens)
         self.eot_id = len(chars) if eot else None
         self._codepoints = np.array([ord(c) for c in chars], dtype=np.uint32)
         self._lookup: np.ndarray | None = None
@@ -152,20 +190,34 @@ class CharTokenizer(Tokenizer):
             )
         return ids
 
+    def _chars_text(self, arr: np.ndarray) -> str:
+        return self._codepoints[arr].astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         arr = _check_ids(ids, self.vocab_size)
-        if self.eot_id is None or not (arr == self.eot_id).any():
-            return self._codepoints[arr].astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
-        pieces = np.split(arr, np.flatnonzero(arr == self.eot_id))  # each piece after the first starts with the eot id
-        return self.decode(pieces[0]) + "".join(EOT + self.decode(p[1:]) for p in pieces[1:])
+        special = np.flatnonzero(arr >= len(self.chars))
+        if not special.size:
+            return self._chars_text(arr)
+        names = {i: t for t, i in self.special_tokens.items()}
+        pieces = np.split(arr, special)  # each piece after the first starts with a special id
+        return self._chars_text(pieces[0]) + "".join(names[int(p[0])] + self._chars_text(p[1:]) for p in pieces[1:])
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        return self.encode(text), list(range(len(text)))
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        first = len(self.chars) + (self.eot_id is not None)
+        chat = {t: first + i for i, t in enumerate(self.chat_tokens)}
+        return {EOT: self.eot_id, **chat} if self.eot_id is not None else chat
 
     def token_bytes(self) -> np.ndarray:
         sizes = [len(c.encode("utf-8", "surrogatepass")) for c in self.chars]
-        return np.array(sizes + [0] * (self.eot_id is not None), dtype=np.int64)
+        return np.array(sizes + [0] * (self.vocab_size - len(sizes)), dtype=np.int64)
 
     def to_dict(self) -> dict:
         d = {"kind": "char", "vocab_size": self.vocab_size, "chars": list(self.chars)}
-        return {**d, "eot": True} if self.eot_id is not None else d
+        return {**d, "eot": True, **self.chat_fields()} if self.eot_id is not None else {**d, **self.chat_fields()}
 
 
 def _ascii_letter(s: str | bytes) -> bool:
@@ -230,6 +282,14 @@ class TiktokenTokenizer(Tokenizer):
         arr = _check_ids(ids, self.vocab_size)
         return self.encoding.decode(arr.tolist())  # invalid UTF-8 (a cut-off character) becomes U+FFFD
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        ids = self.encoding.encode_ordinary(text)
+        return ids, self.encoding.decode_with_offsets(ids)[1]
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return dict(self.encoding._special_tokens)
+
     def token_bytes(self) -> np.ndarray:
         special = set(self.encoding._special_tokens.values())
         return np.array(
@@ -241,21 +301,33 @@ class TiktokenTokenizer(Tokenizer):
 class NamedTiktokenTokenizer(TiktokenTokenizer):
     kind = "tiktoken"
 
-    def __init__(self, name: str, encoding: tiktoken.Encoding):
+    def __init__(self, name: str, encoding: tiktoken.Encoding, chat_tokens: Sequence[str] = ()):
+        """chat_tokens get the ids after the encoding's last one."""
+        self.chat_tokens = tuple(chat_tokens)
+        if self.chat_tokens:
+            extra = {t: encoding.n_vocab + i for i, t in enumerate(self.chat_tokens)}
+            encoding = tiktoken.Encoding(
+                name=f"{name}_chat",
+                pat_str=encoding._pat_str,
+                mergeable_ranks=encoding._mergeable_ranks,
+                special_tokens={**encoding._special_tokens, **extra},
+            )
         super().__init__(encoding)
         self.name = name
         self.eot_id = encoding.eot_token
 
     def to_dict(self) -> dict:
-        return {"kind": "tiktoken", "name": self.name}
+        return {"kind": "tiktoken", "name": self.name, **self.chat_fields()}
 
 
 class BPETokenizer(TiktokenTokenizer):
     kind = "bpe"
 
-    def __init__(self, pattern: str, tokens: Sequence[bytes], eot: bool = False):
-        """tokens[rank] = the bytes of the token with that id; eot adds <|endoftext|> as the id after them."""
+    def __init__(self, pattern: str, tokens: Sequence[bytes], eot: bool = False, chat_tokens: Sequence[str] = ()):
+        """tokens[rank] = the bytes of the token with that id; eot adds <|endoftext|> as the id after them, then the
+        chat tokens follow."""
         self.pattern = pattern
+        self.chat_tokens = tuple(chat_tokens)
         self.tokens = [bytes(t) for t in tokens]
         ranks = {t: rank for rank, t in enumerate(self.tokens)}
         if len(ranks) != len(self.tokens):
@@ -267,7 +339,7 @@ class BPETokenizer(TiktokenTokenizer):
                 name=f"quillgpt_bpe_{len(ranks)}",
                 pat_str=pattern,
                 mergeable_ranks=ranks,
-                special_tokens={EOT: len(ranks)} if eot else {},
+                special_tokens={t: len(ranks) + i for i, t in enumerate(([EOT] if eot else []) + list(chat_tokens))},
             )
         except Exception as e:  # tiktoken reports a bad pattern as a plain ValueError from Rust
             raise UserError(f"BPE tokenizer could not be built: {e}") from None
@@ -282,7 +354,7 @@ class BPETokenizer(TiktokenTokenizer):
             "pattern": self.pattern,
             "tokens": [base64.b64encode(t).decode("ascii") for t in self.tokens],
         }
-        return {**d, "eot": True} if self.eot_id is not None else d
+        return {**d, "eot": True, **self.chat_fields()} if self.eot_id is not None else {**d, **self.chat_fields()}
 
 
 def _import_tokenizers():
@@ -330,6 +402,9 @@ class HFTokenizer(Tokenizer):
         # a sentencepiece-style tokenizer marks the start of its input, so its text is encoded whole
         self.byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
         self.special_ids = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        self.added = {t["content"]: t["id"] for t in spec.get("added_tokens", []) if isinstance(t.get("content"), str)}
+        self.chat_template = hf_chat_template(self.config)
+        self._chat_tok = None  # a second instance that matches added tokens in text (encode_chat)
 
     def encode_array(self, text: str) -> np.ndarray:
         pieces = split_text(text, BPE_PIECE_CHARS) if self.byte_level else [text]
@@ -339,6 +414,18 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         arr = _check_ids(ids, self.vocab_size)
         return self._tok.decode(arr.tolist(), skip_special_tokens=False)  # a cut-off character decodes to U+FFFD
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return dict(self.added)
+
+    def encode_chat(self, text: str) -> tuple[list[int], list[int]]:
+        if self._chat_tok is None:
+            self._chat_tok = _import_tokenizers().Tokenizer.from_str(
+                self.json
+            )  # added tokens match, as in transformers
+        encoded = self._chat_tok.encode(text, add_special_tokens=False)
+        return encoded.ids, [start for start, _ in encoded.offsets]
 
     def token_bytes(self) -> np.ndarray:
         byte_of = {c: b for b, c in bytes_to_unicode().items()}
@@ -364,7 +451,17 @@ class HFTokenizer(Tokenizer):
             "bos_id": self.bos_id,
             "tokenizer_json": self.json,
             "tokenizer_config": self.config,
+            **self.chat_fields(),
         }
+
+
+def hf_chat_template(config: dict) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of named ones of which "default" is used."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
 
 
 def hf_tokenizer(directory: str | os.PathLike, model_config: dict | None = None) -> HFTokenizer:
@@ -384,6 +481,12 @@ def hf_tokenizer(directory: str | os.PathLike, model_config: dict | None = None)
         if (directory / "tokenizer_config.json").is_file()
         else {}
     )
+    jinja = directory / "chat_template.jinja"
+    if "chat_template" not in config and jinja.is_file():
+        try:
+            config = {**config, "chat_template": jinja.read_text(encoding="utf-8")}
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read {jinja}: {e}") from None
     if model_config is None and (directory / "config.json").is_file():
         model_config = read_json(directory / "config.json", "Hugging Face config")
     try:
@@ -462,8 +565,8 @@ def hf_files(tok: Tokenizer, max_length: int) -> dict[str, str]:
     else:
         raise UserError(f"no Hugging Face form for the {tok.kind} tokenizer")
     specials = sorted(getattr(getattr(tok, "encoding", None), "_special_tokens", {}).items(), key=lambda kv: kv[1])
-    if isinstance(tok, CharTokenizer) and tok.eot_id is not None:
-        specials = [(EOT, tok.eot_id)]
+    if isinstance(tok, CharTokenizer):
+        specials = sorted(tok.special_tokens.items(), key=lambda kv: kv[1])
     for content, i in specials:
         if hf.get_vocab_size(with_added_tokens=True) != i:
             raise UserError(f"special token {content!r} has id {i}, not the next free id: no Hugging Face form")
@@ -475,7 +578,9 @@ def hf_files(tok: Tokenizer, max_length: int) -> dict[str, str]:
     }
     if tok.eot_id is not None:
         config.update(bos_token=EOT, eos_token=EOT, unk_token=EOT)
-    return {"tokenizer.json": hf.to_str(), "tokenizer_config.json": json.dumps(config, indent=2)}
+    if tok.chat_template:
+        config["chat_template"] = tok.chat_template
+    return {"tokenizer.json": hf.to_str(), "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False)}
 
 
 def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
@@ -492,7 +597,7 @@ def tokenizer_label(d: dict) -> str:
     """A tokenizer's to_dict() (or meta.json's tokenizer section) -> the name a user types: char, bpe, gpt2, hf:DIR..."""
     if d.get("kind") == "hf":
         return f"hf:{d.get('name')}"
-    return d.get("name") or d.get("kind", "?")
+    return (d.get("name") or d.get("kind", "?")) + ("+chat" if d.get("chat_tokens") else "")
 
 
 def canonical_spec(spec: str) -> str:
@@ -501,14 +606,15 @@ def canonical_spec(spec: str) -> str:
 
 
 def same_tokenizer(a: dict, b: dict) -> bool:
-    """Two to_dict()s encode alike: tiktoken by name, hf by their files (wherever they were read from), others whole."""
+    """Two to_dict()s encode alike: tiktoken by name, hf by their files (wherever they were read from), others whole;
+    a chat template renders conversations and changes no encoding, so it does not count."""
     if a.get("kind") != b.get("kind"):
         return False
     if a.get("kind") == "tiktoken":
-        return a.get("name") == b.get("name")
+        return all(a.get(k) == b.get(k) for k in ("name", "chat_tokens"))
     if a.get("kind") == "hf":
         return all(a.get(k) == b.get(k) for k in ("tokenizer_json", "eos_id", "bos_id"))
-    return a == b
+    return {k: v for k, v in a.items() if k != "chat_template"} == {k: v for k, v in b.items() if k != "chat_template"}
 
 
 def tokenizer_kind(spec: str) -> str:
@@ -526,8 +632,9 @@ def tokenizer_kind(spec: str) -> str:
     return "tiktoken"
 
 
-def get_tiktoken(name: str) -> Tokenizer:
-    """A named tiktoken encoding (gpt2, cl100k_base, ...); UserError when it is unknown or cannot be loaded."""
+def get_tiktoken(name: str, chat_tokens: Sequence[str] = ()) -> Tokenizer:
+    """A named tiktoken encoding (gpt2, cl100k_base, ...), with chat tokens after its ids; UserError when it is
+    unknown or cannot be loaded."""
     if tokenizer_kind(name) != "tiktoken":
         raise UserError(f"{name!r} is not a tiktoken encoding")
     try:
@@ -539,7 +646,7 @@ def get_tiktoken(name: str) -> Tokenizer:
         ) from None
     except Exception as e:
         raise UserError(f"tiktoken could not load the {name!r} encoding: {e}") from None
-    return NamedTiktokenTokenizer(name, encoding)
+    return NamedTiktokenTokenizer(name, encoding, chat_tokens)
 
 
 # the files tiktoken builds GPT-2's encoding from (Hugging Face calls them vocab.json and merges.txt)
@@ -639,13 +746,13 @@ def _field(d: dict, key: str, kind: type) -> Any:
     return required(d, key, kind, f"tokenizer field {key!r} is missing or not a {type_name(kind)}")
 
 
-def _bpe_from_dict(d: dict) -> BPETokenizer:
+def _bpe_from_dict(d: dict, chat_tokens: Sequence[str]) -> BPETokenizer:
     encoded = _field(d, "tokens", list)
     try:
         tokens = [base64.b64decode(t, validate=True) for t in encoded]
     except (binascii.Error, TypeError, ValueError):
         raise UserError("tokenizer field 'tokens' must be a list of base64 strings") from None
-    return BPETokenizer(_field(d, "pattern", str), tokens, _eot_flag(d))
+    return BPETokenizer(_field(d, "pattern", str), tokens, _eot_flag(d), chat_tokens)
 
 
 def _eot_flag(d: dict) -> bool:
@@ -657,12 +764,15 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
     if not isinstance(d, dict):
         raise UserError("tokenizer description must be a JSON object")
     kind = d.get("kind")
+    chat_tokens = required(d, "chat_tokens", list, "tokenizer field 'chat_tokens' must be a list", default=[])
+    if not all(isinstance(t, str) and t for t in chat_tokens):
+        raise UserError("tokenizer field 'chat_tokens' must hold non-empty strings")
     if kind == "char":
-        tok: Tokenizer = CharTokenizer(_field(d, "chars", list), _eot_flag(d))
+        tok: Tokenizer = CharTokenizer(_field(d, "chars", list), _eot_flag(d), chat_tokens)
     elif kind == "bpe":
-        tok = _bpe_from_dict(d)
+        tok = _bpe_from_dict(d, chat_tokens)
     elif kind == "tiktoken":
-        return get_tiktoken(_field(d, "name", str))
+        tok = get_tiktoken(_field(d, "name", str), chat_tokens)
     elif kind == "hf":
         ids = [
             required(d, k, int | None, "tokenizer fields 'eos_id' and 'bos_id' must be integers or null", default=None)
@@ -675,6 +785,10 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
         raise UserError(f"unknown tokenizer kind {kind!r} (expected char, bpe, tiktoken or hf)")
     if "vocab_size" in d and d["vocab_size"] != tok.vocab_size:
         raise UserError(f"tokenizer says vocab_size {d['vocab_size']} but its vocabulary has {tok.vocab_size} entries")
+    if kind != "hf":  # an hf tokenizer's template is in its tokenizer_config
+        tok.chat_template = required(
+            d, "chat_template", str | None, "tokenizer field 'chat_template' must be a string", default=None
+        )
     return tok
 
 

@@ -1,0 +1,239 @@
+"""Conversations -> token ids: chat templates rendered in a sandbox, as transformers renders them.
+
+A conversation is a list of messages {"role": "system" | "user" | "assistant", "content": str}. A tokenizer's
+chat template (Jinja source: a Hugging Face tokenizer's own `chat_template`, or the built-in ChatML one that
+with_chat_tokens gives our char, bpe and tiktoken tokenizers) renders it to text, which is tokenized with special
+tokens recognised, exactly as transformers' `apply_chat_template(messages, tokenize=True)` does.
+
+The template runs in Jinja's immutable sandbox with the globals transformers gives it (raise_exception,
+strftime_now, a tojson that does not escape HTML): it can read the messages and nothing else: no attribute of
+Python internals, no file, no import.
+
+Which tokens are the assistant's (the loss mask of chat fine-tuning) is found by rendering: the text an assistant
+message adds to the conversation before it (rendered with the generation prompt) is that message's span, up to and
+including the first special token after its content (its end-of-turn token). A token counts as the assistant's when
+it overlaps a span (transformers' rule for `return_assistant_tokens_mask`), and works for any template, with or
+without `{% generation %}` markers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from quillgpt.errors import UserError
+from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict
+
+ROLES = ("system", "user", "assistant")
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+# ChatML (OpenAI's, used by Qwen and SmolLM2): llama.cpp, Ollama and transformers all know it
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# tokenizer_config.json keys whose strings a template may use (transformers passes its special_tokens_map)
+TEMPLATE_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+def check_messages(messages: Any, where: str, need_assistant: bool = False) -> list[dict]:
+    """A conversation as a list of {"role", "content"} dicts with known roles and string content; UserError (one
+    line starting with `where`) otherwise."""
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    checked = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise UserError(f"{where}: message {i} is not an object with 'role' and 'content'")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            got = "no role" if role is None else f"role {role!r}"
+            raise UserError(f"{where}: message {i} has {got}; roles are {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise UserError(f"{where}: message {i} ({role}) has content of type {type(content).__name__}, not a string")
+        checked.append({"role": role, "content": content})
+    if need_assistant and not any(m["role"] == "assistant" for m in checked):
+        raise UserError(f"{where}: the conversation has no assistant message (nothing to learn from)")
+    return checked
+
+
+# ---- the sandbox ------------------------------------------------------------------------------------
+
+
+def _raise_exception(message: str):
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def compile_template(source: str):
+    """Jinja source -> a template in the immutable sandbox (transformers' settings); UserError when it won't parse."""
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise UserError("chat templates need jinja2: pip install jinja2") from None
+
+    class Generation(jinja2.ext.Extension):
+        """{% generation %}...{% endgeneration %} (transformers' assistant markers) renders its body unchanged."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise UserError(f"chat template does not parse: {e}") from None
+
+
+def render(source: str, messages: list[dict], add_generation_prompt: bool, variables: dict[str, str]) -> str:
+    import jinja2
+
+    template = compile_template(source)
+    try:
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.exceptions.SecurityError as e:
+        raise UserError(f"chat template tried something the sandbox forbids: {e}") from None
+    except jinja2.TemplateError as e:
+        raise UserError(f"chat template: {e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        raise UserError(f"chat template failed on this conversation: {type(e).__name__}: {e}") from None
+
+
+# ---- tokenizers --------------------------------------------------------------------------------------
+
+
+def template_variables(tokenizer: Tokenizer) -> dict[str, str]:
+    """The special-token strings a template may use: an hf tokenizer's from its tokenizer_config.json."""
+    config = getattr(tokenizer, "config", {}) or {}
+    out = {}
+    for key in TEMPLATE_TOKEN_KEYS:
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def with_chat_tokens(tokenizer: Tokenizer) -> Tokenizer:
+    """The tokenizer ready for conversations: unchanged when it has a chat template; otherwise the ChatML template
+    with <|im_start|> and <|im_end|> added to its vocabulary (after its last id; an hf tokenizer that has them
+    already keeps their ids)."""
+    if tokenizer.chat_template:
+        return tokenizer
+    d = tokenizer.to_dict()
+    d.pop("vocab_size", None)
+    if d["kind"] == "hf":
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as RustTokenizer
+
+        hf = RustTokenizer.from_str(d["tokenizer_json"])
+        hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_TOKENS])
+        d["tokenizer_json"] = hf.to_str()
+        d["tokenizer_config"] = {**d.get("tokenizer_config", {}), "chat_template": CHATML_TEMPLATE}
+    else:
+        d.update(chat_tokens=list(CHAT_TOKENS), chat_template=CHATML_TEMPLATE)
+    return tokenizer_from_dict(d)
+
+
+class ChatFormat:
+    """A tokenizer's chat template: conversations -> prompt ids, or ids with the assistant-token mask."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        if not tokenizer.chat_template:
+            raise UserError(
+                "this tokenizer has no chat template: fine-tune on chat data first (prepare.py --chat), "
+                "or use a model whose tokenizer_config.json has a chat_template"
+            )
+        self.tokenizer = tokenizer
+        self.template = tokenizer.chat_template
+        self.variables = template_variables(tokenizer)
+        compile_template(self.template)
+        end = self.end_of_turn(PROBE)
+        self.stop_ids = frozenset({tokenizer.special_tokens[end]} if end else set()) | frozenset(
+            {tokenizer.eot_id} if tokenizer.eot_id is not None else set()
+        )
+        if not self.stop_ids:
+            raise UserError("the chat template ends an assistant turn with no special token, so a reply can't stop")
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+        return render(self.template, list(messages), add_generation_prompt, self.variables)
+
+    def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
+        """The conversation so far, ending with the header the assistant's reply follows."""
+        return self.tokenizer.encode_chat(self.render(messages, add_generation_prompt=True))[0]
+
+    def assistant_spans(self, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character span of each assistant message in it (its end-of-turn
+        token included)."""
+        full = self.render(messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True) if i else ""
+            through = self.render(messages[: i + 1])
+            if not (through.startswith(before) and full.startswith(through)):
+                raise UserError(
+                    "the chat template does not render a conversation as the sum of its turns, so the assistant's "
+                    "tokens can't be found"
+                )
+            turn = through[len(before) :]
+            end = self._turn_end(turn, m["content"])
+            spans.append((len(before), len(before) + end))
+        return full, spans
+
+    def encode(self, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
+        """(ids, mask): mask is 1 on the tokens of assistant messages, their end-of-turn token included."""
+        full, spans = self.assistant_spans(messages)
+        ids, starts = self.tokenizer.encode_chat(full)
+        ends = starts[1:] + [len(full)]
+        mask = [int(any(s < b and e > a for a, b in spans)) for s, e in zip(starts, ends)]
+        return ids, mask
+
+    def _turn_end(self, turn: str, content: str) -> int:
+        """Where an assistant turn's text ends: after the first special token past its content, else its end."""
+        after = turn.find(content) + len(content) if content and content in turn else 0
+        hits = [(turn.find(t, after), t) for t in self.tokenizer.special_tokens if turn.find(t, after) >= 0]
+        if not hits:
+            return len(turn)
+        at, token = min(hits)
+        return at + len(token)
+
+    def end_of_turn(self, messages: Sequence[dict]) -> str | None:
+        """The special token that ends an assistant turn in this template (None when it ends with none)."""
+        full, spans = self.assistant_spans(check_messages(list(messages), "probe"))
+        a, b = spans[-1]
+        tail = full[a:b]
+        return next((t for t in self.tokenizer.special_tokens if tail.endswith(t)), None)
+
+
+def chat_format(tokenizer: Tokenizer) -> ChatFormat:
+    return ChatFormat(tokenizer)
