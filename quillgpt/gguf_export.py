@@ -43,7 +43,7 @@ from model import GPT, rope_frequencies
 from quillgpt import hf
 from quillgpt.errors import UserError
 from quillgpt.files import atomic_write, atomic_write_text
-from quillgpt.tokenizer import EOT, CharTokenizer, Tokenizer, bytes_to_unicode, hf_files, tokenizer_from_dict
+from quillgpt.tokenizer import CharTokenizer, Tokenizer, bytes_to_unicode, hf_files, tokenizer_from_dict
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 MODELFILE = "Modelfile"
@@ -151,14 +151,7 @@ def gguf_vocab(tokenizer: dict | None, vocab_size: int, source: str) -> Vocab:
     tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
     types += [gguf.TokenType.UNUSED] * (vocab_size - len(types))
     bos = tok.bos_id if tok.bos_id is not None else tok.eot_id  # <|endoftext|> plays both parts, as in GPT-2
-    return Vocab(pre, tokens, types, merges, bos, tok.eot_id, tok.bos_id is not None, chat_template(tokenizer))
-
-
-def special_tokens(tok: Tokenizer) -> dict[str, int]:
-    specials = getattr(tok, "special_tokens", None)  # every kind's, once chat templates add them
-    if specials is None:
-        specials = {EOT: tok.eot_id} if tok.eot_id is not None else {}
-    return dict(specials)
+    return Vocab(pre, tokens, types, merges, bos, tok.eot_id, tok.bos_id is not None, tok.chat_template)
 
 
 def char_vocab(tok: CharTokenizer) -> tuple[str, list[str], list[int], list[str]]:
@@ -176,7 +169,7 @@ def char_vocab(tok: CharTokenizer) -> tuple[str, list[str], list[int], list[str]
         for i in range(1, len(data)):
             merges.setdefault(f"{text(data[:i])} {text(data[i : i + 1])}", None)
     types = [gguf.TokenType.NORMAL] * len(tokens)
-    by_id = {i: content for content, i in special_tokens(tok).items()}
+    by_id = {i: content for content, i in tok.special_tokens.items()}  # <|endoftext|>, chat tokens
     for i in range(len(tokens), tok.vocab_size):
         tokens.append(by_id[i])
         types.append(gguf.TokenType.CONTROL)
@@ -234,11 +227,6 @@ def pre_tokenizer(spec: dict) -> str:
         f"llama.cpp has no pre-tokenizer that splits text as this tokenizer does ({json.dumps(pre)[:200]}): "
         "export it with --hf or --safetensors instead"
     )
-
-
-def chat_template(tokenizer: dict) -> str | None:
-    template = tokenizer.get("chat_template") or (tokenizer.get("tokenizer_config") or {}).get("chat_template")
-    return template if isinstance(template, str) and template else None
 
 
 def modelfile(gguf_name: str, template: str | None) -> str:

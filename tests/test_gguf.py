@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 import export
 from model import GPT, GPTConfig
+from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.gguf_export import modelfile
 from quillgpt.loading import load_model
 from quillgpt.tokenizer import tokenizer_from_dict, train_tokenizer
@@ -48,6 +49,7 @@ GPT2_F32_TOLERANCE = 1e-3  # of the largest logit
 ROUNDED_TOLERANCE = {"f16": 0.01, "bf16": 0.05, "q8_0": 0.15}
 OURS = {
     "gpt2-char": ("char", {}),
+    "gpt2-char-chat": ("char", {}),  # with ChatML's <|im_start|> and <|im_end|> added (with_chat_tokens)
     "gpt2-tiktoken": ("gpt2", {}),
     "llama-char": (
         "char",
@@ -60,6 +62,7 @@ OURS = {
 }
 ARCHITECTURE = {
     "gpt2-char": "gpt2",
+    "gpt2-char-chat": "gpt2",
     "gpt2-tiktoken": "gpt2",
     "llama-char": "llama",
     "qwen3-bpe": "qwen3",
@@ -92,6 +95,8 @@ def our_model(name: str, directory: Path) -> Path:
         tok = tokenizer_from_dict({"kind": "tiktoken", "name": "gpt2"})
     else:
         tok = train_tokenizer(kind, [TEXT], 400 if kind == "bpe" else None, eot=True)
+    if name.endswith("-chat"):
+        tok = with_chat_tokens(tok)
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=128, vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_embd=64, **switches))
     sharpen(model.eval())
@@ -223,6 +228,21 @@ def test_a_chat_template_goes_into_the_gguf_and_a_chatml_modelfile(exported):
     assert 'PARAMETER stop "<|im_start|>"\nPARAMETER stop "<|im_end|>"\n' in text
 
 
+def test_llama_cpp_reads_a_rendered_chat_prompt_as_we_encode_it(needs_llama_cpp, source, exported):
+    path = exported("gpt2-char-chat")
+    tok = tokenizer_from_dict(load_model(source("gpt2-char-chat")).tokenizer)
+    fmt = chat_format(tok)
+    lines = TEXT.splitlines()  # a char vocabulary has only the corpus's characters
+    messages = [{"role": "system", "content": lines[0]}, {"role": "user", "content": lines[1]}]
+    ids = fmt.prompt_ids(messages)
+    assert tok.special_tokens["<|im_start|>"] in ids and tok.special_tokens["<|im_end|>"] in ids
+    reader = gguf.GGUFReader(path)
+    assert field(reader, "tokenizer.chat_template") == tok.chat_template
+    assert 'PARAMETER stop "<|im_end|>"' in (path.parent / "Modelfile").read_text()
+    with llama_cpp_model(path) as llm:  # the rendered text, its chat tokens parsed as special, as llama.cpp chats
+        assert llm.tokenize(tok.decode(ids).encode(), add_bos=True, special=True) == ids
+
+
 def test_modelfiles_follow_the_template_kind():
     assert 'TEMPLATE """{{ .Prompt }}"""' in modelfile("m.gguf", None)  # no template: a completion model
     other = modelfile("m.gguf", "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}")
@@ -233,12 +253,18 @@ def test_modelfiles_follow_the_template_kind():
 # ---- llama.cpp ---------------------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def needs_llama_cpp():
+    """Skips before anything is exported when llama-cpp-python is not installed."""
+    pytest.importorskip("llama_cpp", exc_type=ImportError)  # a broken build skips too
+
+
 @contextmanager
 def llama_cpp_model(path: Path):
     """llama.cpp's model with a float32 KV cache (its default, float16, rounds keys and values) and without the CPU
     backend's extra buffer types (its AMX matrix multiply crashes in a process that has run PyTorch, on CPUs that
     have AMX)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp
     import llama_cpp.llama_cpp as lib
 
     defaults = lib.llama_model_default_params
@@ -280,7 +306,7 @@ def ours(model: GPT, prompt: list[int], n: int) -> tuple[np.ndarray, list[int]]:
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_llama_cpp_tokenizes_and_decodes_greedily_as_we_do_in_f32(source, exported, name):
+def test_llama_cpp_tokenizes_and_decodes_greedily_as_we_do_in_f32(needs_llama_cpp, source, exported, name):
     path = exported(name)
     loaded = load_model(source(name))
     tok = tokenizer_from_dict(loaded.tokenizer)
@@ -297,7 +323,9 @@ def test_llama_cpp_tokenizes_and_decodes_greedily_as_we_do_in_f32(source, export
 
 @pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
 @pytest.mark.parametrize("name", ["gpt2-char", "llama-hf", "qwen2-hf", "qwen3-bpe"])
-def test_llama_cpp_logits_of_rounded_outtypes_stay_within_their_tolerance(source, exported, name, outtype):
+def test_llama_cpp_logits_of_rounded_outtypes_stay_within_their_tolerance(
+    needs_llama_cpp, source, exported, name, outtype
+):
     path = exported(name, outtype)
     loaded = load_model(source(name))
     prompt = tokenizer_from_dict(loaded.tokenizer).prompt_ids(PROMPT)
