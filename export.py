@@ -1,7 +1,9 @@
-"""Models out: Hugging Face directories and plain safetensors files (quillgpt/loading.py brings models in).
+"""Models out: Hugging Face directories, plain safetensors files and GGUF files for llama.cpp and Ollama
+(quillgpt/loading.py brings models in).
 
     python export.py --ckpt checkpoints/base --hf exports/base-hf                  # a run dir: its ckpt_best.pt
     python export.py --ckpt checkpoints/base/ckpt_last.pt --safetensors exports/base.safetensors
+    python export.py --ckpt checkpoints/base --gguf exports/base.gguf --outtype q8_0   # and exports/Modelfile
 
 The Hugging Face directory loads with transformers.AutoModelForCausalLM.from_pretrained and gives
 the same logits. Its architecture follows the model's switches (hf.py): GPT-2 for learned positions,
@@ -10,7 +12,10 @@ qkv_bias; Qwen3 with qk_norm. A switch no architecture expresses (relu2, a logit
 refused with the nearest setting that exports. The tokenizer goes with it as tokenizer.json, which
 transformers.AutoTokenizer loads and which encodes and decodes as ours does (char, bpe, tiktoken
 and Hugging Face tokenizers alike). The safetensors file takes any model: the weights, plus the
-model arguments and the tokenizer as JSON in its metadata (sample.py --ckpt reads it).
+model arguments and the tokenizer as JSON in its metadata (sample.py --ckpt reads it). The GGUF file
+(quillgpt/gguf_export.py) takes the Hugging Face architecture and the tokenizer as llama.cpp's byte-level BPE,
+f32, f16 (the default), bf16 or q8_0, with an Ollama Modelfile beside it (ollama create NAME -f Modelfile); an
+existing file is replaced only with --force.
 
 From Python:
 
@@ -31,7 +36,7 @@ from pathlib import Path
 from safetensors.torch import save
 
 from model import GPT
-from quillgpt import hf
+from quillgpt import gguf_export, hf
 from quillgpt.errors import run_main
 from quillgpt.files import atomic_write
 from quillgpt.loading import load_model
@@ -63,18 +68,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--safetensors", metavar="OUT", help="write one .safetensors file with the model arguments in its metadata"
     )
+    p.add_argument(
+        "--gguf", metavar="OUT", help="write a GGUF file for llama.cpp and Ollama, and a Modelfile beside it"
+    )
+    p.add_argument(
+        "--outtype",
+        default="f16",
+        help=f"GGUF weights: {', '.join(gguf_export.OUTTYPES)} (default f16; vectors and norms stay f32)",
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing --gguf file and its Modelfile")
     args = p.parse_args(argv)
-    if not args.hf and not args.safetensors:
-        p.error("give --hf OUT_DIR and/or --safetensors OUT.safetensors")
+    if not args.hf and not args.safetensors and not args.gguf:
+        p.error("give --hf OUT_DIR, --safetensors OUT.safetensors and/or --gguf OUT.gguf")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.gguf:  # refuse before reading the model
+        gguf_export.check_outtype(args.outtype)
+        gguf_export.check_target(args.gguf, args.force)
     loaded = load_model(args.ckpt)
     model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.source
     if args.hf:  # refuse before writing anything
         hf.export_family(model.config, str(source), tokenizer)
+    if args.gguf:
+        plan = gguf_export.plan_gguf(model, tokenizer, args.outtype, str(source))
     if args.safetensors:
         export_safetensors(model, tokenizer, args.safetensors)
         print(f"wrote {args.safetensors}")
@@ -82,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         for note in hf.export_hf(model, tokenizer, args.hf, str(source)):
             print(f"note: {note}", file=sys.stderr)
         print(f"wrote {args.hf} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+    if args.gguf:
+        modelfile = gguf_export.write_gguf(model, plan, args.gguf, gguf_export.model_name(str(source)))
+        size = Path(args.gguf).stat().st_size / 1e6
+        print(
+            f"wrote {args.gguf} ({hf.NAMES[plan.family]}, {args.outtype}, {size:.1f} MB) and {modelfile} "
+            f"(ollama create NAME -f {modelfile})"
+        )
     return 0
 
 

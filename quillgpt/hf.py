@@ -366,9 +366,10 @@ def state_from_hf(family: str, model: GPT, hf_state: dict[str, torch.Tensor], so
 # ---- out --------------------------------------------------------------------------------------------------
 
 
-def export_family(config: GPTConfig, source: str, tokenizer: dict | None = None) -> str:
+def export_family(config: GPTConfig, source: str, tokenizer: dict | None = None, target: str = "Hugging Face") -> str:
     """The HF family a model exports as; UserError naming each switch no family expresses (and the nearest that does).
-    tokenizer: the model's (Qwen2 needs Qwen's own, see the module docstring)."""
+    tokenizer: the model's (Qwen2 needs Qwen's own, see the module docstring). target: the format named in the error
+    (GGUF files take the same architectures)."""
     c = config
     if c.pos_emb == "learned":
         family = "gpt2"
@@ -397,7 +398,7 @@ def export_family(config: GPTConfig, source: str, tokenizer: dict | None = None)
     ]
     if blockers:
         raise UserError(
-            f"{source} cannot be exported as Hugging Face {NAMES[family]}: {'; '.join(blockers)} "
+            f"{source} cannot be exported as {target} {NAMES[family]}: {'; '.join(blockers)} "
             "(export it with --safetensors instead)"
         )
     return family

@@ -1,0 +1,407 @@
+"""export.py --gguf: GGUF files for llama.cpp and Ollama, per architecture and outtype.
+
+Every file is read back with gguf.GGUFReader (metadata, tensor names, shapes and types). When llama-cpp-python is
+installed (pip install '.[llama]'; it builds llama.cpp from source), llama.cpp itself reads each file: it must
+tokenize a prompt as we do, give our logits (f32 within F32_TOLERANCE; f16, bf16 and q8_0 within theirs) and
+greedy-decode the same 32 tokens from an f32 file.
+
+Models: tiny random Llama, Qwen2 and Qwen3 directories saved by transformers (with a byte-level BPE tokenizer.json),
+and our own tiny models in a .safetensors file: GPT-2 with a char tokenizer and with tiktoken's gpt2, Llama with
+q/k/v biases and a char tokenizer, and the modern recipe (rope, RMSNorm, SwiGLU, QK-norm: Qwen3) with our BPE.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO_ROOT, gpt2_encoding_error, save_hf_family, save_hf_tokenizer, word_salad
+from safetensors.torch import load_file, save_file
+
+import export
+from model import GPT, GPTConfig
+from quillgpt.chat_template import chat_format, with_chat_tokens
+from quillgpt.gguf_export import modelfile
+from quillgpt.loading import load_model
+from quillgpt.tokenizer import tokenizer_from_dict, train_tokenizer
+
+gguf = pytest.importorskip("gguf")
+
+PROMPT = "The king and the queen naïve café 🦙 said: 'hello'  \n\n  there 12345"
+TEXT = word_salad(20_000) + "naïve café — “quotes” 日本語 🦙 x: 'hello' 12345\n"
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Llama, Qwen2 and Qwen3 files in f32 give our logits to about 1e-5. llama.cpp's GPT-2 computes GELU through a
+# float16 table (ggml's GGML_GELU_FP16) whatever GELU form the model has, which rounds each activation: its logits
+# differ from ours by about 5e-4 of the largest logit (a tanh GELU rounded through float16 here comes within 2e-4)
+F32_TOLERANCE = 1e-3
+GPT2_F32_TOLERANCE = 1e-3  # of the largest logit
+# f16, bf16 and q8_0 round the weights (and q8_0 the activations in its dot products): the largest logit difference
+# as a fraction of the largest logit (measured on these models: at most 0.0034, 0.028 and 0.095)
+ROUNDED_TOLERANCE = {"f16": 0.01, "bf16": 0.05, "q8_0": 0.15}
+OURS = {
+    "gpt2-char": ("char", {}),
+    "gpt2-char-chat": ("char", {}),  # with ChatML's <|im_start|> and <|im_end|> added (with_chat_tokens)
+    "gpt2-tiktoken": ("gpt2", {}),
+    "llama-char": (
+        "char",
+        dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, qkv_bias=True, n_kv_head=2),
+    ),
+    "qwen3-bpe": (
+        "bpe",
+        dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, qk_norm=True, n_kv_head=2, head_dim=32),
+    ),
+}
+ARCHITECTURE = {
+    "gpt2-char": "gpt2",
+    "gpt2-char-chat": "gpt2",
+    "gpt2-tiktoken": "gpt2",
+    "llama-char": "llama",
+    "qwen3-bpe": "qwen3",
+    "llama-hf": "llama",
+    "qwen2-hf": "qwen2",
+    "qwen3-hf": "qwen3",
+}
+PRE = {"char": "gpt-2", "tiktoken": "gpt-2", "bpe": "llama-bpe", "hf": "gpt-2"}  # by tokenizer kind
+CASES = list(ARCHITECTURE)
+
+
+def sharpen(model: torch.nn.Module) -> None:
+    """Weights large enough for logits of a few units, norms and biases off their 1s and 0s (a norm or bias in the
+    wrong place shows)."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name or "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.mul_(3 if p.std() > 0.05 else 10)
+
+
+def our_model(name: str, directory: Path) -> Path:
+    """One of OURS as a .safetensors file (export_safetensors), the way our checkpoints reach export.py."""
+    kind, switches = OURS[name]
+    if kind == "gpt2":
+        if gpt2_encoding_error() is not None:
+            pytest.skip(gpt2_encoding_error())
+        tok = tokenizer_from_dict({"kind": "tiktoken", "name": "gpt2"})
+    else:
+        tok = train_tokenizer(kind, [TEXT], 400 if kind == "bpe" else None, eot=True)
+    if name.endswith("-chat"):
+        tok = with_chat_tokens(tok)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=128, vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_embd=64, **switches))
+    sharpen(model.eval())
+    tokenizer = tok.to_dict()
+    if kind == "bpe":
+        tokenizer["chat_template"] = CHATML
+    path = directory / f"{name}.safetensors"
+    export.export_safetensors(model, tokenizer, path)
+    return path
+
+
+def hf_model(transformers, name: str, directory: Path) -> Path:
+    family = name.removesuffix("-hf")
+    save_hf_family(transformers, family, directory)
+    save_hf_tokenizer(transformers, directory, TEXT)
+    state = load_file(directory / "model.safetensors")
+    sharpen_state = {k: v * 10 if v.ndim == 2 else v for k, v in state.items()}  # transformers' 0.02 init: tiny logits
+    save_file(sharpen_state, directory / "model.safetensors", metadata={"format": "pt"})
+    if family == "qwen2":  # Qwen2 goes out as Qwen2 with Qwen's own tokenizer (hf.py); otherwise as Llama
+        config_file = directory / "tokenizer_config.json"
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "tokenizer_class": "Qwen2Tokenizer"}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def source(request, tmp_path_factory):
+    """case name -> the model export.py reads (made once per module)."""
+    made = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            directory = tmp_path_factory.mktemp(name)
+            if name in OURS:
+                made[name] = our_model(name, directory)
+            else:
+                made[name] = hf_model(request.getfixturevalue("transformers"), name, directory)
+        return made[name]
+
+    return make
+
+
+def run_export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "export.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def exported(source, tmp_path_factory):
+    """(case, outtype) -> the GGUF file. f32 goes through export.py in a subprocess (the command a user runs); the
+    other outtypes through export.main in this process, which keeps the file's runtime short."""
+    made = {}
+
+    def make(name: str, outtype: str = "f32") -> Path:
+        if (name, outtype) not in made:
+            out = tmp_path_factory.mktemp(f"{name}-{outtype}") / f"{name}.gguf"
+            args = ["--ckpt", str(source(name)), "--gguf", str(out), "--outtype", outtype]
+            if outtype == "f32":
+                result = run_export(*args)
+                assert result.returncode == 0, result.stderr
+                assert f"wrote {out}" in result.stdout and "ollama create NAME -f" in result.stdout
+            else:
+                assert export.main(args) == 0
+            made[name, outtype] = out
+        return made[name, outtype]
+
+    return make
+
+
+def field(reader, key: str):
+    f = reader.fields[key]
+    if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
+        return [f.contents(i) for i in range(len(f.data))] if len(f.data) < 10 else len(f.data)
+    return f.contents()
+
+
+# ---- the file, read back without llama.cpp ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_architecture_writes_its_metadata_tensors_and_modelfile(source, exported, name):
+    path = exported(name)
+    loaded = load_model(source(name))
+    model, c = loaded.model, loaded.model.config
+    reader = gguf.GGUFReader(path)
+    arch = ARCHITECTURE[name]
+    assert field(reader, "general.architecture") == arch
+    assert field(reader, f"{arch}.block_count") == c.n_layer and field(reader, f"{arch}.context_length") == c.block_size
+    assert field(reader, f"{arch}.embedding_length") == c.n_embd
+    assert field(reader, f"{arch}.attention.head_count_kv") == c.kv_heads
+    assert field(reader, "general.file_type") == gguf.LlamaFileType.ALL_F32
+    assert field(reader, "tokenizer.ggml.model") == "gpt2"
+    assert field(reader, "tokenizer.ggml.pre") == PRE[loaded.tokenizer["kind"]]
+    assert field(reader, "tokenizer.ggml.tokens") == c.vocab_size
+    assert field(reader, "tokenizer.ggml.add_bos_token") == (loaded.tokenizer.get("bos_id") is not None)
+    tensors = {t.name: (t.tensor_type.name, [int(n) for n in t.shape]) for t in reader.tensors}
+    assert tensors["token_embd.weight"] == ("F32", [c.n_embd, c.vocab_size])  # GGUF lists shapes innermost first
+    assert all(kind == "F32" for kind, _ in tensors.values())
+    per_block = {"gpt2": 12, "llama": 9 + 4 * c.qkv_bias, "qwen2": 12, "qwen3": 11}[arch]  # Llama: a zero o_proj bias
+    top = 2 + (arch == "gpt2") * 2 + (not c.tie_embeddings) + (c.rope_scaling == "llama3")
+    assert len(tensors) == c.n_layer * per_block + top
+    if arch == "qwen3":
+        assert tensors["blk.1.attn_q_norm.weight"] == ("F32", [c.head_width])
+    n_params = sum(t.numel() for k, t in model.state_dict().items() if k != "lm_head.weight" or not c.tie_embeddings)
+    assert sum(int(t.n_elements) for t in reader.tensors) >= n_params  # and the zero biases GPT-2 or Llama may add
+    assert (
+        (path.parent / "Modelfile").read_text().startswith(f"# ollama create NAME -f Modelfile\nFROM ./{path.name}\n")
+    )
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, "Modelfile"])  # no temp file left
+
+
+def test_outtypes_round_matrices_only_and_shrink_the_file(exported):
+    sizes = {}
+    for outtype, matrix in (("f32", "F32"), ("f16", "F16"), ("bf16", "BF16"), ("q8_0", "Q8_0")):
+        path = exported("qwen3-bpe", outtype)
+        reader = gguf.GGUFReader(path)
+        types = {t.name: t.tensor_type.name for t in reader.tensors}
+        assert types["blk.0.ffn_down.weight"] == types["token_embd.weight"] == matrix
+        assert types["blk.0.attn_norm.weight"] == types["blk.0.attn_q_norm.weight"] == "F32"
+        sizes[outtype] = path.stat().st_size
+    assert sizes["f32"] > sizes["f16"] == sizes["bf16"] > sizes["q8_0"]
+
+
+def test_a_chat_template_goes_into_the_gguf_and_a_chatml_modelfile(exported):
+    path = exported("qwen3-bpe")
+    assert field(gguf.GGUFReader(path), "tokenizer.chat_template") == CHATML
+    text = (path.parent / "Modelfile").read_text()
+    assert "<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>" in text
+    assert 'PARAMETER stop "<|im_start|>"\nPARAMETER stop "<|im_end|>"\n' in text
+
+
+def test_llama_cpp_reads_a_rendered_chat_prompt_as_we_encode_it(needs_llama_cpp, source, exported):
+    path = exported("gpt2-char-chat")
+    tok = tokenizer_from_dict(load_model(source("gpt2-char-chat")).tokenizer)
+    fmt = chat_format(tok)
+    lines = TEXT.splitlines()  # a char vocabulary has only the corpus's characters
+    messages = [{"role": "system", "content": lines[0]}, {"role": "user", "content": lines[1]}]
+    ids = fmt.prompt_ids(messages)
+    assert tok.special_tokens["<|im_start|>"] in ids and tok.special_tokens["<|im_end|>"] in ids
+    reader = gguf.GGUFReader(path)
+    assert field(reader, "tokenizer.chat_template") == tok.chat_template
+    assert 'PARAMETER stop "<|im_end|>"' in (path.parent / "Modelfile").read_text()
+    with llama_cpp_model(path) as llm:  # the rendered text, its chat tokens parsed as special, as llama.cpp chats
+        assert llm.tokenize(tok.decode(ids).encode(), add_bos=True, special=True) == ids
+
+
+def test_modelfiles_follow_the_template_kind():
+    assert 'TEMPLATE """{{ .Prompt }}"""' in modelfile("m.gguf", None)  # no template: a completion model
+    other = modelfile("m.gguf", "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}")
+    assert other.endswith("# Ollama reads the chat template from the GGUF file (tokenizer.chat_template)\n")
+    assert "TEMPLATE" not in other and "FROM ./m.gguf\n" in other
+
+
+# ---- llama.cpp ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def needs_llama_cpp():
+    """Skips before anything is exported when llama-cpp-python is not installed."""
+    pytest.importorskip("llama_cpp", exc_type=ImportError)  # a broken build skips too
+
+
+@contextmanager
+def llama_cpp_model(path: Path):
+    """llama.cpp's model with a float32 KV cache (its default, float16, rounds keys and values) and without the CPU
+    backend's extra buffer types (its AMX matrix multiply crashes in a process that has run PyTorch, on CPUs that
+    have AMX)."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as lib
+
+    defaults = lib.llama_model_default_params
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        llm = llama_cpp.Llama(
+            model_path=str(path), logits_all=True, n_ctx=128, n_threads=1, verbose=False, type_k=0, type_v=0
+        )
+    finally:
+        lib.llama_model_default_params = defaults
+    try:
+        yield llm
+    finally:
+        llm.close()
+
+
+def logits_and_greedy(llm, prompt: list[int], n: int) -> tuple[np.ndarray, list[int]]:
+    llm.reset()
+    llm.eval(prompt)
+    logits = np.array(llm.scores[: len(prompt)])
+    new = []
+    for _ in range(n):
+        new.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval(new[-1:])
+    return logits, new
+
+
+def ours(model: GPT, prompt: list[int], n: int) -> tuple[np.ndarray, list[int]]:
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        logits = model(x)[0][0].numpy()
+        return logits, model.generate(x, n, temperature=0)[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_llama_cpp_tokenizes_and_decodes_greedily_as_we_do_in_f32(needs_llama_cpp, source, exported, name):
+    path = exported(name)
+    loaded = load_model(source(name))
+    tok = tokenizer_from_dict(loaded.tokenizer)
+    with llama_cpp_model(path) as llm:
+        prompt = tok.prompt_ids(PROMPT)
+        assert llm.tokenize(PROMPT.encode(), add_bos=True, special=False) == prompt
+        assert llm.tokenize(TEXT[:3000].encode(), add_bos=False, special=False) == tok.encode(TEXT[:3000])
+        theirs, their_tokens = logits_and_greedy(llm, prompt, 32)
+    mine, my_tokens = ours(loaded.model.eval(), prompt, 32)
+    tolerance = GPT2_F32_TOLERANCE * np.abs(mine).max() if ARCHITECTURE[name] == "gpt2" else F32_TOLERANCE
+    assert np.abs(theirs - mine).max() <= tolerance
+    assert their_tokens == my_tokens
+
+
+@pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
+@pytest.mark.parametrize("name", ["gpt2-char", "llama-hf", "qwen2-hf", "qwen3-bpe"])
+def test_llama_cpp_logits_of_rounded_outtypes_stay_within_their_tolerance(
+    needs_llama_cpp, source, exported, name, outtype
+):
+    path = exported(name, outtype)
+    loaded = load_model(source(name))
+    prompt = tokenizer_from_dict(loaded.tokenizer).prompt_ids(PROMPT)
+    with llama_cpp_model(path) as llm:
+        theirs, _ = logits_and_greedy(llm, prompt, 0)
+    mine, _ = ours(loaded.model.eval(), prompt, 0)
+    assert np.abs(theirs - mine).max() <= ROUNDED_TOLERANCE[outtype] * np.abs(mine).max()
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+
+
+def unexportable(directory: Path, **switches) -> Path:
+    tok = train_tokenizer("char", [TEXT[:2000]], None, eot=True)
+    model = GPT(GPTConfig(block_size=16, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32, **switches))
+    path = directory / "m.safetensors"
+    export.export_safetensors(model, tok.to_dict(), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "make, args, message",
+    [
+        (lambda d: unexportable(d), ["--outtype", "q4_k"], "unknown --outtype 'q4_k' (choose f32, f16, bf16 or q8_0)"),
+        (
+            lambda d: unexportable(d, pos_emb="rope", norm="rmsnorm", mlp="relu2"),
+            [],
+            "cannot be exported as GGUF Llama: model.mlp = 'relu2' (nearest that exports: 'swiglu')",
+        ),
+        (
+            lambda d: unexportable(d, pos_emb="rope", norm="rmsnorm", mlp="swiglu", logit_softcap=15.0),
+            [],
+            "model.logit_softcap = 15.0 (nearest that exports: 0.0)",
+        ),
+    ],
+    ids=["outtype", "relu2", "softcap"],
+)
+def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, make, args, message):
+    ckpt = make(tmp_path)
+    out = tmp_path / "out" / "m.gguf"
+    result = run_export("--ckpt", str(ckpt), "--gguf", str(out), *args)
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: ") and message in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_target_needs_force(source, tmp_path):
+    ckpt = source("gpt2-char")
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"mine")
+    result = run_export("--ckpt", str(ckpt), "--gguf", str(out))
+    assert result.returncode == 2 and result.stderr == f"error: {out} exists: give --force to replace it\n"
+    assert out.read_bytes() == b"mine" and not (tmp_path / "Modelfile").exists()
+    out.unlink()
+    (tmp_path / "Modelfile").write_text("FROM llama3\n")  # a Modelfile of the user's is kept too
+    result = run_export("--ckpt", str(ckpt), "--gguf", str(out))
+    assert result.returncode == 2 and "Modelfile exists: give --force" in result.stderr and not out.exists()
+    assert export.main(["--ckpt", str(ckpt), "--gguf", str(out), "--force", "--outtype", "q8_0"]) == 0
+    assert gguf.GGUFReader(out).fields["general.architecture"].contents() == "gpt2"
+    assert (tmp_path / "Modelfile").read_text().startswith("# ollama create")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile", "m.gguf"]  # no temp file left
+
+
+def test_a_tokenizer_llama_cpp_cannot_split_alike_is_one_line(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
+    tokenizer = {"kind": "hf", "name": "sp", "tokenizer_json": tok.to_str(), "eos_id": 1, "bos_id": None}
+    model = GPT(GPTConfig(block_size=16, vocab_size=200, n_layer=1, n_head=2, n_embd=32))
+    export.export_safetensors(model, tokenizer, tmp_path / "m.safetensors")
+    result = run_export("--ckpt", str(tmp_path / "m.safetensors"), "--gguf", str(tmp_path / "out" / "m.gguf"))
+    assert result.returncode == 2
+    [line] = result.stderr.splitlines()
+    assert "is not a byte-level BPE" in line or "llama.cpp has no pre-tokenizer" in line
+    assert not (tmp_path / "out").exists()
