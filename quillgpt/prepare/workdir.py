@@ -173,6 +173,12 @@ class WorkDir:
                 "each became U+FFFD",
                 file=sys.stderr,
             )
+        if counts["skipped_records"]:
+            kind = "conversations" if request.chat else "records"
+            print(
+                f"{counts['skipped_records']:,} records skipped (bad {kind} with --skip-bad-records, or empty)",
+                file=sys.stderr,
+            )
         documents = request.split == "docs"
         meta = {
             "format_version": FORMAT_VERSION,
