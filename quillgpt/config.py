@@ -150,9 +150,9 @@ class DataConfig:
         "run.init_from, its model's tokenizer), and the loss counts the assistant's tokens only (docs/chat.md)",
     )
     chat_rows: str = _f(
-        "packed",
-        "chat data: rows start at a conversation and go on into the following ones (packed), or count the first "
-        "conversation only (padded)",
+        "padded",
+        "chat data: rows start at a conversation and count its targets only (padded), or go on into the following "
+        "ones (packed; docs/chat.md has the measurement that chose padded)",
         choices=("packed", "padded"),
     )
 

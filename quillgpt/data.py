@@ -266,8 +266,8 @@ class BatchSource:
     """Reproducible batches for training and evaluation, optionally prefetched on a thread.
 
     On chat data every row starts at a conversation (drawn at random) and the targets the mask leaves out are -1,
-    which the loss ignores: rows "packed" go on into the conversations that follow, rows "padded" count the first
-    conversation's targets only (docs/chat.md has the measurement that chose packed)."""
+    which the loss ignores: rows "padded" count the first conversation's targets only, rows "packed" go on into the
+    conversations that follow (docs/chat.md has the measurement that chose padded)."""
 
     def __init__(
         self,
@@ -277,7 +277,7 @@ class BatchSource:
         seed: int,
         device: torch.device,
         prefetch: bool | None = None,
-        chat_rows: str = "packed",
+        chat_rows: str = "padded",
     ):
         self.dataset, self.block_size, self.batch_size, self.seed = dataset, block_size, batch_size, seed
         self.chat_rows = chat_rows

@@ -229,7 +229,7 @@ def test_load_dataset_refuses_a_mask_of_another_size(chat_data, tmp_path):
 def test_batches_target_only_assistant_tokens_and_the_loss_is_their_mean(chat_data):
     data_dir, _ = chat_data
     dataset = load_dataset(data_dir / "sums")
-    batches = BatchSource(dataset, 48, 8, 1337, torch.device("cpu"))
+    batches = BatchSource(dataset, 48, 8, 1337, torch.device("cpu"), chat_rows="packed")
     x, y = batches.get("train", 3)
     starts = batches.starts("train", 3)
     tokens = np.fromfile(dataset.path("train"), dtype=dataset.dtype).astype(np.int64)
@@ -255,7 +255,7 @@ def test_batches_target_only_assistant_tokens_and_the_loss_is_their_mean(chat_da
 def test_padded_rows_count_the_first_conversation_only(chat_data):
     data_dir, _ = chat_data
     dataset = load_dataset(data_dir / "sums")
-    packed = BatchSource(dataset, 200, 8, 1, torch.device("cpu"))
+    packed = BatchSource(dataset, 200, 8, 1, torch.device("cpu"), chat_rows="packed")
     padded = BatchSource(dataset, 200, 8, 1, torch.device("cpu"), chat_rows="padded")
     (xa, ya), (xb, yb) = packed.get("train", 0), padded.get("train", 0)
     assert torch.equal(xa, xb)
