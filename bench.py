@@ -13,6 +13,7 @@ A mode flag picks another benchmark, one at a time:
     python bench.py --prepare            # BPE training time; prepare.py on a 1 GB jsonl: MB/s with 1 and 2 workers, RSS
     python bench.py --memory             # training RSS on a 1 GB train.bin vs tiny Shakespeare's
     python bench.py --precision-curves --training.batch_size 8   # val loss of fp32 vs bf16 training, 300 iters
+    python bench.py --chat --rows 120    # chat: masked vs unmasked loss step time; packed vs padded rows, 120 s each
     python bench.py --muon               # Muon's step: a Newton-Schulz chain per matrix vs one per shape
     python bench.py --finetune           # SmolLM2-135M's shape (random): fine-tuning tokens/s and RSS vs --validate
 
@@ -34,6 +35,7 @@ import sys
 
 from quillgpt.bench import (
     against,
+    chat,
     finetune,
     hellaswag,
     kernels,
@@ -65,6 +67,7 @@ MODES = [
         precision_curves,
         muon,
         finetune,
+        chat,
         probe,
         vs_transformers,
         serve,

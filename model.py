@@ -305,7 +305,11 @@ class GPT(nn.Module):
         logits = self.head(x)  # (B, T, V)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            # mean over the counted targets (-1: not counted, e.g. chat's non-assistant tokens); a batch with none
+            # gives 0, not 0/0, and the count stays on the device
+            flat = targets.reshape(-1)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), flat, ignore_index=-1, reduction="sum")
+            loss = loss / (flat >= 0).sum().clamp(min=1)
         return logits, loss
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@
     python prepare.py --dataset web --input shard-0.jsonl.zst shard-1.parquet --tokenizer gpt2 --workers 8
     python prepare.py --dataset tales --hf-dataset roneneldan/TinyStories --tokenizer gpt2
     python prepare.py --dataset openwebtext               # named recipes: openwebtext, fineweb-edu-10B, tinystories
+    python prepare.py --dataset chat --chat --input talks.jsonl --tokenizer-from checkpoints/base   # conversations
 
 Several inputs (--input a b, or --input a --input b) are read in that order into one dataset. A dataset made for the
 same arguments is reused; other arguments need --reset. A killed prepare, run again, continues where it stopped.
@@ -62,11 +63,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=GivenOnce,
         help="in directories, the files to read (default: all but hidden ones), e.g. '*.md'",
     )
-    source.add_argument("--text-field", default="text", help="the records' text field or column (default: text)")
+    source.add_argument("--text-field", help="the records' text field or column (default: text; with --chat: messages)")
+    source.add_argument(
+        "--chat",
+        action="store_true",
+        help="records are conversations (a list of {role, content} messages), rendered with the chat template; "
+        "the loss counts the assistant's tokens only (docs/chat.md)",
+    )
     source.add_argument(
         "--skip-bad-records",
         action="store_true",
-        help="count and skip records that are not JSON or lack a string text field (default: stop)",
+        help="count and skip records that are not JSON or lack a string text field (with --chat: a bad "
+        "conversation) (default: stop)",
     )
     source.add_argument("--hf-dataset", metavar="NAME", help="a Hugging Face hub dataset, streamed (needs '.[data]')")
     source.add_argument("--hf-config", metavar="NAME", help="the hub dataset's configuration (subset)")
@@ -76,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tokenizer",
         help="char, bpe, a tiktoken encoding such as gpt2, or hf:DIR for the tokenizer.json of a "
         "Hugging Face model directory (default: gpt2 for shakespeare and the recipes, else char)",
+    )
+    p.add_argument(
+        "--tokenizer-from",
+        metavar="MODEL",
+        help="with --chat: the tokenizer of the model to fine-tune (a checkpoint, run directory, Hugging Face "
+        "directory or hub name), with the chat template added when it has none",
     )
     p.add_argument(
         "--vocab-size", type=positive_int, help="bpe vocabulary size (default 4096); an upper bound for char"
@@ -119,6 +133,8 @@ def main() -> None:
         bpe_train_bytes=args.bpe_train_bytes,
         glob=args.glob,
         text_field=args.text_field,
+        chat=args.chat,
+        tokenizer_from=args.tokenizer_from,
         hf_dataset=args.hf_dataset,
         hf_config=args.hf_config,
         hf_split=args.hf_split,

@@ -144,6 +144,17 @@ class DataConfig:
         "for validation when preparing",
     )
     max_bytes: int | None = _f(None, "cap on the bytes of raw text read when preparing (pystdlib default: 4 MB)")
+    chat: bool = _f(
+        False,
+        "data.input holds conversations (records with a messages list): prepared with the chat template (with "
+        "run.init_from, its model's tokenizer), and the loss counts the assistant's tokens only (docs/chat.md)",
+    )
+    chat_rows: str = _f(
+        "padded",
+        "chat data: rows start at a conversation and count its targets only (padded), or go on into the following "
+        "ones (packed; docs/chat.md has the measurement that chose padded)",
+        choices=("packed", "padded"),
+    )
 
 
 @dataclass

@@ -25,7 +25,7 @@ import io
 import json
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -353,11 +353,13 @@ class Budget:
 
 @dataclass
 class Reading:
-    """How records are read: the text field, whether bad records are skipped, the size of a chunk."""
+    """How records are read: the text field, whether bad records are skipped, the size of a chunk, and what a hub
+    record's field becomes (record_text; prepare.py --chat: its checked conversation)."""
 
     text_field: str = "text"
     skip_bad: bool = False
     chunk_bytes: int = CHUNK_BYTES
+    record: Callable = record_text
 
 
 def chunks_of(source: Source, how: Reading, budget: Budget) -> Iterator[Chunk]:
@@ -479,12 +481,13 @@ def hub_chunks(source: Source, how: Reading, budget: Budget, state: dict | None)
     texts, size, seen, skipped = [], 0, 0, 0
     for record in stream:
         seen += 1
-        text = record_text(record, how.text_field, f"{source.path} record {seen}", how.skip_bad)
+        text = how.record(record, how.text_field, f"{source.path} record {seen}", how.skip_bad)
         if text is None:
             skipped += 1
             continue
-        allowed = budget.take(len(text))
-        texts.append(text[:allowed])
+        whole = not isinstance(text, str)  # a conversation is read whole or not at all
+        allowed = budget.take(len(text) if not whole else sum(len(m["content"]) for m in text))
+        texts.append(text[:allowed] if not whole else text)
         size += allowed
         if size >= how.chunk_bytes or budget.spent:
             yield Texts(texts, skipped), stream.state_dict()

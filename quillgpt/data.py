@@ -34,13 +34,26 @@ class Dataset:
     tokenizer: Tokenizer
     dtype: np.dtype
     lengths: dict[str, int]  # tokens per split
+    starts: dict[str, np.ndarray] | None = None  # chat: per split, the offset of each conversation's first token
 
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
 
+    @property
+    def chat(self) -> bool:
+        """Conversations with a loss mask (prepare.py --chat): the loss counts the assistant's tokens only."""
+        return self.starts is not None
+
     def path(self, split: str) -> Path:
         return self.directory / f"{split}.bin"
+
+    def mask_path(self, split: str) -> Path:
+        return self.directory / f"{split}.mask.bin"
+
+    def conversation_ends(self, split: str) -> np.ndarray:
+        """Where each conversation of a split ends (the next one's start; the split's end for the last)."""
+        return np.append(self.starts[split][1:], self.lengths[split])
 
 
 def find_dataset(cfg: Config, dist: DistInfo) -> Dataset:
@@ -62,19 +75,29 @@ def find_dataset(cfg: Config, dist: DistInfo) -> Dataset:
         if not (directory / "train.bin").exists():
             raise UserError(f"no train.bin in data.processed_dir = {d.processed_dir} (or its parent)")
     else:
+        # chat data for a model fine-tuned from run.init_from takes that model's tokenizer (and chat template)
+        model_tokenizer = d.chat and cfg.run.init_from != "scratch"
         on_main(
             prepare_dataset,
             dist,
             d.dataset,
             input_path=d.input,
-            tokenizer=d.tokenizer,
-            vocab_size=vocab_size,
+            tokenizer=None if model_tokenizer else d.tokenizer,
+            tokenizer_from=cfg.run.init_from if model_tokenizer else None,
+            chat=d.chat,
+            vocab_size=None if model_tokenizer else vocab_size,
             val_fraction=d.val_fraction,
             data_dir=d.data_dir,
             max_bytes=d.max_bytes,
         )
-        directory, expect = Path(d.data_dir) / d.dataset, d.tokenizer
-    return on_every_rank(load_dataset, dist, directory, expect)
+        directory, expect = Path(d.data_dir) / d.dataset, None if model_tokenizer else d.tokenizer
+    dataset = on_every_rank(load_dataset, dist, directory, expect)
+    if d.chat and not dataset.chat:  # (a chat dataset needs no data.chat: its meta.json says what it is)
+        raise UserError(
+            f"data.chat = true but {directory} holds text, not conversations: prepare it with prepare.py --chat "
+            "(--reset), or name another data.dataset"
+        )
+    return dataset
 
 
 def load_dataset(directory: str | Path, expect_tokenizer: str | None = None) -> Dataset:
@@ -122,7 +145,35 @@ def load_dataset(directory: str | Path, expect_tokenizer: str | None = None) -> 
                 f"{path} is empty: the {split} split has no tokens (use a larger input or another data.val_fraction)"
             )
         check_token_ids(path, dtype, vocab_size)
-    return Dataset(directory, meta, tokenizer, dtype, lengths)
+    starts = load_chat_files(directory, meta, lengths) if meta.get("chat") else None
+    return Dataset(directory, meta, tokenizer, dtype, lengths, starts)
+
+
+def load_chat_files(directory: Path, meta: dict, lengths: dict[str, int]) -> dict[str, np.ndarray]:
+    """A chat dataset's masks (one byte per token) and conversation starts (int64, from 0, increasing, within the
+    split, as many as meta.json's documents), checked; returns the starts of each split."""
+    starts = {}
+    for split, n in lengths.items():
+        mask, first = directory / f"{split}.mask.bin", directory / f"{split}.starts.bin"
+        for path in (mask, first):
+            if not path.is_file():
+                raise UserError(f"{path} is missing but meta.json says this is a chat dataset: re-run prepare.py")
+        if mask.stat().st_size != n:
+            raise UserError(
+                f"{mask} has {mask.stat().st_size} bytes but {split}.bin has {n} tokens (one mask byte each): "
+                "they come from different preparations; re-run prepare.py with --reset"
+            )
+        if first.stat().st_size % 8:
+            raise UserError(f"{first} has {first.stat().st_size} bytes, not a multiple of 8 (int64): it is truncated")
+        starts[split] = np.fromfile(first, dtype="<i8")
+        s = starts[split]
+        expected = meta.get(f"{split}_documents")
+        if not s.size or s[0] != 0 or (np.diff(s) <= 0).any() or s[-1] >= n or (expected not in (None, s.size)):
+            raise UserError(
+                f"{first} does not hold increasing conversation starts from 0 within the {n} tokens of "
+                f"{split}.bin ({s.size} starts, meta.json says {expected}): re-run prepare.py with --reset"
+            )
+    return starts
 
 
 def check_token_ids(path: Path, dtype: np.dtype, vocab_size: int, chunk: int = 1 << 24) -> None:
@@ -140,8 +191,10 @@ def check_token_ids(path: Path, dtype: np.dtype, vocab_size: int, chunk: int = 1
 
 
 def check_fits(dataset: Dataset, block_size: int, model_vocab_size: int) -> None:
+    """Rows of block_size + 1 tokens fit in each split (a chat dataset's rows start at a conversation and are padded
+    at the split's end: any length fits), and the model has ids for the whole vocabulary."""
     for split, n in dataset.lengths.items():
-        if n < block_size + 1:
+        if n < block_size + 1 and not dataset.chat:
             raise UserError(
                 f"the {split} split of {dataset.directory} has {n} tokens, fewer than block_size + 1 = "
                 f"{block_size + 1}: lower model.block_size or use more data"
@@ -187,8 +240,9 @@ def batch_rng(seed: int, split: str, index: int) -> np.random.Generator:
     return np.random.Generator(np.random.Philox(key=key, counter=[0, 0, index, 0]))
 
 
-def gather_rows(path: Path, dtype: np.dtype, starts: np.ndarray, block_size: int) -> np.ndarray:
-    """(B,) start offsets -> (B, block_size + 1) int64 tokens, read row by row from the file.
+def gather_rows(path: Path, dtype: np.dtype, starts: np.ndarray, block_size: int, pad: bool = False) -> np.ndarray:
+    """(B,) start offsets -> (B, block_size + 1) int64 tokens, read row by row from the file; pad: a row that runs
+    past the end of the file is filled with zeros (a chat row starting at one of the last conversations).
 
     Read, not mapped: the process maps none of the file, so RSS does not grow with the dataset (nanoGPT re-opens a
     memmap per batch for that), and a batch costs less than a memmap's, which maps the file and faults its pages in
@@ -197,7 +251,10 @@ def gather_rows(path: Path, dtype: np.dtype, starts: np.ndarray, block_size: int
     with open(path, "rb", buffering=0) as f:
         for row, start in zip(rows, starts):
             f.seek(int(start) * rows.itemsize)
-            if f.readinto(row) != row.nbytes:
+            got = f.readinto(row)
+            if got != row.nbytes and pad:
+                row[got // rows.itemsize :] = 0
+            elif got != row.nbytes:
                 raise UserError(
                     f"{path} ended before token {int(start) + block_size + 1:,}: it changed after it was "
                     "checked; prepare the dataset again"
@@ -206,7 +263,11 @@ def gather_rows(path: Path, dtype: np.dtype, starts: np.ndarray, block_size: int
 
 
 class BatchSource:
-    """Reproducible batches for training and evaluation, optionally prefetched on a thread."""
+    """Reproducible batches for training and evaluation, optionally prefetched on a thread.
+
+    On chat data every row starts at a conversation (drawn at random) and the targets the mask leaves out are -1,
+    which the loss ignores: rows "padded" count the first conversation's targets only, rows "packed" go on into the
+    conversations that follow (docs/chat.md has the measurement that chose padded)."""
 
     def __init__(
         self,
@@ -216,8 +277,10 @@ class BatchSource:
         seed: int,
         device: torch.device,
         prefetch: bool | None = None,
+        chat_rows: str = "padded",
     ):
         self.dataset, self.block_size, self.batch_size, self.seed = dataset, block_size, batch_size, seed
+        self.chat_rows = chat_rows
         self.device = device
         self.pin = device.type == "cuda"
         # By default only for accelerators, whose host thread would otherwise wait: on the CPU the
@@ -226,15 +289,37 @@ class BatchSource:
         self._next: tuple[tuple, threading.Thread, list] | None = None
 
     def starts(self, split: str, index: int) -> np.ndarray:
+        if self.dataset.chat:
+            return self.dataset.starts[split][self.conversations(split, index)]
         high = self.dataset.lengths[split] - self.block_size
         return batch_rng(self.seed, split, index).integers(0, high, size=self.batch_size)
 
+    def conversations(self, split: str, index: int) -> np.ndarray:
+        """Chat data: the conversation each row of the batch starts with."""
+        return batch_rng(self.seed, split, index).integers(0, len(self.dataset.starts[split]), size=self.batch_size)
+
     def _load(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = gather_rows(self.dataset.path(split), self.dataset.dtype, self.starts(split, index), self.block_size)
-        x, y = (torch.from_numpy(np.ascontiguousarray(r)) for r in (rows[:, :-1], rows[:, 1:]))  # (B, T) each
+        if self.dataset.chat:
+            inputs, targets = self.chat_rows_of(split, index)
+        else:
+            rows = gather_rows(self.dataset.path(split), self.dataset.dtype, self.starts(split, index), self.block_size)
+            inputs, targets = rows[:, :-1], rows[:, 1:]
+        x, y = (torch.from_numpy(np.ascontiguousarray(r)) for r in (inputs, targets))  # (B, T) each
         if self.pin:
             x, y = x.pin_memory(), y.pin_memory()
         return x, y
+
+    def chat_rows_of(self, split: str, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets), (B, block_size) each, of rows read from conversation starts; a target the loss does not
+        count (the mask's zeros; padded rows: all after the first conversation) is -1, which the loss ignores."""
+        conv = self.conversations(split, index)
+        starts = self.dataset.starts[split][conv]
+        rows = gather_rows(self.dataset.path(split), self.dataset.dtype, starts, self.block_size, pad=True)
+        counted = gather_rows(self.dataset.mask_path(split), np.dtype(np.uint8), starts, self.block_size, pad=True)
+        if self.chat_rows == "padded":
+            length = self.dataset.conversation_ends(split)[conv] - starts  # (B,)
+            counted[np.arange(self.block_size + 1)[None, :] >= length[:, None]] = 0
+        return rows[:, :-1], np.where(counted[:, 1:] == 1, rows[:, 1:], -1)
 
     def get(self, split: str, index: int, next_index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch for (split, index); with next_index, start loading that one in the background."""

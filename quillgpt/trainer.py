@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
@@ -32,6 +33,7 @@ from tqdm import tqdm
 
 from model import GPT
 from quillgpt import distributed
+from quillgpt.chat_template import with_chat_tokens
 from quillgpt.checkpoint import RunDir, TrainingCheckpoint, TrainState, rng_state, set_rng_state
 from quillgpt.config import Config, EvalConfig, GPTConfig, TrainingConfig, resolved, summary, to_toml
 from quillgpt.data import BatchSource, Dataset, check_fits, check_vocab_compatible, micro_batch_index
@@ -45,6 +47,7 @@ from quillgpt.optim import lr_multiplier, make_optimizers, set_lr
 from quillgpt.precision import PRECISIONS, MatmulRates, emulation_warning, measure_cpu_rates
 from quillgpt.precision import autocast as precision_autocast
 from quillgpt.scoring import HellaSwagItem, hellaswag_items, score_hellaswag
+from quillgpt.tokenizer import same_tokenizer, tokenizer_from_dict
 
 # ---- setup --------------------------------------------------------------------------------------
 
@@ -232,7 +235,14 @@ def build(
     # after wrapping: FSDP swaps the parameters. Muon's Newton-Schulz matmuls run in bf16 only where the run does
     optimizers = make_optimizers(raw_model, cfg.optimizer, rt.device.type, muon_dtype(cfg, rt))
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
-    batches = BatchSource(dataset, raw_model.config.block_size, cfg.training.batch_size, cfg.run.seed, rt.device)
+    batches = BatchSource(
+        dataset,
+        raw_model.config.block_size,
+        cfg.training.batch_size,
+        cfg.run.seed,
+        rt.device,
+        chat_rows=cfg.data.chat_rows,
+    )
     evaluation = Evaluation.load(cfg.eval, dataset, rt.device)
     return Trainer(
         cfg,
@@ -244,7 +254,7 @@ def build(
         scaler,
         batches,
         run_dir,
-        dataset.tokenizer.to_dict(),
+        dataset.tokenizer.to_dict(),  # on chat data: with its chat template, so sample.py and export.py have it
         evaluation,
     )
 
@@ -263,7 +273,11 @@ def build_model(cfg: Config, dataset: Dataset, resume: TrainingCheckpoint | None
         check_vocab_compatible(margs.vocab_size, resume.tokenizer, dataset, "the checkpoint")
     elif cfg.run.init_from != "scratch":
         loaded = load_model(cfg.run.init_from, dropout=cfg.model.dropout)
-        check_vocab_compatible(loaded.model.config.vocab_size, loaded.tokenizer, dataset, loaded.source)
+        tokenizer = loaded.tokenizer
+        if dataset.chat and adds_chat_tokens(tokenizer, dataset):
+            grow_vocabulary(loaded.model, dataset.vocab_size)
+            tokenizer = dataset.tokenizer.to_dict()
+        check_vocab_compatible(loaded.model.config.vocab_size, tokenizer, dataset, loaded.source)
         if cfg.model.block_size < loaded.model.config.block_size:
             loaded.model.crop_block_size(cfg.model.block_size)
         check_fits(dataset, loaded.model.config.block_size, loaded.model.config.vocab_size)
@@ -285,7 +299,39 @@ def model_config(cfg: Config, dataset: Dataset, resuming: bool = False) -> GPTCo
     if resuming or cfg.run.init_from == "scratch":
         return GPTConfig.from_dict({**cfg.model_args(), "vocab_size": cfg.model.vocab_size or dataset.vocab_size})
     config = model_config_of(cfg.run.init_from, dropout=cfg.model.dropout)
-    return replace(config, block_size=min(config.block_size, cfg.model.block_size))
+    vocab_size = max(config.vocab_size, dataset.vocab_size) if dataset.chat else config.vocab_size  # grown for chat
+    return replace(config, block_size=min(config.block_size, cfg.model.block_size), vocab_size=vocab_size)
+
+
+def adds_chat_tokens(model_tokenizer: dict | None, dataset: Dataset) -> bool:
+    """The chat dataset's tokenizer is the model's with the chat template and its tokens added (with_chat_tokens)."""
+    if model_tokenizer is None:
+        return False
+    with_chat = with_chat_tokens(tokenizer_from_dict(model_tokenizer)).to_dict()
+    return same_tokenizer(with_chat, dataset.tokenizer.to_dict()) and not same_tokenizer(
+        model_tokenizer, dataset.tokenizer.to_dict()
+    )
+
+
+@torch.no_grad()
+def grow_vocabulary(model: GPT, vocab_size: int) -> None:
+    """Give the model ids up to vocab_size (the chat tokens added after its vocabulary): the new rows of the token
+    embedding and of the head are the means of the old ones, so a new token starts as an average token, not as
+    noise that the first steps would spend their updates on."""
+    old = model.config.vocab_size
+    if vocab_size <= old:
+        return
+    tied = model.lm_head.weight is model.transformer.wte.weight
+
+    def grown(weight: torch.Tensor) -> nn.Parameter:
+        mean = weight.mean(0, keepdim=True).expand(vocab_size - old, -1)  # (new, C)
+        return nn.Parameter(torch.cat([weight, mean]))
+
+    model.transformer.wte.weight = grown(model.transformer.wte.weight)
+    model.transformer.wte.num_embeddings = vocab_size
+    model.lm_head.weight = model.transformer.wte.weight if tied else grown(model.lm_head.weight)
+    model.lm_head.out_features = vocab_size
+    model.config = replace(model.config, vocab_size=vocab_size)
 
 
 def restore(tr: Trainer, ckpt: TrainingCheckpoint) -> TrainState:
@@ -360,6 +406,8 @@ def print_startup(tr: Trainer, state: TrainState) -> None:
         f"data: {dataset.directory} | {dataset.tokenizer.kind} tokenizer, vocab {dataset.vocab_size} | "
         f"train {dataset.lengths['train']:,} / val {dataset.lengths['val']:,} tokens"
     )
+    if dataset.chat:
+        print(chat_line(dataset, model.config.block_size, tr.cfg.data.chat_rows))
     print(f"model: {model.num_params() / 1e6:.2f}M parameters | {model.flops_per_token() / 1e6:.1f} MFLOPs/token")
     print(
         f"batch: {t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks = "
@@ -371,6 +419,18 @@ def print_startup(tr: Trainer, state: TrainState) -> None:
     if state.iter_num:
         print(f"resuming {tr.run_dir.path} at iter {state.iter_num} (best val loss {state.best_val_loss:.4f})")
     print(f"run: {tr.run_dir.path} | rss {rss_mb():.0f} MB", flush=True)
+
+
+def chat_line(dataset: Dataset, block_size: int, rows: str) -> str:
+    """What chat training counts: the assistant's tokens, their share, and the conversations rows cut short."""
+    starts = dataset.starts["train"]
+    longer = int((np.diff(np.append(starts, dataset.lengths["train"])) > block_size + 1).sum())
+    share = dataset.meta.get("train_assistant_tokens", 0) / dataset.lengths["train"]
+    return (
+        f"chat: losses, accuracy and the best checkpoint count the assistant's tokens only ({share:.1%} of train "
+        f"tokens) | rows {rows}, each from a conversation start | {longer:,} of {len(starts):,} train conversations "
+        f"are longer than block_size + 1 = {block_size + 1}: rows cut them there"
+    )
 
 
 def device_line(rt: Runtime) -> str:
@@ -459,7 +519,8 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
 @torch.no_grad()  # not inference_mode: FSDP's unsharded weights made here are reused by training
 def evaluate(tr: Trainer, batches: int | None = None) -> dict[str, float]:
     """Mean loss, perplexity, next-token accuracy and bits per byte over `batches` (default eval_iters) batches per
-    split (the same batches every time), and HellaSwag when eval.hellaswag names it.
+    split (the same batches every time), and HellaSwag when eval.hellaswag names it. On chat data all of them are
+    over the assistant's tokens (the targets that count), weighted by their number.
 
     The batches are dealt round-robin to the ranks, so the result does not depend on the world size.
     Every rank runs the same number of forwards (FSDP gathers weights collectively); padding batches count zero."""
@@ -467,7 +528,9 @@ def evaluate(tr: Trainer, batches: int | None = None) -> dict[str, float]:
     out = {}
     n, rank, world, device = batches or tr.cfg.training.eval_iters, tr.rt.dist.rank, tr.rt.dist.world_size, tr.rt.device
     for split in ("train", "val"):
-        sums = torch.zeros(5, device=device)  # loss, correct, count, nats of tokens with bytes, their bytes
+        # the sums of loss x w, correct / numel, w, nats of tokens with bytes, their bytes, where w is the share of the
+        # batch's targets that count (1 except on chat data, where the loss counts the assistant's tokens only)
+        sums = torch.zeros(5, device=device)
         for k in tqdm(
             range(rank, math.ceil(n / world) * world, world),
             desc=f"eval {split}",
@@ -477,22 +540,25 @@ def evaluate(tr: Trainer, batches: int | None = None) -> dict[str, float]:
             x, y = tr.batches.get(split, k)
             with tr.rt.autocast:
                 logits, loss = tr.model(x, y)
-            nbytes = tr.evaluation.token_bytes[y]
-            nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+            counted = y >= 0
+            w = counted.sum().float() / y.numel()
+            nbytes = tr.evaluation.token_bytes[y.clamp(min=0)] * counted
+            nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none", ignore_index=-1)
             sums += (k < n) * torch.stack(
                 [
-                    loss.float(),
-                    (logits.argmax(-1) == y).sum().float() / y.numel(),
-                    torch.ones((), device=device),
+                    loss.float() * w,
+                    ((logits.argmax(-1) == y) & counted).sum().float() / y.numel(),
+                    w,
                     (nats * (nbytes.flatten() > 0)).sum(),
                     nbytes.sum().float(),
                 ]
             )
         sums = distributed.all_reduce_sum(sums)
-        loss = (sums[0] / sums[2]).item()
+        counted = sums[2].clamp(min=1e-9)  # (a split without a counted token reports 0, not 0/0)
+        loss = (sums[0] / counted).item()
         out[f"{split}_loss"] = loss
         out[f"{split}_ppl"] = math.exp(min(loss, 50))
-        out[f"{split}_acc"] = (sums[1] / sums[2]).item()
+        out[f"{split}_acc"] = (sums[1] / counted).item()
         out[f"{split}_bpb"] = (sums[3] / math.log(2) / sums[4].clamp(min=1)).item()
     if tr.evaluation.hellaswag:
         out.update(hellaswag(tr, tr.evaluation.hellaswag))

@@ -206,8 +206,8 @@ def test_tiktoken_dataset_records_the_encoding_name_and_decodes_to_the_input(tmp
     # the real gpt2 files need the network once; a locally trained encoding under the name "gpt2" stands in
     bpe = train_tokenizer("bpe", [TEXT], 300)
     stand_in = tokenizer_module.NamedTiktokenTokenizer("gpt2", bpe.encoding)
-    monkeypatch.setattr(tokenizer_module, "get_tiktoken", lambda name: stand_in)
-    monkeypatch.setattr(pipeline, "get_tiktoken", lambda name: stand_in)
+    monkeypatch.setattr(tokenizer_module, "get_tiktoken", lambda name, chat_tokens=(): stand_in)
+    monkeypatch.setattr(pipeline, "get_tiktoken", lambda name, chat_tokens=(): stand_in)
     out_dir = prepare_dataset("x", input_path=str(text_file), tokenizer="gpt2", data_dir=tmp_path, verbose=False)
     meta, train, val, tok = check_dataset(out_dir, "tiktoken")
     assert meta["tokenizer"]["name"] == "gpt2" and meta["request"]["tokenizer"] == "gpt2"

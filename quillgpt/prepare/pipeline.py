@@ -15,6 +15,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -23,14 +24,16 @@ import numpy as np
 from tqdm import tqdm
 
 from quillgpt import corpus
+from quillgpt.chat_template import ChatFormat, chat_format, with_chat_tokens
 from quillgpt.corpus import Chunk, Source, TextSpan
 from quillgpt.errors import UserError
 from quillgpt.files import read_json
+from quillgpt.prepare.chat import conversation_documents, encode_conversations, read_conversations
 from quillgpt.prepare.pool import ordered_map
-from quillgpt.prepare.request import Request, Settings
+from quillgpt.prepare.request import Request, Settings, checkpoint_tokenizer
 from quillgpt.prepare.sources import chunk_stream, resolve_sources, total_bytes
 from quillgpt.prepare.splits import Span, check_splits, in_validation
-from quillgpt.prepare.workdir import WORK_DIR, PartialBins, WorkDir, describe, token_dtype
+from quillgpt.prepare.workdir import WORK_DIR, PartialBins, WorkDir, chat_file_sizes, describe, token_dtype
 from quillgpt.tokenizer import (
     BPE_PIECE_CHARS,
     Tokenizer,
@@ -88,6 +91,15 @@ def build(
 
 
 def make_tokenizer(request: Request, sources: list[Source], spans: list[Span] | None, settings: Settings) -> Tokenizer:
+    """The request's tokenizer; for chat data with the chat template (its own, or ChatML and its two tokens)."""
+    if request.tokenizer_from is not None:
+        tok = tokenizer_from_dict(checkpoint_tokenizer(request.tokenizer_from))
+    else:
+        tok = base_tokenizer(request, sources, spans, settings)
+    return with_chat_tokens(tok) if request.chat else tok
+
+
+def base_tokenizer(request: Request, sources: list[Source], spans: list[Span] | None, settings: Settings) -> Tokenizer:
     kind = tokenizer_kind(request.tokenizer)
     if kind in ("tiktoken", "hf"):
         tok = get_tiktoken(request.tokenizer) if kind == "tiktoken" else hf_tokenizer(request.tokenizer[3:])
@@ -96,7 +108,7 @@ def make_tokenizer(request: Request, sources: list[Source], spans: list[Span] | 
                 f"the {request.tokenizer} tokenizer has {tok.vocab_size} tokens, more than the requested "
                 f"vocab_size {request.vocab_size}"
             )
-        if tok.eot_id is None and request.split == "docs":
+        if tok.eot_id is None and request.split == "docs" and not request.chat:
             raise UserError(
                 f"the {request.tokenizer} tokenizer has no end-of-sequence token to end each document with "
                 "(its tokenizer_config.json names no eos_token)"
@@ -106,7 +118,8 @@ def make_tokenizer(request: Request, sources: list[Source], spans: list[Span] | 
     if kind == "char":
         sets, documents, skipped = [], 0, 0
         with progress_bar(total_bytes(sources, request, spans), "characters", settings.verbose) as bar:
-            for chunk, (points, n, bad) in ordered_map(chunk_codepoints, chunks, settings.workers):
+            reader = partial(chunk_codepoints, chat=request.chat)
+            for chunk, (points, n, bad) in ordered_map(reader, chunks, settings.workers):
                 sets.append(points)
                 documents, skipped = documents + n, skipped + bad
                 bar.update(chunk.size)
@@ -131,7 +144,7 @@ def make_tokenizer(request: Request, sources: list[Source], spans: list[Span] | 
 def bpe_training_texts(chunks: Iterator, request: Request, workers: int, limit: int) -> list[str]:
     """The first `limit` bytes of the train split's text (whole documents, the last one cut)."""
     texts, size, index = [], 0, 0
-    for chunk, docs in ordered_map(chunk_documents, chunks, workers):
+    for chunk, docs in ordered_map(partial(chunk_documents, chat=request.chat), chunks, workers):
         if chunk.split is not None:
             train = [chunk.split == "train"] * len(docs.texts)
         else:
@@ -151,24 +164,30 @@ def bpe_training_texts(chunks: Iterator, request: Request, workers: int, limit: 
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None
+_WORKER_CHAT: tuple[ChatFormat, bool] | None = None  # chat data: the template, and whether bad records are skipped
 
 
-def start_worker(tokenizer: dict) -> None:
-    global _WORKER_TOKENIZER
+def start_worker(tokenizer: dict, chat: bool = False, skip_bad: bool = False) -> None:
+    global _WORKER_TOKENIZER, _WORKER_CHAT
     _WORKER_TOKENIZER = tokenizer_from_dict(tokenizer)
+    _WORKER_CHAT = (chat_format(_WORKER_TOKENIZER), skip_bad) if chat else None
 
 
 @dataclass
 class Encoded:
-    tokens: np.ndarray  # uint32, every document followed by <|endoftext|> (a TextSpan: its tokens alone)
+    tokens: np.ndarray  # uint32, every document followed by <|endoftext|> (a TextSpan: its tokens alone; a
+    # conversation: its rendering alone, the template ends every turn)
     lengths: np.ndarray  # int64, tokens per document (a TextSpan: one entry)
     skipped: int
     replaced: int
+    mask: np.ndarray | None = None  # chat: uint8 per token, 1 on the assistant's tokens
 
 
 def encode_chunk(item: tuple[Chunk, Any]) -> Encoded:
     """A chunk's documents as tokens (in a worker process, with start_worker's tokenizer)."""
     chunk = item[0]
+    if _WORKER_CHAT is not None:
+        return encode_chat_chunk(chunk, *_WORKER_CHAT)
     docs = corpus.read(chunk)
     tok = _WORKER_TOKENIZER
     parts = [tok.encode_array(text).astype(np.uint32) for text in docs.texts]
@@ -183,15 +202,28 @@ def encode_chunk(item: tuple[Chunk, Any]) -> Encoded:
     return Encoded(tokens, lengths, docs.skipped, docs.replaced)
 
 
-def chunk_codepoints(item: tuple[Chunk, Any]) -> tuple[np.ndarray, int, int]:
+def encode_chat_chunk(chunk: Chunk, fmt: ChatFormat, skip_bad: bool) -> Encoded:
+    """A chunk's conversations as tokens and assistant masks, rendered by the chat template."""
+    ids, masks, skipped = encode_conversations(fmt, read_conversations(chunk), skip_bad)
+    lengths = np.array([len(i) for i in ids], dtype=np.int64)
+    tokens = np.concatenate([np.array(i, dtype=np.uint32) for i in ids]) if ids else np.zeros(0, np.uint32)
+    mask = np.concatenate([np.array(m, dtype=np.uint8) for m in masks]) if masks else np.zeros(0, np.uint8)
+    return Encoded(tokens, lengths, skipped, 0, mask)
+
+
+def read_documents(chunk: Chunk, chat: bool) -> corpus.Documents:
+    return conversation_documents(chunk) if chat else corpus.read(chunk)
+
+
+def chunk_codepoints(item: tuple[Chunk, Any], chat: bool = False) -> tuple[np.ndarray, int, int]:
     """The distinct characters of a chunk's documents (for a char vocabulary), its documents and its skipped records."""
-    docs = corpus.read(item[0])
+    docs = read_documents(item[0], chat)
     points = np.unique(np.concatenate([codepoints(t) for t in docs.texts] or [np.zeros(0, np.uint32)]))
     return points, len(docs.texts), docs.skipped
 
 
-def chunk_documents(item: tuple[Chunk, Any]) -> corpus.Documents:
-    return corpus.read(item[0])
+def chunk_documents(item: tuple[Chunk, Any], chat: bool = False) -> corpus.Documents:
+    return read_documents(item[0], chat)
 
 
 # ---- encoding, chunk by chunk into the work directory -------------------------------------------
@@ -217,13 +249,16 @@ def encode(
         )
     else:  # local chunks are derived again: skip the ones written
         chunks = islice(chunk_stream(request, sources, spans, settings.chunk_bytes), progress["chunks"], None)
-    bins = PartialBins(work.path, token_dtype(tok.vocab_size), progress["train_bytes"], progress["val_bytes"])
+    dtype = token_dtype(tok.vocab_size)
+    extra = chat_file_sizes(progress, np.dtype(dtype).itemsize) if request.chat else None
+    bins = PartialBins(work.path, dtype, progress["train_bytes"], progress["val_bytes"], extra)
     counts = progress["counts"]
     try:
         with progress_bar(
             total_bytes(sources, request, spans), "encoding", settings.verbose, initial=progress["read_bytes"]
         ) as bar:
-            for chunk, enc in ordered_map(encode_chunk, chunks, settings.workers, start_worker, (tok.to_dict(),)):
+            init = (tok.to_dict(), request.chat, request.skip_bad_records)
+            for chunk, enc in ordered_map(encode_chunk, chunks, settings.workers, start_worker, init):
                 write_chunk(bins, enc, chunk.split, request, counts, tok.vocab_size)
                 progress.update(
                     chunks=progress["chunks"] + 1,
@@ -262,6 +297,11 @@ def write_chunk(
     val = in_validation(request.split_seed, first, len(enc.lengths), request.val_fraction)
     in_val = np.repeat(val, enc.lengths)
     for split, mask, docs in (("train", ~in_val, ~val), ("val", in_val, val)):
+        if enc.mask is not None:  # chat: the loss mask, and where each conversation starts in the split
+            starts = counts[f"{split}_tokens"] + np.cumsum(enc.lengths[docs]) - enc.lengths[docs]
+            bins.append_to(f"{split}.mask.bin", enc.mask[mask])
+            bins.append_to(f"{split}.starts.bin", starts)
+            counts[f"{split}_assistant_tokens"] += int(enc.mask[mask].sum())
         bins.append(split, enc.tokens[mask])
         counts[f"{split}_tokens"] += int(mask.sum())
         counts[f"{split}_documents"] += int(docs.sum())

@@ -31,9 +31,12 @@ class Request:
     hf_split: str = "train"
     hf_revision: str | None = None
     glob: str | None = None  # in directories, the files to read
-    text_field: str = "text"  # the records' text field or column
+    text_field: str | None = None  # the records' text field or column (resolved: "messages" for chat, else "text")
+    chat: bool = False  # records are conversations, rendered with the chat template, with a loss mask (chat.py)
     tokenizer: str | None = None  # char, bpe, a tiktoken encoding or hf:DIR; None: gpt2 for shakespeare and the
     # recipes, char otherwise (resolved: the canonical name)
+    tokenizer_from: str | None = None  # chat: a checkpoint whose tokenizer to use (resolved: its file; a Hugging
+    # Face model directory or hub name resolves to tokenizer hf:DIR instead)
     vocab_size: int | None = None  # bpe's size (default 4096); an upper bound for the others
     split: str = "auto"  # auto: tail for a lone text file, docs otherwise (resolved: docs, tail, or given)
     val_fraction: float | None = None  # None: 0.1, a recipe's own
@@ -78,14 +81,28 @@ def resolve(dataset: str, asked: Request) -> Request:
     if dataset == "pystdlib" and not inputs and max_bytes is None:
         max_bytes = PYSTDLIB_MAX_BYTES
     default_tokenizer = recipe.tokenizer if recipe else "gpt2" if dataset == "shakespeare" else "char"
+    tokenizer_from = None
+    if asked.tokenizer_from is not None:
+        if not asked.chat:
+            raise UserError("--tokenizer-from takes a model's tokenizer for chat data: it goes with --chat")
+        if asked.tokenizer is not None:
+            raise UserError("give --tokenizer or --tokenizer-from, not both")
+        default_tokenizer, tokenizer_from = tokenizer_of_model(asked.tokenizer_from)
     spec = canonical_spec(asked.tokenizer or default_tokenizer)
     vocab_size = resolve_vocab_size(tokenizer_kind(spec), asked.vocab_size)
     one_text = (
         len(inputs) == 1 and not Path(inputs[0]).is_dir() and corpus.file_source(Path(inputs[0])).kind == "text"
     ) or (not inputs and asked.hf_dataset is None and dataset in SHAKESPEARES)
+    if asked.chat and (one_text or asked.split == "tail"):
+        raise UserError(
+            "--chat reads records with a list of messages (.jsonl or .parquet files, a folder of them, or a hub "
+            "dataset), split by whole conversations; not a text file"
+        )
     return replace(
         asked,
         inputs=[str(Path(p).resolve()) for p in inputs],
+        text_field=asked.text_field or ("messages" if asked.chat else "text"),
+        tokenizer_from=tokenizer_from,
         hf_dataset=recipe.hf_dataset if recipe else asked.hf_dataset,
         hf_config=recipe.hf_config if recipe else asked.hf_config,
         tokenizer=spec,
@@ -107,3 +124,28 @@ def split_rule(asked: str, one_text: bool) -> str:
             "splits by document (--split docs)"
         )
     return split
+
+
+def tokenizer_of_model(source: str) -> tuple[str, str | None]:
+    """--tokenizer-from: (the tokenizer spec, the checkpoint file holding the tokenizer or None). A Hugging Face
+    model directory (or hub name, downloaded once) is hf:DIR; a checkpoint or run directory gives the tokenizer it
+    records (its spec is the tokenizer's name without the chat additions)."""
+    from quillgpt import hf
+    from quillgpt.checkpoint import resolve_checkpoint
+    from quillgpt.tokenizer import tokenizer_label
+
+    if (Path(source) / "config.json").is_file() or hf.is_hub_name(source):
+        directory = Path(source) if Path(source).is_dir() else hf.download(source)
+        return f"hf:{directory}", None
+    path = resolve_checkpoint(source, prefer="best").resolve()
+    return tokenizer_label({**checkpoint_tokenizer(path), "chat_tokens": None}), str(path)
+
+
+def checkpoint_tokenizer(path: str | Path) -> dict:
+    """The tokenizer (to_dict) a checkpoint records; UserError when it records none."""
+    from quillgpt.checkpoint import load_checkpoint
+
+    tokenizer = load_checkpoint(path).get("tokenizer")
+    if not isinstance(tokenizer, dict):
+        raise UserError(f"{path} records no tokenizer: prepare its data with --tokenizer instead")
+    return tokenizer

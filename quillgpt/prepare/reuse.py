@@ -17,6 +17,8 @@ from quillgpt.prepare.request import Request
 from quillgpt.prepare.workdir import FORMAT_VERSION
 
 META_FIELDS = {"tokenizer": dict, "vocab_size": int, "train_tokens": int, "val_tokens": int}
+# request fields added since datasets were first made: an older meta.json's request lacks them, meaning these
+ADDED_FIELDS = {"chat": False, "tokenizer_from": None}
 
 
 def check_meta_fields(meta: dict, path: Path) -> None:
@@ -71,7 +73,7 @@ def reusable(out_dir: Path, dataset: str, request: Request) -> dict | None:
     differ = [
         k
         for k, v in asdict(request).items()
-        if k not in ("inputs", "tokenizer", "vocab_size", "max_bytes") and old.get(k) != v
+        if k not in ("inputs", "tokenizer", "vocab_size", "max_bytes") and old.get(k, ADDED_FIELDS.get(k)) != v
     ]
     if differ:
         k = differ[0]

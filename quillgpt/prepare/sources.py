@@ -11,6 +11,7 @@ from pathlib import Path
 from quillgpt import corpus
 from quillgpt.corpus import Budget, Chunk, Source
 from quillgpt.errors import UserError
+from quillgpt.prepare.chat import record_messages
 from quillgpt.prepare.recipes import KNOWN_DATASETS, named_source
 from quillgpt.prepare.request import Request
 from quillgpt.prepare.splits import Span, given_spans, tail_spans
@@ -41,9 +42,22 @@ def resolve_sources(
             f"unknown dataset {dataset!r}: pass --input FILE to prepare your own text, "
             f"or use one of {', '.join(KNOWN_DATASETS)}"
         )
+    if request.chat:
+        check_records(sources)
     if request.split == "docs":
         return sources, None
     return sources, tail_spans(sources[0].path, request.max_bytes, request.val_fraction)
+
+
+def check_records(sources: list[Source]) -> None:
+    """Chat data comes in records: a text file (or a folder's text files) is refused, naming the first."""
+    text = next((s for s in sources if s.kind not in ("jsonl", "parquet", "hub")), None)
+    if text is not None:
+        path = (text.files or [text.path])[0]
+        raise UserError(
+            f"--chat reads records with a list of messages (.jsonl, .parquet or a hub dataset); {path} is a text "
+            "file (in a folder, --glob picks the record files)"
+        )
 
 
 def chunk_stream(
@@ -55,7 +69,9 @@ def chunk_stream(
         for path, lo, hi, split in spans:
             yield from ((chunk, None) for chunk in corpus.text_chunks(path, lo, hi, split, chunk_bytes))
         return
-    how, budget = corpus.Reading(request.text_field, request.skip_bad_records, chunk_bytes), Budget(request.max_bytes)
+    record = record_messages if request.chat else corpus.record_text
+    how = corpus.Reading(request.text_field, request.skip_bad_records, chunk_bytes, record)
+    budget = Budget(request.max_bytes)
     for source in sources:
         if source.kind == "hub":
             yield from corpus.hub_chunks(source, how, budget, hub_state)

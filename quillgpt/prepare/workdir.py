@@ -6,6 +6,7 @@ saved state) and ends with the files an uninterrupted run writes. `commit` moves
 folder with meta.json last, so meta.json's presence means the dataset is complete:
 - train.bin / val.bin: flat token ids without a header, dtype meta["dtype"] (uint16, or uint32 when
   vocab_size > 65535), little-endian: np.memmap(path, dtype=meta["dtype"], mode="r");
+- a chat dataset (meta["chat"]) also has <split>.mask.bin and <split>.starts.bin (CHAT_FILES; prepare/chat.py);
 - tokenizer.json: the tokenizer, rebuilt by quillgpt.tokenizer.load_tokenizer;
 - meta.json: the tokenizer, token and document counts, the split, the sources and the request that made it.
 """
@@ -28,6 +29,14 @@ from quillgpt.tokenizer import Tokenizer, load_tokenizer, save_tokenizer, tokeni
 
 WORK_DIR = ".prepare"
 FORMAT_VERSION = 2
+# a chat dataset's files besides train.bin and val.bin, with their dtypes (little-endian, no header): per token
+# 1 where the loss counts it (an assistant token), and per conversation the offset of its first token
+CHAT_FILES = {
+    "train.mask.bin": np.dtype("<u1"),
+    "val.mask.bin": np.dtype("<u1"),
+    "train.starts.bin": np.dtype("<i8"),
+    "val.starts.bin": np.dtype("<i8"),
+}
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -43,33 +52,52 @@ def describe(meta: dict) -> str:
 
 
 class PartialBins:
-    """train.bin and val.bin in the work directory, appended chunk by chunk. They are written directly, not
-    through atomic_write: the journal records how much of each is complete, a restart cuts them back to
-    that, and only finished files are moved into the dataset."""
+    """train.bin and val.bin in the work directory (and a chat dataset's mask and starts files), appended chunk by
+    chunk. They are written directly, not through atomic_write: the journal records how much of each is complete, a
+    restart cuts them back to that, and only finished files are moved into the dataset."""
 
-    def __init__(self, directory: Path, dtype: str, train_bytes: int, val_bytes: int):
+    def __init__(
+        self, directory: Path, dtype: str, train_bytes: int, val_bytes: int, extra: dict[str, int] | None = None
+    ):
+        """extra: the other files' names -> their complete sizes in bytes (CHAT_FILES, from the journal's counts)."""
         self.dtype = np.dtype(dtype)
         self.files = {}
-        for split, size in (("train", train_bytes), ("val", val_bytes)):
-            path = directory / f"{split}.bin"
+        for name, size in {"train.bin": train_bytes, "val.bin": val_bytes, **(extra or {})}.items():
+            path = directory / name
             f = open(path, "r+b" if path.exists() else "w+b")
             f.truncate(size)
             f.seek(size)
-            self.files[split] = f
+            self.files[name] = f
 
     def append(self, split: str, tokens: np.ndarray) -> None:
-        self.files[split].write(np.ascontiguousarray(tokens, dtype=self.dtype).data)
+        self.files[f"{split}.bin"].write(np.ascontiguousarray(tokens, dtype=self.dtype).data)
+
+    def append_to(self, name: str, values: np.ndarray) -> None:
+        """Append to one of the extra files, values in that file's dtype (CHAT_FILES)."""
+        self.files[name].write(np.ascontiguousarray(values, dtype=CHAT_FILES[name]).data)
 
     def sync(self) -> tuple[int, int]:
-        """Flush both files to disk; returns their sizes in bytes."""
+        """Flush every file to disk; returns the sizes of train.bin and val.bin in bytes."""
         for f in self.files.values():
             f.flush()
             os.fsync(f.fileno())
-        return self.files["train"].tell(), self.files["val"].tell()
+        return self.files["train.bin"].tell(), self.files["val.bin"].tell()
 
     def close(self) -> None:
         for f in self.files.values():
             f.close()
+
+
+def chat_file_sizes(progress: dict, itemsize: int) -> dict[str, int]:
+    """The complete sizes of a chat dataset's mask and starts files, from the journal: a mask byte per token, an
+    int64 per conversation."""
+    counts = progress["counts"]
+    return {
+        "train.mask.bin": progress["train_bytes"] // itemsize,
+        "val.mask.bin": progress["val_bytes"] // itemsize,
+        "train.starts.bin": counts["train_documents"] * 8,
+        "val.starts.bin": counts["val_documents"] * 8,
+    }
 
 
 class WorkDir:
@@ -110,6 +138,8 @@ class WorkDir:
             "val_documents": 0,
             "max_token_id": -1,
             "skipped_records": 0,
+            "train_assistant_tokens": 0,
+            "val_assistant_tokens": 0,
             "invalid_utf8_replaced": 0,
         }
         progress = {
@@ -143,6 +173,12 @@ class WorkDir:
                 "each became U+FFFD",
                 file=sys.stderr,
             )
+        if counts["skipped_records"]:
+            kind = "conversations" if request.chat else "records"
+            print(
+                f"{counts['skipped_records']:,} records skipped (bad {kind} with --skip-bad-records, or empty)",
+                file=sys.stderr,
+            )
         documents = request.split == "docs"
         meta = {
             "format_version": FORMAT_VERSION,
@@ -166,6 +202,7 @@ class WorkDir:
             "skipped_records": counts["skipped_records"],
             "invalid_utf8_replaced": counts["invalid_utf8_replaced"],
             "request": asdict(request),
+            **(chat_meta(counts, tok) if request.chat else {}),
             **extra,
         }
         atomic_write_json(self.path / "meta.json", meta)
@@ -175,10 +212,24 @@ class WorkDir:
         """Move the finished files into out_dir: its old meta.json goes first and the new one comes last, so the
         folder never passes for a complete dataset with a mix of files. Picks up where a killed commit stopped."""
         (out_dir / "meta.json").unlink(missing_ok=True)
-        for name in ("train.bin", "val.bin", "tokenizer.json"):
+        for name in ("train.bin", "val.bin", "tokenizer.json", *CHAT_FILES):
             if (self.path / name).exists():
                 os.replace(self.path / name, out_dir / name)
         fsync_dir(out_dir)
         os.replace(self.path / "meta.json", out_dir / "meta.json")
         fsync_dir(out_dir)
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def chat_meta(counts: dict, tok: Tokenizer) -> dict:
+    """What meta.json says of a chat dataset: that it is one, its conversations' files, how many tokens the loss
+    counts, and the template's end-of-turn tokens."""
+    from quillgpt.chat_template import chat_format
+
+    return {
+        "chat": True,
+        "chat_files": list(CHAT_FILES),
+        "train_assistant_tokens": counts["train_assistant_tokens"],
+        "val_assistant_tokens": counts["val_assistant_tokens"],
+        "stop_ids": sorted(chat_format(tok).stop_ids),
+    }

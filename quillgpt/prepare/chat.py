@@ -1,0 +1,134 @@
+"""Conversations: prepare.py --chat reads records whose `messages` field (--text-field renames it) is a list of
+{"role": "system" | "user" | "assistant", "content": str}, from .jsonl(.gz/.zst), .parquet (a list-of-struct
+column), directories of them, or a hub dataset, and renders each with the tokenizer's chat template
+(quillgpt/chat_template.py: the model's own, or ChatML with <|im_start|>/<|im_end|> added to our tokenizers).
+
+Every conversation is one document of the docs split: whole conversations go to val by hash (splits.in_validation).
+Besides train.bin and val.bin a chat dataset holds, per split, <split>.mask.bin (uint8, one per token: 1 where the
+token is the assistant's, its end-of-turn token included, the tokens the loss counts) and <split>.starts.bin (int64,
+the offset of each conversation's first token): batches start their rows there (data.py).
+
+A bad record stops prepare with one line naming its file and record (line number of a .jsonl, row of a .parquet,
+record number of a hub stream) and removes the partial work: not an object, no messages field, an empty or non-list
+messages, a message with a missing or unknown role, non-string content, no assistant message, or a conversation the
+template refuses (or, with a checkpoint's char tokenizer, a character it lacks). --skip-bad-records counts and skips
+them instead (meta.json's skipped_records, printed). A conversation longer than the model's context is kept whole:
+rows cut it at block_size and train.py prints how many are cut.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from quillgpt.chat_template import CHAT_TOKENS, CHATML_TEMPLATE, ChatFormat, check_messages, render
+from quillgpt.corpus import Chunk, Documents, JsonLines, ParquetRows, Texts, parquet_file
+from quillgpt.errors import UserError
+
+SKIP_HINT = "; fix it, or pass --skip-bad-records to count and skip such conversations"
+
+
+@dataclass
+class Conversations:
+    """A chunk's good conversations in order, each with where it came from (for an error naming the record)."""
+
+    items: list[tuple[str, list[dict]]] = field(default_factory=list)  # (where, messages)
+    skipped: int = 0
+
+
+def record_messages(record: object, name: str, where: str, skip_bad: bool) -> list[dict] | None:
+    """The record's checked conversation; None (skip it) or a UserError (one line starting with `where`)."""
+    try:
+        if not isinstance(record, dict):
+            raise UserError(f"{where}: the record is a {type(record).__name__}, not an object with a {name!r} field")
+        if name not in record:
+            raise UserError(
+                f"{where}: the record has no {name!r} field (it has {', '.join(map(repr, list(record)[:8]))}); "
+                "name the conversation field with --text-field"
+            )
+        return check_messages(record[name], where, need_assistant=True)
+    except UserError as e:
+        if skip_bad:
+            return None
+        raise UserError(f"{e}{SKIP_HINT}") from None
+
+
+def read_conversations(chunk: Chunk) -> Conversations:
+    """The conversations of a chunk of records (in a worker process)."""
+    if isinstance(chunk, JsonLines):
+        return json_line_conversations(chunk)
+    if isinstance(chunk, ParquetRows):
+        return parquet_conversations(chunk)
+    if isinstance(chunk, Texts):  # a hub stream's records, checked as they were read (corpus.hub_chunks)
+        return Conversations([(f"record {i}", m) for i, m in enumerate(chunk.texts)], chunk.skipped)
+    raise UserError("--chat reads records (.jsonl or .parquet files, or a hub dataset), not text files")
+
+
+def json_line_conversations(chunk: JsonLines) -> Conversations:
+    out = Conversations()
+    for number, line in enumerate(chunk.data.split(b"\n"), chunk.first_line):
+        if not line.strip():
+            continue
+        where = f"{chunk.path}:{number}"
+        try:
+            record = json.loads(line)
+        except (ValueError, UnicodeDecodeError) as e:
+            if not chunk.skip_bad:
+                raise UserError(f"{where}: not a JSON object ({e}){SKIP_HINT}") from None
+            out.skipped += 1
+            continue
+        messages = record_messages(record, chunk.field, where, chunk.skip_bad)
+        if messages is None:
+            out.skipped += 1
+        else:
+            out.items.append((where, messages))
+    return out
+
+
+def parquet_conversations(chunk: ParquetRows) -> Conversations:
+    pf = parquet_file(chunk.path)
+    first_row = sum(pf.metadata.row_group(g).num_rows for g in range(chunk.row_group))
+    values = pf.read_row_group(chunk.row_group, columns=[chunk.field]).column(0).to_pylist()
+    out = Conversations()
+    for row, value in enumerate(values, first_row):
+        where = f"{chunk.path} row {row}"
+        messages = record_messages(
+            {chunk.field: value} if value is not None else {}, chunk.field, where, chunk.skip_bad
+        )
+        if messages is None:
+            out.skipped += 1
+        else:
+            out.items.append((where, messages))
+    return out
+
+
+def conversation_text(messages: list[dict]) -> str:
+    """A conversation as ChatML without its special tokens: the characters a char vocabulary (or a BPE) built for
+    chat data must know."""
+    text = render(CHATML_TEMPLATE, messages, False, {})
+    for token in CHAT_TOKENS:
+        text = text.replace(token, "")
+    return text
+
+
+def conversation_documents(chunk: Chunk) -> Documents:
+    """A chunk's conversations as texts, for building a char or BPE vocabulary."""
+    convs = read_conversations(chunk)
+    return Documents([conversation_text(m) for _, m in convs.items], convs.skipped)
+
+
+def encode_conversations(fmt: ChatFormat, convs: Conversations, skip_bad: bool) -> tuple[list, list, int]:
+    """(ids per conversation, mask per conversation, skipped): a conversation the template or the tokenizer refuses
+    is one line naming its record, or skipped with skip_bad."""
+    ids, masks, skipped = [], [], convs.skipped
+    for where, messages in convs.items:
+        try:
+            i, m = fmt.encode(messages)
+        except UserError as e:
+            if skip_bad:
+                skipped += 1
+                continue
+            raise UserError(f"{where}: {e}{SKIP_HINT}") from None
+        ids.append(i)
+        masks.append(m)
+    return ids, masks, skipped
