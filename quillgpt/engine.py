@@ -111,7 +111,7 @@ class SlotCache:
             self.k[layer][row, :, :T] = k[layer][0]
             self.v[layer][row, :, :T] = v[layer][0]
 
-    def move(self, src: int, dst: int) -> None:
+    def relocate_row(self, src: int, dst: int) -> None:
         """Row src into row dst, whole: mid-step, src may hold one position more than its slot has counted yet."""
         for layer in range(len(self.k)):
             self.k[layer][dst] = self.k[layer][src]
@@ -270,4 +270,4 @@ class Engine:
             if last is not slot:
                 self.active[row] = last
         if last is not slot:
-            self.cache.move(len(self.active), row)
+            self.cache.relocate_row(len(self.active), row)
