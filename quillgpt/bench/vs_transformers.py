@@ -3,11 +3,12 @@ each a fresh process, so that start-up, loading and any compile count as a user 
 `python sample.py --ckpt DIR --prompt TEXT --temperature 0 --max-new-tokens N` (everything else sample.py's default:
 dtype auto, no --compile); theirs a Python process that imports transformers, loads the directory with
 AutoModelForCausalLM and calls generate on the prompt's ids (no tokenizer: its load would cost transformers more).
-The sides alternate --repeats times (the machine's drift hits both alike); the table gives each side's best process
-wall time and best generation tokens/s (as each process measures its own generation), and whether the greedy tokens
-are equal. The model is the config's (default: the GPU preset's char model with a 512-token context, so that the
-prompt and 256 new tokens fit) with random weights and tiny Shakespeare's characters, exported as export.py --hf
-writes it. --with-compile adds sample.py --compile (the on-disk compile caches warm after its first run).
+The sides alternate --repeats times in ABBA order (the machine's drift hits both alike); the table gives each side's
+best process wall time and best generation tokens/s (as each process measures its own generation), and whether the
+greedy tokens are equal. The model is the config's (default: the GPU preset's char model with a 512-token context,
+so that the prompt and 256 new tokens fit) with random weights and tiny Shakespeare's characters, exported as
+export.py --hf writes it. --with-compile adds sample.py --compile (the on-disk compile caches warm after its first
+run).
 """
 
 from __future__ import annotations
@@ -125,11 +126,13 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
         export_hf(GPT(margs), CharTokenizer(list(SHAKESPEARE_CHARS)).to_dict(), directory)
         tokenizer = tokenizer_from_dict(load_model(directory).tokenizer)
         prompt_ids = tokenizer.encode(PROMPT)
-        for _ in range(args.repeats):  # alternating, so that drift hits both sides alike
-            run_ours(ours, directory, args.new_tokens, compile=False)
-            if args.with_compile:
-                run_ours(compiled, directory, args.new_tokens, compile=True)
-            run_theirs(theirs, directory, args.new_tokens, prompt_ids, tokenizer)
+        runs = [lambda: run_ours(ours, directory, args.new_tokens, compile=False)]
+        if args.with_compile:
+            runs.append(lambda: run_ours(compiled, directory, args.new_tokens, compile=True))
+        runs.append(lambda: run_theirs(theirs, directory, args.new_tokens, prompt_ids, tokenizer))
+        for i in range(args.repeats):  # alternating, in ABBA order, so that drift hits every side alike
+            for run_side in runs if i % 2 == 0 else runs[::-1]:
+                run_side()
     n = args.new_tokens
     print(
         f"{margs.n_layer} layers, n_embd {margs.n_embd}, context {margs.block_size}, {n} new tokens after a "
