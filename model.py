@@ -90,8 +90,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class KVCache:
     """Per-layer key/value buffers for generation (n_kv_head heads each), allocated once: each new token writes one
-    position. Zero-filled, because a decoding step attends over the whole buffer with the unfilled part masked
-    (a masked NaN would still poison the output: 0 * NaN)."""
+    position. Zero-filled, because the compiled decoding step attends over the whole buffer with the unfilled part
+    masked (a masked NaN would still poison the output: 0 * NaN); an eager step reads only the filled part."""
 
     def __init__(
         self,
