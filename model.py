@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -89,8 +90,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class KVCache:
     """Per-layer key/value buffers for generation (n_kv_head heads each), allocated once: each new token writes one
-    position. Zero-filled, because a decoding step attends over the whole buffer with the unfilled part masked
-    (a masked NaN would still poison the output: 0 * NaN)."""
+    position. Zero-filled, because the compiled decoding step attends over the whole buffer with the unfilled part
+    masked (a masked NaN would still poison the output: 0 * NaN); an eager step reads only the filled part."""
 
     def __init__(
         self,
@@ -124,6 +125,25 @@ class KVCache:
         return self.k[layer], self.v[layer]
 
 
+class DecodeStep(NamedTuple):
+    """What one decoding step (GPT.decode_one) writes and reads of the cache: the new token's k and v go to
+    `position` (1,); attention reads the first `span` positions, masked by `visible` (span,), or all of them when
+    it is None."""
+
+    position: torch.Tensor
+    span: int
+    visible: torch.Tensor | None
+
+    @staticmethod
+    def at(position: torch.Tensor, length: int) -> DecodeStep:
+        """Eager, the filled prefix (everything in it visible): attention costs what has been written, not the
+        cache's length. Under torch.compile (or with a position per row) the whole cache, the unfilled part masked:
+        fixed shapes, one graph for every position."""
+        if position.numel() == 1 and not torch.compiler.is_compiling():
+            return DecodeStep(position, int(position) + 1, None)
+        return DecodeStep(position, length, torch.arange(length, device=position.device) <= position)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
@@ -144,9 +164,9 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         cache: KVCache | None,
-        step: tuple[torch.Tensor, torch.Tensor] | None = None,
+        step: DecodeStep | None = None,
     ) -> torch.Tensor:
-        """step = (position (1,), visible (L,)) decodes one token against the whole cache (GPT.decode_one)."""
+        """With a step, decodes one token against the cache (GPT.decode_one)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.widths, dim=2)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
@@ -157,7 +177,8 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if step is not None:
-            y = self.attend_cache(q, *cache.write(self.layer, step[0], k, v), step[1])
+            k, v = cache.write(self.layer, step.position, k, v)  # (B, nkv, L, hs)
+            y = self.attend_cache(q, k[:, :, : step.span], v[:, :, : step.span], step.visible)
         else:
             # with a cache, a single new query attends to every cached key: no mask needed
             is_causal = cache is None or cache.pos == 0
@@ -167,10 +188,15 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, self.widths[0])  # (B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
 
-    def attend_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """One query per head against the whole cache: q (B, nh, 1, hs), k and v (B, nkv, L, hs) -> (B, nh, 1, hs).
-        Written out rather than SDPA so that torch.compile fuses it: SDPA's CPU flash kernel with a mask stood out in
-        the decoding step's profile (docs/LOG.md)."""
+    def attend_cache(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One query per head against cached keys: q (B, nh, 1, hs), k and v (B, nkv, S, hs) -> (B, nh, 1, hs).
+        visible (S,) masks the keys not yet written; None when all are (eager decoding attends over the filled
+        prefix only: one SDPA call, no mask). The masked form is written out rather than SDPA so that torch.compile
+        fuses it: SDPA's CPU flash kernel with a mask stood out in the compiled step's profile (docs/LOG.md)."""
+        if visible is None:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=self.n_kv_head != self.n_head)
         B, nh, _, hs = q.shape
         q = q.view(B, self.n_kv_head, nh // self.n_kv_head, hs)  # (B, nkv, group, hs): GQA without copying k, v
         scores = (q @ k.transpose(-2, -1)).float() * hs**-0.5  # (B, nkv, group, L)
@@ -322,17 +348,18 @@ class GPT(nn.Module):
 
     def decode_one(self, token: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The next-token logits (B, V) for token (B, 1) at `position` (a (1,) tensor), its k and v written into the
-        cache. Shapes never change with the position (the whole cache is attended over, the positions after this
-        one masked), so one compiled graph serves a whole generation: see GPT.generate_stream(compile=True)."""
+        cache. Under torch.compile shapes never change with the position (the whole cache is attended over, the
+        positions after this one masked), so one compiled graph serves a whole generation (GPT.generate_stream
+        (compile=True)); eager, it attends over the filled prefix only."""
         x = self.transformer.wte(token)  # (B, 1, C)
         rope = None
         if self.config.pos_emb == "learned":
             x = x + self.transformer.wpe(position)
         else:
             rope = (self.rope_cos.index_select(0, position), self.rope_sin.index_select(0, position))  # (1, hs/2)
-        visible = torch.arange(cache.length, device=token.device) <= position  # (L,)
+        step = DecodeStep.at(position, cache.length)
         for block in self.transformer.h:
-            x = block(x, rope, cache, (position, visible))
+            x = block(x, rope, cache, step)
         return self.head(x)[:, -1, :]
 
     def decode_rows(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
@@ -382,7 +409,7 @@ class GPT(nn.Module):
     ) -> Iterator[torch.Tensor]:
         """Yield (B, 1) new tokens one at a time. temperature 0 is greedy.
 
-        vocab_limit masks ids the tokenizer can't decode (a vocabulary padded for speed).
+        vocab_limit leaves out ids the tokenizer can't decode (a vocabulary padded for speed).
         The prompt is cropped to its last block_size tokens. With the KV cache (allocated once, its length a power
         of two that holds the prompt and the new tokens, at most block_size) the prompt runs in one forward pass,
         then each token in one decode_one step; compile=True compiles that step once per cache length (a one-off
@@ -392,25 +419,25 @@ class GPT(nn.Module):
         """
         block = self.config.block_size
         idx = idx[:, -block:]
-        cache, step, next_token = None, self.decode_step(compile), None
+        step = self.decode_step(compile)
+        cache = positions = token = None
+        new: list[torch.Tensor] = []  # (B, 1) tokens not yet appended to idx: only a (re)fill or no cache reads idx
         for _ in range(max_new_tokens):
-            if not use_cache:
-                logits, _ = self(idx[:, -block:], last_only=True)
-                logits = logits[:, -1, :]
-            elif cache is None or cache.pos >= cache.length:
-                context = idx[:, -(block // 2) :] if cache is not None else idx
-                cache = self.new_cache(idx.size(0), cache_length(context.size(1) + max_new_tokens, block))
-                logits, _ = self(context, cache=cache, last_only=True)
-                logits = logits[:, -1, :]
-            else:
-                logits = step(next_token, torch.tensor([cache.pos], device=idx.device), cache)
+            if use_cache and cache is not None and cache.pos < cache.length:
+                logits = step(token, positions[cache.pos : cache.pos + 1], cache)  # (B, V)
                 cache.pos += 1
-            logits = logits.float()
-            if vocab_limit is not None and vocab_limit < logits.size(-1):
-                logits[:, vocab_limit:] = -float("inf")
-            next_token = sample_next(logits, temperature, top_k, top_p, generator)
-            idx = torch.cat((idx, next_token), dim=1)
-            yield next_token
+            else:
+                idx, new = torch.cat((idx, *new), dim=1), []
+                if use_cache:  # the first token, or the cache is full: fill one from the prompt or the last block/2
+                    context = idx[:, -(block // 2) :] if cache is not None else idx
+                    cache = self.new_cache(idx.size(0), cache_length(context.size(1) + max_new_tokens, block))
+                    positions = torch.arange(cache.length, device=idx.device)
+                else:
+                    context = idx[:, -block:]
+                logits = self(context, cache=cache, last_only=True)[0][:, -1, :]
+            token = sample_next(logits[:, :vocab_limit].float(), temperature, top_k, top_p, generator)
+            new.append(token)
+            yield token
 
     def decode_step(self, compile: bool):
         """decode_one, or its compiled form (kept on the model: a later generation reuses it)."""
@@ -484,18 +511,24 @@ def sample_next(
     top_p: float | None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """(B, V) logits -> (B, 1) token ids."""
+    """(B, V) logits -> (B, 1) token ids.
+
+    The draw is made among the candidates only (the top-k, then the top-p of them), not over the whole vocabulary
+    with the rest masked: the same distribution, but multinomial's cost grows with the tensor it is given, and over a
+    GPT-2 vocabulary it cost more than a small model's whole step."""
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
+    vocab = logits.size(-1)
+    k = min(top_k, vocab) if top_k is not None and top_k > 0 else vocab
+    nucleus = top_p is not None and 0 < top_p < 1
+    if k == vocab and not nucleus:
+        return torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1, generator=generator)
+    logits, ids = torch.topk(logits, k)  # (B, k), best first (a temperature keeps the order: applied after)
     logits = logits / temperature
-    if top_k is not None and top_k > 0:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits[logits < v[:, [-1]]] = -float("inf")
-    if top_p is not None and 0 < top_p < 1:
-        sorted_logits, sorted_idx = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum - sorted_logits.softmax(dim=-1) > top_p  # keep the smallest set whose mass reaches top_p
-        sorted_logits[drop] = -float("inf")
-        logits = torch.full_like(logits, -float("inf")).scatter(1, sorted_idx, sorted_logits)
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    if nucleus:
+        probs = logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs > top_p  # keep the smallest set whose mass reaches top_p
+        keep = int((~drop).sum(dim=-1).max())  # the widest row's nucleus: the columns after it hold no candidate
+        logits, ids = logits[:, :keep].masked_fill(drop[:, :keep], -float("inf")), ids[:, :keep]
+    choice = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)  # (B, 1) of k
+    return ids.gather(-1, choice)

@@ -17,16 +17,19 @@ batch. On a terminal a single sample streams as it is produced (force it with --
 off with --no-stream). --seed makes the output repeatable. A prompt longer than the model's context
 keeps its last block_size tokens, with a notice on stderr.
 
-Speed: the KV cache is allocated once and each new token is one decode step (model.GPT.decode_one). --compile
-compiles that step (seconds, once per process and cache length; the prompt's own pass stays eager, so the first
-token is as quick as without), and --dtype bf16 halves the bytes of weights each token reads, --dtype int8
-(weight-only, one scale per output row; CPU) quarters them: at batch 1 the matmuls are vector-matrix products
-bound by reading the weights, not by FLOPs. bench.py --sample measures each.
+Speed: with no flags, the KV cache is allocated once and each new token is one eager decode step over the cache
+positions written so far (model.GPT.decode_one). --compile compiles that step: seconds of compiling in every
+process for a fraction of a millisecond a token, so on a CPU it pays only for long samples (many thousands of tokens
+with fp32 weights, fewer with int8).
+--dtype bf16 halves the bytes of weights each token reads, --dtype int8 (weight-only, one scale per output row;
+CPU) quarters them: at batch 1 the matmuls are vector-matrix products bound by reading the weights, not by FLOPs.
+bench.py --sample measures each, bench.py --vs-transformers this script against transformers' generate.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -72,7 +75,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "fp32 and bf16 at the decoding step's shape, measured); int8: weight-only int8 on the CPU, its activations in "
         "the faster of them",
     )
-    p.add_argument("--compile", action="store_true", help="compile the one-token decoding step (pays for long samples)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the one-token decoding step (seconds per process; on a CPU it pays only past thousands of tokens)",
+    )
     p.add_argument("--interactive", action="store_true", help="read prompts in a loop (one per line; \\n escapes work)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None, help="stream the first sample")
     p.add_argument("--verbose", action="store_true", help="print tokens/s at the end")
@@ -170,5 +177,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_without_teardown(code: int | str | None) -> None:
+    """End the process once its output is flushed, skipping the interpreter's teardown: unloading torch (its modules,
+    its libraries' destructors) is a noticeable share of a short sample's wall time, and sample.py leaves nothing to
+    clean up (it writes no files and registers nothing to run at exit)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # `python sample.py ... | head` closed it: nothing more to show
+            pass
+    if isinstance(code, str):
+        print(code, file=sys.stderr, flush=True)
+    os._exit(code if isinstance(code, int) else int(code is not None))
+
+
 if __name__ == "__main__":
-    run_main(main)
+    try:
+        run_main(main)
+    except SystemExit as done:
+        exit_without_teardown(done.code)

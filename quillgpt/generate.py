@@ -23,8 +23,9 @@ def load_for_sampling(
     source: str | Path, device: str, dtype: str = "fp32", batch: int = 1
 ) -> tuple[GPT, Tokenizer, str]:
     """A checkpoint, run directory, .safetensors file, or Hugging Face directory or hub name -> (model in `dtype`,
-    tokenizer, label). dtype auto (sample.py's default): bf16 on a CUDA device that has it; on the CPU the faster of fp32 and bf16 at the
-    decoding step's shape (quillgpt.precision). int8: weight-only int8 (CPU), its activations in the faster of them."""
+    tokenizer, label: the source and the precision). dtype auto (sample.py's default): bf16 on a CUDA device that has
+    it; on the CPU the faster of fp32 and bf16 at the decoding step's shape (quillgpt.precision). int8: weight-only
+    int8 (CPU), its activations in the faster of them."""
     loaded = load_model(source)
     if loaded.tokenizer is None:
         raise UserError(
@@ -44,7 +45,8 @@ def load_for_sampling(
     activations, _ = inference_precision("auto" if dtype == "int8" else dtype, torch.device(device), width, batch)
     loaded.model.eval().to(device=device, dtype=PRECISIONS[activations])
     model = quantize_int8(loaded.model, PRECISIONS[activations]) if dtype == "int8" else loaded.model
-    return model, tokenizer, loaded.source
+    precision = f"int8 ({activations} activations)" if dtype == "int8" else activations
+    return model, tokenizer, f"{loaded.source}, {precision}"
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> list[int]:
@@ -74,6 +76,31 @@ def showable_length(text: str, stop: list[str]) -> int:
     return n - held
 
 
+class RowText:
+    """The text of a growing row of ids, decoded as it grows: each token's text is decoded after the 8 ids before
+    it (context enough for a sentencepiece space, as for the prompt) and kept once it ends in a whole character, so
+    a token costs the decoding of a few ids, not of the whole row."""
+
+    CONTEXT = 8
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.context = list(prompt_ids[-self.CONTEXT :])  # the ids before the pending ones
+        self.pending: list[int] = []  # ids whose text may still end in a cut-off UTF-8 character
+        self.kept = ""
+
+    def add(self, token: int) -> str:
+        """Append one id; returns the row's whole text (U+FFFD where a character is not complete yet)."""
+        self.pending.append(token)
+        tail = self.tokenizer.decode_after(self.context, self.pending)
+        if tail.endswith("\ufffd"):
+            return self.kept + tail
+        self.kept += tail
+        self.context = (self.context + self.pending)[-self.CONTEXT :]
+        self.pending = []
+        return self.kept
+
+
 def generate_texts(
     model: GPT,
     tokenizer: Tokenizer,
@@ -99,7 +126,7 @@ def generate_texts(
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed) if isinstance(seed, int) else seed
     idx = torch.tensor([prompt_ids] * num_samples, dtype=torch.long, device=device)
-    rows: list[list[int]] = [[] for _ in range(num_samples)]
+    rows = [RowText(tokenizer, prompt_ids) for _ in range(num_samples)]
     texts = [""] * num_samples
     done = [False] * num_samples
     shown = steps = 0
@@ -120,8 +147,7 @@ def generate_texts(
             if t == tokenizer.eot_id:
                 done[i] = True
                 continue
-            rows[i].append(t)
-            texts[i] = tokenizer.decode_after(prompt_ids[-8:], rows[i])
+            texts[i] = rows[i].add(t)
             hits = [texts[i].index(s) for s in stop if s in texts[i]]
             if hits:
                 texts[i], done[i] = texts[i][: min(hits)], True

@@ -1,55 +1,106 @@
-"""--vs-transformers: batch-1 greedy decoding of the same exported model by transformers' `generate` and by
-sample.py's default path (dtype auto, KV cache, eager step), start-up included: each side loads the Hugging Face
-directory, then generates --new-tokens after a 16-token prompt; the best of --repeats, and whether the greedy tokens
-are equal. The model is the config's (default: the GPU preset's char model) with random weights, exported as
-export.py --hf writes it.
+"""--vs-transformers: batch-1 greedy decoding of the same exported model by sample.py and by transformers' `generate`,
+each a fresh process, so that start-up, loading and any compile count as a user pays them. Our side is
+`python sample.py --ckpt DIR --prompt TEXT --temperature 0 --max-new-tokens N` (everything else sample.py's default:
+dtype auto, no --compile); theirs a Python process that imports transformers, loads the directory with
+AutoModelForCausalLM and calls generate on the prompt's ids (no tokenizer: its load would cost transformers more).
+The sides alternate --repeats times in ABBA order (the machine's drift hits both alike); the table gives each side's
+best process wall time and best generation tokens/s (as each process measures its own generation), and whether the
+greedy tokens are equal. The model is the config's (default: the GPU preset's char model with a 512-token context,
+so that the prompt and 256 new tokens fit) with random weights and tiny Shakespeare's characters, exported as
+export.py --hf writes it. --with-compile adds sample.py --compile (the on-disk compile caches warm after its first
+run).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
+import subprocess
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
 from model import GPT
-from quillgpt.bench.common import GPU_PRESET, PROMPT_TOKENS, Mode, add_config, decoding_model_args, print_table
+from quillgpt.bench.common import GPU_PRESET, PROMPT_TOKENS, REPO, Mode, add_config, decoding_model_args, print_table
 from quillgpt.errors import UserError
 from quillgpt.hf import export_hf
 from quillgpt.loading import load_model
 from quillgpt.machine import load_average
-from quillgpt.precision import PRECISIONS, inference_precision
+from quillgpt.tokenizer import CharTokenizer, tokenizer_from_dict
+
+SHAKESPEARE_CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # 65, as CHAR_VOCAB
+PROMPT = "ROMEO:\nI will go"  # PROMPT_TOKENS characters
+CONTEXT = 512  # the GPU preset's 256 can't hold the prompt and 256 new tokens
+# sample.py --verbose's last line: "[256 tokens in 0.63s: 403 tokens/s, DIR, fp32]"
+OUR_RATE = re.compile(r"\[(\d+) tokens in ([\d.]+)s: [\d,]+ tokens/s, .*, (\w+)[^,]*\]")
+THEIRS = """
+import json, sys, time
+import torch, transformers
+directory, new_tokens, prompt = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+t0 = time.perf_counter()
+ids = torch.tensor([prompt])
+with torch.no_grad():  # an explicit mask: generate would take the pad id (0, a real character here) for padding
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+seconds = time.perf_counter() - t0
+print(json.dumps({"ids": out[0, len(prompt):].tolist(), "seconds": seconds}))
+"""
+
+
+@dataclass
+class Side:
+    """One decoder's runs: the best process wall time and generation time, and the text of the last run."""
+
+    name: str
+    wall: float = float("inf")
+    generation: float = float("inf")
+    text: str = ""
+    note: str = ""
+
+    def record(self, wall: float, generation: float, text: str) -> None:
+        self.wall, self.generation, self.text = min(self.wall, wall), min(self.generation, generation), text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config(p, GPU_PRESET)
     p.add_argument(
-        "--new-tokens", type=int, default=240, help="tokens generated per run, within the context (default %(default)s)"
+        "--new-tokens", type=int, default=256, help="tokens generated per run, within the context (default %(default)s)"
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per side; the best is reported (default %(default)s)")
+    p.add_argument("--with-compile", action="store_true", help="also time sample.py --compile")
 
 
-def ours(directory: str, prompt: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor, str]:
-    """sample.py's default path: load, pick the dtype by measurement, generate greedily with the KV cache."""
+def run_child(cmd: list[str]) -> tuple[float, str, str]:
+    """(wall seconds, stdout, stderr) of a fresh process; UserError with its stderr's tail when it fails."""
     t0 = time.perf_counter()
-    model = load_model(directory).model.eval()
-    dtype, _ = inference_precision("auto", torch.device("cpu"), model.config.n_embd, 1)
-    model.to(PRECISIONS[dtype])
-    out = model.generate(prompt, new_tokens, temperature=0)
-    return time.perf_counter() - t0, out[:, prompt.size(1) :], dtype
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise UserError(f"{' '.join(cmd[:3])} ... failed: {done.stderr.strip()[-500:]}")
+    return wall, done.stdout, done.stderr
 
 
-def theirs(directory: str, prompt: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor]:
-    import transformers
+def run_ours(side: Side, directory: str, new_tokens: int, compile: bool) -> None:
+    cmd = [sys.executable, "sample.py", "--ckpt", directory, "--prompt", PROMPT, "--temperature", "0"]
+    cmd += ["--max-new-tokens", str(new_tokens), "--no-stream", "--verbose", *(["--compile"] if compile else [])]
+    wall, output, log = run_child(cmd)
+    stats = OUR_RATE.findall(log)
+    if not stats:
+        raise UserError(f"sample.py printed no tokens/s line: {log[-300:]}")
+    tokens, seconds, side.note = stats[-1]
+    text = output[len(PROMPT) :].removesuffix("\n")  # sample.py prints the prompt and the text
+    side.record(wall, float(seconds) * new_tokens / int(tokens), text)
 
-    t0 = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-    with torch.no_grad():
-        out = model.generate(
-            prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-        )
-    return time.perf_counter() - t0, out[:, prompt.size(1) :]
+
+def run_theirs(side: Side, directory: str, new_tokens: int, prompt_ids: list[int], tokenizer) -> None:
+    wall, output, _ = run_child([sys.executable, "-c", THEIRS, directory, str(new_tokens), json.dumps(prompt_ids)])
+    result = json.loads(output.strip().splitlines()[-1])
+    side.record(wall, result["seconds"], tokenizer.decode(result["ids"]))
 
 
 def run(args: argparse.Namespace, cli: list[str]) -> None:
@@ -57,47 +108,61 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
         import transformers  # noqa: F401
     except ImportError:
         raise UserError("--vs-transformers needs transformers: pip install -e '.[hf]'") from None
-    margs = decoding_model_args(args.config, cli)
+    margs = decoding_model_args(args.config, ["--model.block_size", str(CONTEXT), *cli])
     if PROMPT_TOKENS + args.new_tokens > margs.block_size:
         raise UserError(
             f"--new-tokens {args.new_tokens} + a {PROMPT_TOKENS}-token prompt exceed the context {margs.block_size}"
         )
-    torch.manual_seed(0)
-    prompt = torch.randint(0, margs.vocab_size, (1, PROMPT_TOKENS))
-    with tempfile.TemporaryDirectory(prefix="vs_transformers_") as directory, torch.no_grad():
-        export_hf(GPT(margs), None, directory)
-        best_ours, best_theirs = float("inf"), float("inf")
-        for _ in range(args.repeats):  # alternating, so that drift hits both sides alike
-            seconds, ours_ids, dtype = ours(directory, prompt, args.new_tokens)
-            best_ours = min(best_ours, seconds)
-            seconds, theirs_ids = theirs(directory, prompt, args.new_tokens)
-            best_theirs = min(best_theirs, seconds)
+    if margs.vocab_size != len(SHAKESPEARE_CHARS):  # transformers would draw ids the tokenizer has not
+        raise UserError(
+            f"--vs-transformers decodes tiny Shakespeare's {len(SHAKESPEARE_CHARS)} characters: "
+            f"a vocabulary of {margs.vocab_size} can't be compared"
+        )
+    ours = Side("sample.py's default (KV cache, eager step)")
+    compiled = Side("sample.py --compile")
+    theirs = Side("transformers generate (fp32)")
+    with tempfile.TemporaryDirectory(prefix="vs_transformers_") as directory:
+        torch.manual_seed(0)
+        export_hf(GPT(margs), CharTokenizer(list(SHAKESPEARE_CHARS)).to_dict(), directory)
+        tokenizer = tokenizer_from_dict(load_model(directory).tokenizer)
+        prompt_ids = tokenizer.encode(PROMPT)
+        runs = [lambda: run_ours(ours, directory, args.new_tokens, compile=False)]
+        if args.with_compile:
+            runs.append(lambda: run_ours(compiled, directory, args.new_tokens, compile=True))
+        runs.append(lambda: run_theirs(theirs, directory, args.new_tokens, prompt_ids, tokenizer))
+        for i in range(args.repeats):  # alternating, in ABBA order, so that drift hits every side alike
+            for run_side in runs if i % 2 == 0 else runs[::-1]:
+                run_side()
     n = args.new_tokens
-    same = torch.equal(ours_ids, theirs_ids)
     print(
-        f"{margs.n_layer} layers, n_embd {margs.n_embd}, {n} new tokens after a {PROMPT_TOKENS}-token prompt, batch 1, "
-        f"greedy, {torch.get_num_threads()} threads; load + generate, best of {args.repeats}"
+        f"{margs.n_layer} layers, n_embd {margs.n_embd}, context {margs.block_size}, {n} new tokens after a "
+        f"{PROMPT_TOKENS}-token prompt, batch 1, greedy, {torch.get_num_threads()} threads; a fresh process per run, "
+        f"best of {args.repeats}"
     )
+    sides = [ours, *([compiled] if args.with_compile else []), theirs]
     print_table(
-        ["decoder", "seconds", "tokens/s", "vs transformers"],
+        ["decoder", "process wall (s)", "vs transformers", "generation tokens/s", "vs transformers"],
         [
             [
-                f"sample.py's default ({dtype}, KV cache)",
-                f"{best_ours:.2f}",
-                f"{n / best_ours:,.0f}",
-                f"{best_theirs / best_ours:.2f}x",
-            ],
-            ["transformers generate (fp32)", f"{best_theirs:.2f}", f"{n / best_theirs:,.0f}", "1.00x"],
+                s.name + (f" ({s.note})" if s.note else ""),
+                f"{s.wall:.2f}",
+                f"{theirs.wall / s.wall:.2f}x",
+                f"{n / s.generation:,.0f}",
+                f"{theirs.generation / s.generation:.2f}x",
+            ]
+            for s in sides
         ],
         left=1,
     )
-    print(f"greedy tokens equal: {same}" + ("" if same or dtype == "fp32" else f" (ours ran in {dtype})"))
+    same = all(s.text == theirs.text for s in sides)
+    dtypes = {s.note for s in sides if s.note}
+    print(f"greedy tokens equal: {same}" + ("" if same or dtypes <= {"fp32"} else f" (ours ran in {dtypes})"))
     print(load_average())
 
 
 MODE = Mode(
     "--vs-transformers",
-    "batch-1 greedy decoding, load included: sample.py's default path against transformers' generate",
+    "batch-1 greedy decoding, fresh processes: sample.py's default against transformers' generate",
     __doc__,
     add_arguments,
     run,

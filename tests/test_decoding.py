@@ -1,0 +1,99 @@
+"""Decoding: the eager one-token step (the filled prefix of the cache), the compiled step (the whole cache, masked) and
+the uncached forward pass give the same greedy tokens on a model loaded as sample.py loads it; sampling draws from
+the top-k / top-p distribution; a row's text decoded as it grows equals the whole row decoded."""
+
+import pytest
+import torch
+from conftest import gpt2_encoding_error, needs_gpt2_encoding  # noqa: F401 (the skipif string)
+from test_sample import write_char_checkpoint
+
+from model import DecodeStep, sample_next
+from quillgpt.generate import RowText, generate_texts, load_for_sampling
+from quillgpt.tokenizer import tokenizer_from_dict
+
+GPT2_STYLE = dict(block_size=64, n_layer=2, n_head=4, n_embd=64)  # learned positions, LayerNorm, GELU
+MODERN = dict(GPT2_STYLE, pos_emb="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, n_kv_head=2, bias=False)
+
+
+@pytest.fixture(scope="module", params=[GPT2_STYLE, MODERN], ids=["gpt2-style", "modern-gqa"])
+def loaded(request, tmp_path_factory):
+    ckpt = write_char_checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt_best.pt", **request.param)
+    model, tokenizer, _ = load_for_sampling(ckpt, "cpu", "fp32")
+    return model, tokenizer
+
+
+def test_eager_decoding_gives_the_uncached_greedy_tokens_within_and_past_the_context(loaded):
+    """Within block_size the cached eager path equals recomputing the whole sequence each token; past it (the cache
+    refilled from the last block_size/2 tokens) sample.py's text equals model.generate's."""
+    model, tokenizer = loaded
+    prompt = torch.tensor([tokenizer.encode("the king ")])
+    cached = model.generate(prompt, 50, temperature=0)
+    assert torch.equal(cached, model.generate(prompt, 50, temperature=0, use_cache=False))
+    assert len(set(cached[0, 9:].tolist())) > 3  # the text varies: a real comparison
+    long = model.generate(prompt, 150, temperature=0)
+    texts, _ = generate_texts(model, tokenizer, prompt[0].tolist(), 1, 150, temperature=0)
+    assert texts[0] == tokenizer.decode(long[0, 9:].tolist())
+
+
+def test_compiled_decoding_gives_the_eager_greedy_tokens(loaded):
+    model, tokenizer = loaded
+    prompt = torch.tensor([tokenizer.encode("the queen ")] * 2)  # a batch of two
+    eager = model.generate(prompt, 100, temperature=0)  # past block_size: a refill
+    assert torch.equal(model.generate(prompt, 100, temperature=0, compile=True), eager)
+
+
+def test_the_eager_step_reads_the_filled_prefix_and_matches_the_masked_whole_cache(loaded, monkeypatch):
+    """Eager, a step attends over the positions written so far with SDPA and no mask; under torch.compile over the
+    whole cache with the rest masked. The logits agree at every position."""
+    model, tokenizer = loaded
+    prompt = torch.tensor([tokenizer.encode("the lord ")])
+
+    def step_logits() -> list[torch.Tensor]:
+        cache = model.new_cache(1, 32)
+        with torch.inference_mode():
+            model(prompt, cache=cache)
+            out = []
+            for pos in range(prompt.size(1), 32):
+                out.append(model.decode_one(torch.tensor([[pos % 20]]), torch.tensor([pos]), cache))
+                cache.pos += 1
+        return out
+
+    assert DecodeStep.at(torch.tensor([5]), 32).span == 6 and DecodeStep.at(torch.tensor([5]), 32).visible is None
+    eager = step_logits()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    masked = DecodeStep.at(torch.tensor([5]), 32)
+    assert masked.span == 32 and masked.visible.tolist() == [True] * 6 + [False] * 26
+    for a, b in zip(eager, step_logits(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_draws_the_top_k_distribution_scaled_by_the_temperature():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.cat([sample_next(logits, 0.5, 3, None, g) for _ in range(6000)])
+    freq = torch.bincount(draws.view(-1), minlength=5).float() / draws.numel()
+    expected = torch.cat([torch.softmax(logits[0, :3] / 0.5, -1), torch.zeros(2)])
+    torch.testing.assert_close(freq, expected, atol=0.02, rtol=0)
+
+
+def test_top_p_keeps_each_rows_own_nucleus():
+    """Row 0's nucleus is its best token alone, row 1's the three near-equal ones: a batch draws each from its own."""
+    logits = torch.tensor([[9.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, -5.0, -5.0]])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.cat([sample_next(logits, 1.0, None, 0.9, g) for _ in range(300)], dim=1)
+    assert set(draws[0].tolist()) == {0}
+    assert set(draws[1].tolist()) == {0, 1, 2}
+    assert set(sample_next(logits, 1.0, 4, 0.9, g).view(-1).tolist()) <= {0, 1, 2}  # top-k, then top-p
+
+
+@needs_gpt2_encoding
+def test_a_rows_text_decoded_as_it_grows_equals_the_whole_row_decoded():
+    """Characters split across byte-level tokens show as U+FFFD until complete, then as the whole row's text."""
+    tokenizer = tokenizer_from_dict({"kind": "tiktoken", "name": "gpt2"})
+    prompt, row = tokenizer.encode("Hello"), tokenizer.encode(" naïve 🦜🦜 café, déjà vu\n\n  x")
+    text = RowText(tokenizer, prompt)
+    for i, token in enumerate(row, 1):
+        grown = text.add(token)
+        whole = tokenizer.decode_after(prompt[-8:], row[:i])
+        assert grown == whole
+    assert grown == " naïve 🦜🦜 café, déjà vu\n\n  x"
