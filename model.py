@@ -179,14 +179,22 @@ class CausalSelfAttention(nn.Module):
         if step is not None:
             k, v = cache.write(self.layer, step.position, k, v)  # (B, nkv, L, hs)
             y = self.attend_cache(q, k[:, :, : step.span], v[:, :, : step.span], step.visible)
+        elif cache is not None and cache.pos > 0 and T > 1:
+            y = self.attend_appended(q, *cache.update(self.layer, k, v))
         else:
             # with a cache, a single new query attends to every cached key: no mask needed
-            is_causal = cache is None or cache.pos == 0
             if cache is not None:
                 k, v = cache.update(self.layer, k, v)
-            y = causal_attention(q, k, v, self.dropout if self.training else 0.0, is_causal and T > 1)
+            y = causal_attention(q, k, v, self.dropout if self.training else 0.0, T > 1)
         y = y.transpose(1, 2).contiguous().view(B, T, self.widths[0])  # (B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
+
+    def attend_appended(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """T new queries appended after S - T cached positions (a chat turn read into the cache): q (B, nh, T, hs),
+        k and v (B, nkv, S, hs); query i sees the cache and the new positions up to its own."""
+        T, S = q.size(2), k.size(2)
+        visible = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)  # (T, S)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=self.n_kv_head != self.n_head)
 
     def attend_cache(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None
@@ -375,8 +383,9 @@ class GPT(nn.Module):
         else:
             rope = (self.rope_cos[positions].view(B, 1, 1, -1), self.rope_sin[positions].view(B, 1, 1, -1))
         visible = torch.arange(cache.length, device=tokens.device) <= positions[:, None]  # (B, L)
+        step = DecodeStep(positions, cache.length, visible)
         for block in self.transformer.h:
-            x = block(x, rope, cache, (positions, visible))
+            x = block(x, rope, cache, step)
         return self.head(x)[:, -1, :]
 
     # ---- accounting -------------------------------------------------------------------------

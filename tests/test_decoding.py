@@ -97,3 +97,16 @@ def test_a_rows_text_decoded_as_it_grows_equals_the_whole_row_decoded():
         whole = tokenizer.decode_after(prompt[-8:], row[:i])
         assert grown == whole
     assert grown == " naïve 🦜🦜 café, déjà vu\n\n  x"
+
+
+def test_appending_several_tokens_to_a_filled_cache_gives_the_logits_of_one_whole_pass(loaded):
+    """chat.py reads a new turn into a cache that holds the conversation so far: each new position sees the cache and
+    the new positions before it, exactly as in one pass over the whole sequence."""
+    model, tokenizer = loaded
+    ids = torch.tensor([tokenizer.encode("the king and the queen say")])  # (1, T)
+    with torch.no_grad():
+        whole, _ = model(ids)
+        cache = model.new_cache(1)
+        first, _ = model(ids[:, :10], cache=cache)
+        rest, _ = model(ids[:, 10:], cache=cache)
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), whole, rtol=1e-5, atol=1e-5)
