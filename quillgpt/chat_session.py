@@ -5,8 +5,7 @@ re-encoding would, and runs through the model only the ids the cache doesn't hol
 every turn so far, each reply's end-of-turn token included, so the next prompt starts with them. Where the rendering
 differs from what the cache holds (a reply the tokenizer encodes differently from how it was sampled, a changed
 system message), the cache is rewound to the longest common prefix; the positions after it are overwritten. The
-new ids after the cache's first pass go through model.decode_one one at a time: GPT.forward with a cache attends
-causally only from position 0.
+new ids run in one forward pass appended to the cache (each sees the cache and the new ids before it).
 
 When the prompt and the longest reply would not fit the model's context, the oldest turns are dropped (the system
 message kept), with a notice.
@@ -150,18 +149,12 @@ class ChatSession:
         (1, V). Room is made for budget more tokens."""
         keep = min(common_prefix(self.ids, prompt), len(prompt) - 1)  # the last id must run: its logits are needed
         self.ensure_room(len(prompt) + budget, keep)
-        if keep == 0:  # from the start: one causal pass
-            self.cache.pos = 0
-            logits, _ = self.model(torch.tensor([prompt], device=self.device), cache=self.cache, last_only=True)
-            self.ids = list(prompt)
-            self.encoded += len(prompt)
-            return logits[:, -1, :]
         self.cache.pos = keep
-        self.ids = self.ids[:keep]
-        for token in prompt[keep:]:
-            logits = self.step(token)
+        new = torch.tensor([prompt[keep:]], device=self.device)  # (1, T)
+        logits, _ = self.model(new, cache=self.cache, last_only=True)
+        self.ids = list(prompt)
         self.encoded += len(prompt) - keep
-        return logits
+        return logits[:, -1, :]
 
     def step(self, token: int) -> torch.Tensor:
         """Append one id to the cache; the logits (1, V) of the token after it."""
