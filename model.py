@@ -120,8 +120,8 @@ class KVCache:
         self, layer: int, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token's k, v (B, nkv, 1, hs) at `position` (a (1,) tensor); returns the whole buffers (B, nkv, L, hs)."""
-        self.k[layer].index_copy_(2, position, k)
-        self.v[layer].index_copy_(2, position, v)
+        self.k[layer].index_copy_(2, position, k.to(self.k[layer].dtype))  # under autocast k is bf16, the cache not
+        self.v[layer].index_copy_(2, position, v.to(self.v[layer].dtype))
         return self.k[layer], self.v[layer]
 
 
@@ -178,13 +178,14 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if step is not None:
             k, v = cache.write(self.layer, step.position, k, v)  # (B, nkv, L, hs)
-            y = self.attend_cache(q, k[:, :, : step.span], v[:, :, : step.span], step.visible)
+            k, v = k[:, :, : step.span].to(q.dtype), v[:, :, : step.span].to(q.dtype)
+            y = self.attend_cache(q, k, v, step.visible)
         elif cache is not None and cache.pos > 0 and T > 1:
-            y = self.attend_appended(q, *cache.update(self.layer, k, v))
+            y = self.attend_appended(q, *(t.to(q.dtype) for t in cache.update(self.layer, k, v)))
         else:
             # with a cache, a single new query attends to every cached key: no mask needed
             if cache is not None:
-                k, v = cache.update(self.layer, k, v)
+                k, v = (t.to(q.dtype) for t in cache.update(self.layer, k, v))
             y = causal_attention(q, k, v, self.dropout if self.training else 0.0, T > 1)
         y = y.transpose(1, 2).contiguous().view(B, T, self.widths[0])  # (B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
