@@ -353,3 +353,11 @@ def test_eval_passes_apply_chat_template_to_the_harness_and_refuses_a_base_model
     assert base.returncode == 2 and "no chat template" in base.stderr.splitlines()[-1], base.stderr
     alone = run_eval("--ckpt", str(base_ckpt), "--apply-chat-template")
     assert alone.returncode == 2 and "give --tasks" in alone.stderr
+
+
+def test_chat_task_evaluation_runs_under_bf16_autocast(chat_ckpt, tmp_path):
+    """Under autocast the new keys and values are bf16 while the KV cache keeps the weights' fp32."""
+    chat_ckpt, _ = chat_ckpt
+    proc = run_eval("--ckpt", str(chat_ckpt), "--chat-task", "count", "--chat-items", "3", "--precision", "bf16")
+    assert proc.returncode == 0, proc.stderr
+    assert "bf16 on cpu" in proc.stdout and "chat task count (chat template, greedy): acc" in proc.stdout
