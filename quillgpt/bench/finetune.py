@@ -52,6 +52,14 @@ ESTIMATE_LINES = ("model:", "tokens per", "memory", "expected", "measured")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--preset",
+        type=Path,
+        default=FINETUNE_PRESET,
+        help="the fine-tuning config timed (default %(default)s; configs/chat/smollm2_135m_sft.toml is chat SFT: "
+        "add --data.chat false, as the text it trains on here has no conversations; the assistant-only loss costs "
+        "what bench.py --chat measures)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed fine-tuning steps first (default %(default)s)")
     p.add_argument("--iters", type=int, default=3, help="timed fine-tuning steps (default %(default)s)")
     p.add_argument("--new-tokens", type=int, default=100, help="tokens decoded per run (default %(default)s)")
@@ -62,13 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, cli: list[str]) -> None:
     cli = with_shakespeare_input(cli)
-    cfg = build_config(load_toml(FINETUNE_PRESET), parse_overrides(cli), source=str(FINETUNE_PRESET))
+    preset = args.preset.resolve()
+    cfg = build_config(load_toml(preset), parse_overrides(cli), source=str(preset))
     with tempfile.TemporaryDirectory(prefix="bench_finetune_") as tmp:
         model_dir = Path(tmp) / "SmolLM2-135M-random"
         torch.manual_seed(0)
         export_hf(GPT(SMOLLM2_135M), None, model_dir)
         train_args = [
-            *("--config", str(FINETUNE_PRESET), "--run.init_from", str(model_dir)),
+            *("--config", str(preset), "--run.init_from", str(model_dir)),
             *("--data.dataset", "shakespeare_char", "--data.tokenizer", "char"),
             *("--run.out_dir", str(Path(tmp) / "runs")),
             *cli,
@@ -83,7 +92,7 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
         timing = child_step_timing(log)
         model = load_model(model_dir).model.eval()
     print(
-        f"fine-tuning {FINETUNE_PRESET.relative_to(REPO)} on a random SmolLM2-135M-shaped model, {usable_cpus()} cores"
+        f"fine-tuning {preset.relative_to(REPO)} on a random SmolLM2-135M-shaped model, {usable_cpus()} cores"
     )
     print("train.py --validate:\n  " + "\n  ".join(estimate))
     print(
