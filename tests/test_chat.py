@@ -29,7 +29,7 @@ def chat_tokenizer():
     return with_chat_tokens(CharTokenizer(CHARS, eot=True))
 
 
-def random_chat_model(block_size: int = 256, seed: int = 0) -> GPT:
+def random_chat_model(block_size: int = 256, seed: int = 0, **switches) -> GPT:
     """A tiny random model over the chat tokenizer's ids (weights scaled up so that greedy text varies)."""
     torch.manual_seed(seed)
     config = GPTConfig(
@@ -39,6 +39,7 @@ def random_chat_model(block_size: int = 256, seed: int = 0) -> GPT:
         n_head=2,
         n_embd=32,
         tie_embeddings=False,
+        **switches,
     )
     model = GPT(config)
     with torch.no_grad():
@@ -47,11 +48,11 @@ def random_chat_model(block_size: int = 256, seed: int = 0) -> GPT:
     return model.eval()
 
 
-def stopping_model(after: int, block_size: int = 256, seed: int = 0) -> tuple[GPT, int]:
+def stopping_model(after: int, block_size: int = 256, seed: int = 0, **switches) -> tuple[GPT, int]:
     """(model, n): a random model whose greedy reply to TURNS[0] is n >= `after` tokens and then <|im_end|>. The
     output layer's rows of <|im_end|> and of the first token the reply would have repeated nowhere before swap
     places, so it ends there: the model reads its input as before."""
-    model, tok = random_chat_model(block_size, seed), chat_tokenizer()
+    model, tok = random_chat_model(block_size, seed, **switches), chat_tokenizer()
     prompt = chat_format(tok).prompt_ids([{"role": "user", "content": TURNS[0]}])
     reply = greedy_reencoding(model, prompt, after + 20, stop=set())
     n = next(i for i in range(after, len(reply)) if reply[i] not in reply[:i])
@@ -361,3 +362,30 @@ def test_chat_task_evaluation_runs_under_bf16_autocast(chat_ckpt, tmp_path):
     proc = run_eval("--ckpt", str(chat_ckpt), "--chat-task", "count", "--chat-items", "3", "--precision", "bf16")
     assert proc.returncode == 0, proc.stderr
     assert "bf16 on cpu" in proc.stdout and "chat task count (chat template, greedy): acc" in proc.stdout
+
+
+def test_transformers_chats_with_our_export_and_replies_as_we_do(tmp_path):
+    """export.py --hf carries the chat template and the chat tokens: transformers renders the conversation, and its
+    greedy reply, ended at <|im_end|>, is ours."""
+    transformers = pytest.importorskip("transformers")
+    model, n = stopping_model(after=3, pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False)  # Llama's switches
+    chat_ckpt = save_chat_checkpoint(tmp_path / "ckpt_best.pt", model)
+    out = tmp_path / "hf"
+    proc = subprocess.run(
+        [sys.executable, "export.py", "--ckpt", str(chat_ckpt), "--hf", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    messages = [{"role": "user", "content": TURNS[0]}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=False)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    generated = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, eos_token_id=end, pad_token_id=end
+    )[0, ids.shape[1] :]
+    assert generated[-1] == end and len(generated) == n + 1  # the reply, then its end-of-turn token
+    assert tok.decode(generated[:-1]) == library_replies(chat_ckpt, TURNS[:1])[0]

@@ -23,6 +23,7 @@ pytest.importorskip("fastapi")
 import bench  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from quillgpt.bench.serve import ServerProcess  # noqa: E402
+from quillgpt.chat_session import ChatSession  # noqa: E402
 from quillgpt.chat_template import chat_format, with_chat_tokens  # noqa: E402
 from quillgpt.checkpoint import save_checkpoint  # noqa: E402
 from quillgpt.generate import encode_prompt, generate_texts, load_for_sampling  # noqa: E402
@@ -147,6 +148,7 @@ def test_greedy_chat_equals_the_model_decoding_the_template_alone(server, loaded
     assert reply == greedy_chat_reference(loaded, CONVERSATION, 40) and reply
     one_turn = [{"role": "user", "content": "hello"}]
     assert chat(client, one_turn, max_tokens=30) == greedy_chat_reference(loaded, one_turn, 30)
+    assert chat(client, one_turn, max_tokens=30) == ChatSession(*loaded, max_new_tokens=30).reply("hello")  # chat.py's
 
 
 def test_stream_deltas_concatenate_to_the_whole_reply(server):

@@ -91,9 +91,7 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
         )
         timing = child_step_timing(log)
         model = load_model(model_dir).model.eval()
-    print(
-        f"fine-tuning {preset.relative_to(REPO)} on a random SmolLM2-135M-shaped model, {usable_cpus()} cores"
-    )
+    print(f"fine-tuning {preset.relative_to(REPO)} on a random SmolLM2-135M-shaped model, {usable_cpus()} cores")
     print("train.py --validate:\n  " + "\n  ".join(estimate))
     print(
         f"measured: {timing['ms_median'] / 1e3:.1f} s/step, {timing['tokens_per_s']:,.0f} tokens/s, MFU "
