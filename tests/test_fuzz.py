@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import tomllib
 from conftest import REPO_ROOT
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from quillgpt.config import SECTIONS, SHORT_FLAGS, Config, ConfigError, build_config, load_config, to_toml
@@ -311,6 +311,7 @@ def decoded(directory: Path) -> tuple[str, str]:
     val_fraction=st.floats(0.01, 0.99),
     max_bytes=st.none() | st.integers(1, 2100),
 )
+@example(data=b"\x80\x80", kind="char", val_fraction=0.5, max_bytes=1)  # no character starts in the first byte
 def test_prepare_takes_any_bytes(data, kind, val_fraction, max_bytes, monkeypatch, capsys):
     """Success or UserError; on success the docstring's rules hold: UTF-8 with each invalid sequence as U+FFFD (and one
     warning line with the count), NUL kept, the first int(n * (1 - val_fraction)) bytes (moved to a character

@@ -38,7 +38,9 @@ def tail_spans(path: str, max_bytes: int | None, val_fraction: float) -> list[Sp
     size = os.path.getsize(path)
     end = size if max_bytes is None or max_bytes >= size else char_start_at_or_before(path, max_bytes)
     if end == 0:
-        raise UserError(f"input {path} is empty")
+        raise UserError(
+            f"input {path} is empty" if size == 0 else f"the first {max_bytes} bytes of {path} hold no whole character"
+        )
     cut = char_start_at_or_after(path, int(end * (1 - val_fraction)), end)
     return [(path, 0, cut, "train"), (path, cut, end, "val")]
 
@@ -59,6 +61,8 @@ def char_start_at_or_after(path: str, pos: int, end: int) -> int:
 
 
 def char_start_at_or_before(path: str, pos: int) -> int:
+    if pos <= 0:  # the file's first byte starts its first character, whatever it is
+        return 0
     with open(path, "rb") as f:
         f.seek(pos)
         byte = f.read(1)
