@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -325,3 +326,37 @@ def test_init_from_a_model_without_chat_tokens_grows_its_vocabulary_and_samples(
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_on_chat_data_equal_one_rank_with_accumulation(chat_data, tmp_path):
+    """The mask is drawn with the tokens: 2 DDP ranks x accumulation 1 see exactly the micro-batches of 1 rank x
+    accumulation 2, so their assistant-token losses and evaluations agree."""
+    data_dir, _ = chat_data
+    common = {
+        "model.dropout": 0.0,
+        "training.max_iters": 6,
+        "optimizer.lr_decay_iters": 6,
+        "training.eval_interval": 3,
+        "training.save_interval": 3,
+    }
+    train(None, overrides=chat_overrides(data_dir, tmp_path / "one", **common, **{"training.grad_accum_steps": 2}))
+    two = chat_overrides(data_dir, tmp_path / "two", **common)
+    cli = [a for key, value in two.items() for a in (f"--{key}", str(value).lower() if value is False else str(value))]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *cli],
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def history(run: Path) -> dict:
+        points = json.loads((run / "train_log.json").read_text())["history"]
+        return {(p["kind"], p["iter"]): p.get("loss", p.get("val_loss")) for p in points}
+
+    one, ddp = history(tmp_path / "one" / "t"), history(tmp_path / "two" / "t")
+    assert one.keys() == ddp.keys() and len(one) > 6
+    assert max(abs(one[k] - ddp[k]) for k in one) < 1e-5
