@@ -25,7 +25,7 @@ from quillgpt.generate import load_for_sampling
 try:
     import uvicorn
 
-    from quillgpt.serving import ServerSettings, build_app
+    from quillgpt.serving import ServerSettings, build_app, run_engine
 except ImportError as e:
     SERVE_EXTRA_MISSING = f"serve.py needs {e.name}: pip install '.[serve]'"
 else:
@@ -80,12 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype, batch=args.max_batch)
     name = args.model_name or Path(args.ckpt.rstrip("/")).stem
     settings = ServerSettings(name, model.config.block_size, args.api_key, args.max_body_kb * 1024)
-    app = build_app(Engine(model, tokenizer, args.max_batch, args.max_queue), settings)
+    engine = Engine(model, tokenizer, args.max_batch, args.max_queue)
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(engine, settings), log_level="warning", timeout_graceful_shutdown=5)
+    )
 
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {name} ({label}) on http://{shown}:{port}/v1", flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
+    run_engine(server, engine, sock)
     return 0
 
 

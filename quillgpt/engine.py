@@ -1,5 +1,5 @@
-"""Continuous batching for serve.py: one thread owns the model and decodes one token for every active request per
-step; new requests join between steps (their prompt prefilled alone, then their row added to the batch) and a
+"""Continuous batching for serve.py: the main thread owns the model (run_engine; the web server runs on another)
+and decodes one token for every active request per step; new requests join between steps (their prompt prefilled alone, then their row added to the batch) and a
 finished or cancelled one leaves at once, so a short reply never waits for a long one.
 
 The KV cache is one buffer per layer with a row per slot (SlotCache). The active requests keep rows 0..B-1: a
@@ -17,6 +17,7 @@ import asyncio
 import collections
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -130,8 +131,7 @@ class Engine:
         self.pending: collections.deque[Handle] = collections.deque()
         self.lock = threading.Lock()
         self.wake = threading.Event()
-        self.running = False
-        self.thread: threading.Thread | None = None
+        self.running = True
 
     # ---- the event loop's side ----------------------------------------------------------------------
 
@@ -149,22 +149,17 @@ class Engine:
         with self.lock:
             return {"active": len(self.active), "queued": len(self.pending)}
 
-    def start(self) -> None:
-        self.running = True
-        self.thread = threading.Thread(target=self.run, name="quillgpt-engine", daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
+    def halt(self) -> None:
+        """End run() after its current step (from a signal handler or another thread)."""
         self.running = False
         self.wake.set()
-        if self.thread is not None:
-            self.thread.join()
 
-    # ---- the engine's thread ------------------------------------------------------------------------
+    # ---- the engine's loop ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self) -> None:
-        while self.running:
+    def run(self, until: Callable[[], bool] = lambda: False) -> None:
+        """Decode until halt() or until() says so (checked at least every half second)."""
+        while self.running and not until():
             self.drop_cancelled()
             self.admit()
             if not self.active:

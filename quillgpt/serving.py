@@ -12,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import signal
+import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -106,16 +109,22 @@ class ChatRequest(SamplingFields):
 # ---- the app ------------------------------------------------------------------------------------------
 
 
-def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        engine.start()
-        try:
-            yield
-        finally:
-            engine.stop()
+def run_engine(server: uvicorn.Server, engine: Engine, sock: socket.socket) -> None:
+    """The web server on a thread of its own, the engine on this one until the server ends or SIGTERM arrives.
+    The model runs on the main thread because torch's OpenMP workers serve it fastest there: the same batch-1
+    decoding step took 2.5 times as long on another thread (docs/LOG.md)."""
+    web = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="quillgpt-http", daemon=True)
+    signal.signal(signal.SIGTERM, lambda *_: engine.halt())
+    web.start()
+    try:
+        engine.run(until=lambda: not web.is_alive())
+    finally:
+        server.should_exit = True
+        web.join(timeout=10)
 
-    app = FastAPI(title="quillgpt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="quillgpt", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, settings=settings)
     app.add_exception_handler(APIError, lambda request, e: e.response())
     app.add_exception_handler(RequestValidationError, lambda request, e: validation_error(e, request).response())

@@ -5,6 +5,7 @@ have OpenAI's error shape, the queue bound answers 503, a dropped stream frees i
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -346,3 +347,14 @@ def test_bench_serve_tables_tokens_per_second_by_clients_and_checks_the_greedy_t
     bench.main(["--serve", "--clients", "1,4", "--requests", "2", "--max-tokens", "8", *tiny])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 ") or line.startswith("| 4 ")]
     assert len(rows) == 2 and all(row.rstrip(" |").endswith("yes") for row in rows), rows
+
+
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGTERM, 0, ""), (signal.SIGINT, 130, "interrupted")])
+def test_sigterm_ends_the_server_cleanly_and_ctrl_c_says_interrupted(ckpt, sig, code, said):
+    """The engine runs on the main thread and the web server on another: a signal still ends both, at once."""
+    s = Server(ckpt, "--model-name", "tiny")
+    assert s.health()
+    s.proc.send_signal(sig)
+    assert s.proc.wait(timeout=15) == code
+    assert s.proc.stderr.read().strip() == said
+    s.close()
