@@ -53,11 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def sums_conversations(n: int, seed: int = 0) -> list[list[dict]]:
+def sums_conversations(n: int, seed: int = 0, top: int = 999) -> list[list[dict]]:
+    """n conversations "What is a + b?" -> the sum (a, b <= top), a third with a system message, a quarter with a
+    second exchange."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        a, b = rng.randint(0, top), rng.randint(0, top)
         messages = [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": str(a + b)}]
         if i % 3 == 0:
             messages.insert(0, {"role": "system", "content": "Answer with a number."})
