@@ -120,7 +120,7 @@ class SlotCache:
 
 
 class Engine:
-    """The decoding loop, run on its own thread (start/stop). submit() is called from the event loop."""
+    """The decoding loop (run, on the main thread: quillgpt.serving.run_engine). submit() is called from the event loop."""
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, max_batch: int = 16, max_queue: int = 64):
         self.model, self.tokenizer = model, tokenizer
