@@ -22,7 +22,7 @@ import torch
 
 from quillgpt.chat_session import ChatSession
 from quillgpt.errors import UserError, run_main
-from quillgpt.generate import load_for_sampling
+from quillgpt.generate import DTYPES, check_sampling_flags, load_for_sampling
 
 HISTORY = Path.home() / ".quillgpt_chat_history"
 HELP = "/reset: a new conversation | /system TEXT: a new one with this system message | /quit: leave"
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
     p.add_argument(
         "--dtype",
-        choices=["auto", "fp32", "bf16", "fp16", "int8"],
+        choices=DTYPES,
         default="auto",
         help="weights' dtype (default auto, as sample.py: bf16 on a CUDA device that has it, on the CPU the faster of "
         "fp32 and bf16, measured); int8: weight-only int8 on the CPU",
@@ -53,10 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
-    if args.temperature < 0:
-        p.error("--temperature must be >= 0")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        p.error("--top-p must be in (0, 1]")
+    check_sampling_flags(p, args)
     return args
 
 
@@ -121,8 +118,6 @@ def answer(session: ChatSession, text: str, args: argparse.Namespace, generator:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {args.device} but this machine has no CUDA device")
     model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype)
     if not tokenizer.chat_template:
         raise UserError(

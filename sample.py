@@ -39,7 +39,14 @@ import torch
 
 from model import GPT
 from quillgpt.errors import UserError, run_main
-from quillgpt.generate import encode_prompt, generate_texts, load_for_sampling, unescape
+from quillgpt.generate import (
+    DTYPES,
+    check_sampling_flags,
+    encode_prompt,
+    generate_texts,
+    load_for_sampling,
+    unescape,
+)
 from quillgpt.tokenizer import Tokenizer
 
 
@@ -69,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
     p.add_argument(
         "--dtype",
-        choices=["auto", "fp32", "bf16", "fp16", "int8"],
+        choices=DTYPES,
         default="auto",
         help="weights' dtype while sampling (default auto: bf16 on a CUDA device that has it; on the CPU the faster of "
         "fp32 and bf16 at the decoding step's shape, measured); int8: weight-only int8 on the CPU, its activations in "
@@ -86,10 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 0:
         p.error("--num-samples must be >= 1 and --max-new-tokens >= 0")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        p.error("--top-p must be in (0, 1]")
-    if args.temperature < 0:
-        p.error("--temperature must be >= 0")
+    check_sampling_flags(p, args)
     args.stop = [unescape(s) for s in args.stop]
     return args
 
@@ -154,8 +158,6 @@ def iter_prompts(first: str) -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {args.device} but this machine has no CUDA device")
     model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype, batch=args.num_samples)
     first_prompt = args.prompt
     if args.prompt_file:

@@ -16,11 +16,9 @@ import os
 import socket
 from pathlib import Path
 
-import torch
-
 from quillgpt.engine import Engine
 from quillgpt.errors import UserError, run_main
-from quillgpt.generate import load_for_sampling
+from quillgpt.generate import DTYPES, load_for_sampling
 
 try:
     import uvicorn
@@ -44,7 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--model-name", help="the model's id in the API (default: --ckpt's last path component, stem)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
-    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16", "int8"], default="auto", help="as sample.py's")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="as sample.py's")
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default %(default)s)")
     p.add_argument(
         "--max-queue", type=int, default=64, help="requests waiting for a slot before 503s (default %(default)s)"
@@ -74,8 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if SERVE_EXTRA_MISSING:
         raise UserError(SERVE_EXTRA_MISSING)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {args.device} but this machine has no CUDA device")
     sock = listen(args.host, args.port)
     model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype, batch=args.max_batch)
     name = args.model_name or Path(args.ckpt.rstrip("/")).stem

@@ -3,6 +3,7 @@ sequences, streaming the first row. sample.py is the command line over these."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from quillgpt.precision import PRECISIONS, inference_precision
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+DTYPES = ("auto", "fp32", "bf16", "fp16", "int8")  # what --dtype takes in sample.py, chat.py and serve.py
 
 
 def load_for_sampling(
@@ -26,6 +28,8 @@ def load_for_sampling(
     tokenizer, label: the source and the precision). dtype auto (sample.py's default): bf16 on a CUDA device that has
     it; on the CPU the faster of fp32 and bf16 at the decoding step's shape (quillgpt.precision). int8: weight-only
     int8 (CPU), its activations in the faster of them."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device} but this machine has no CUDA device")
     loaded = load_model(source)
     if loaded.tokenizer is None:
         raise UserError(
@@ -47,6 +51,14 @@ def load_for_sampling(
     model = quantize_int8(loaded.model, PRECISIONS[activations]) if dtype == "int8" else loaded.model
     precision = f"int8 ({activations} activations)" if dtype == "int8" else activations
     return model, tokenizer, f"{loaded.source}, {precision}"
+
+
+def check_sampling_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--temperature and --top-p in range, or the parser's usage error."""
+    if args.temperature < 0:
+        p.error("--temperature must be >= 0")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        p.error("--top-p must be in (0, 1]")
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> list[int]:
