@@ -18,12 +18,12 @@ import collections
 import secrets
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from model import GPT, sample_next
-from quillgpt.generate import showable_length
+from quillgpt.generate import RowText, showable_length
 from quillgpt.tokenizer import Tokenizer
 
 
@@ -79,9 +79,10 @@ class Slot:
 
     handle: Handle
     generator: torch.Generator | None
+    row: RowText  # the reply's text, decoded as it grows
     position: int = 0
     next_token: int = 0
-    ids: list[int] = field(default_factory=list)  # generated so far (what the text decodes from)
+    kept: int = 0  # tokens of the reply (an ending id not counted)
     text: str = ""
     shown: int = 0  # characters of text already sent
     sampled: int = 0  # tokens sampled, an ending id included (the usage's completion_tokens)
@@ -199,7 +200,7 @@ class Engine:
         idx = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
         cache = self.model.new_cache(1, idx.size(1))
         logits, _ = self.model(idx, cache=cache, last_only=True)
-        slot = Slot(handle, generator, position=idx.size(1))
+        slot = Slot(handle, generator, RowText(self.tokenizer, request.prompt_ids), position=idx.size(1))
         with self.lock:
             self.active.append(slot)
         self.cache.fill(len(self.active) - 1, cache.k, cache.v)
@@ -235,14 +236,14 @@ class Engine:
         if token in r.stop_ids:
             self.finish(slot, "stop")
             return
-        slot.ids.append(token)
+        slot.kept += 1
         slot.next_token = token
-        slot.text = self.tokenizer.decode_after(r.prompt_ids[-8:], slot.ids)
+        slot.text = slot.row.add(token)
         hits = [slot.text.index(s) for s in r.stop if s in slot.text]
         if hits:
             slot.text = slot.text[: min(hits)]
             self.finish(slot, "stop")
-        elif len(slot.ids) >= r.max_tokens:
+        elif slot.kept >= r.max_tokens:
             self.finish(slot, "length")
         elif r.stream:
             end = showable_length(slot.text, list(r.stop))
