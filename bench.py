@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import os
-import subprocess
 import sys
 
 from quillgpt.bench import (
@@ -52,7 +50,7 @@ from quillgpt.bench import (
 from quillgpt.bench.common import Mode
 from quillgpt.config import SHORT_FLAGS, parse_overrides
 from quillgpt.errors import UserError, run_main
-from quillgpt.precision import ISA_ENV
+from quillgpt.precision import ISA_ENV, run_on_isa
 
 DEFAULT = training.MODE  # no mode flag: the training step
 MODES = [
@@ -133,21 +131,12 @@ def check_the_rest(mode: Mode, rest: list[str]) -> None:
     parse_overrides(rest)
 
 
-def run_on_isa(isa: str, argv: list[str]) -> int:
-    """bench.py again, in a process whose environment caps the CPU path (ISA_ENV): it must be set before torch loads."""
-    caps = ISA_ENV[isa]
-    if all(os.environ.get(k) == v for k, v in caps.items()):
-        return -1  # already on it
-    print(f"bench.py on the {isa} path: {' '.join(f'{k}={v}' for k, v in caps.items())}", flush=True)
-    return subprocess.call([sys.executable, os.path.abspath(__file__), *argv], env={**os.environ, **caps})
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     picker = argparse.ArgumentParser(prog="bench.py", add_help=False, allow_abbrev=False)
     add_mode_flags(picker)
     picked, rest = picker.parse_known_args(argv)
-    if picked.isa != "native" and (code := run_on_isa(picked.isa, argv)) >= 0:
+    if picked.isa != "native" and (code := run_on_isa(picked.isa, __file__, argv)) is not None:
         return code
     mode = next((m for m in MODES if getattr(picked, m.dest) not in (None, False)), DEFAULT)
     args, rest = mode_parser(mode).parse_known_args(rest, namespace=picked)

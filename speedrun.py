@@ -2,6 +2,7 @@
 
     python speedrun.py                        # cpu.toml, speedrun_cpu.toml and record_cpu.toml, seed 1337
     python speedrun.py --configs configs/shakespeare_char/record_cpu.toml --seeds 1337 1338 1339 --keep checkpoints/record
+    python speedrun.py --isa avx2 --configs configs/shakespeare_char/record_cpu.toml --seeds 1337   # an AVX2-only CPU's path
     python speedrun.py --configs configs/shakespeare_char/record_cpu.toml --budget-minutes 4 \\
         --variant "dropout 0=--model.dropout 0" --variant "dropout 0.2=--model.dropout 0.2"       # a sweep
 
@@ -39,6 +40,7 @@ from quillgpt.config import build_config, load_toml, parse_overrides
 from quillgpt.errors import UserError, run_main
 from quillgpt.machine import load_average, with_shakespeare_input
 from quillgpt.metrics import matmul_ceiling
+from quillgpt.precision import ISA_ENV, run_on_isa
 
 REPO = Path(__file__).resolve().parent
 CONFIGS = [
@@ -245,7 +247,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--budget-minutes",
         type=float,
         default=10.0,
-        help="wall-time budget on a machine whose bf16 matmul runs at 800 GFLOP/s or more, scaled up on a slower one",
+        help="wall-time budget on a machine whose matmuls, in the run's precision, run at 800 GFLOP/s or more, "
+        "scaled up on a slower one",
+    )
+    p.add_argument(
+        "--isa",
+        choices=list(ISA_ENV),
+        default="native",
+        help="run everything (the rate behind each budget too) on this CPU path: avx2 caps oneDNN, MKL and ATen at "
+        "AVX2, where bf16 is emulated as on most laptops",
     )
     args, extra = p.parse_known_args(argv)
     args.configs, args.targets, args.seeds = args.configs or CONFIGS, args.targets or TARGETS, args.seeds or [1337]
@@ -253,7 +263,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, extra = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args, extra = parse_args(argv)
+    if args.isa != "native" and (code := run_on_isa(args.isa, __file__, argv)) is not None:
+        return code
     variants = [parse_variant(v) for v in args.variant] or [("", [])]
     extra = with_shakespeare_input(extra)  # prepare tiny Shakespeare offline if needed
     runs: list[Run] = []

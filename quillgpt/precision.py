@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import getpass
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from contextlib import nullcontext
@@ -35,10 +37,21 @@ ISA_ENV = {
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_avx2_{getpass.getuser()}"),
     },
 }
+
 BF16_MARGIN = 1.5  # bf16 must measure this much faster: near parity, fp32's exactness wins and no re-run flips
 PROBE_SECONDS = 0.06  # per precision, after one warm-up call, in PROBE_ROUNDS windows
 PROBE_ROUNDS = 3
 PROBE_MAX_ROWS = 256  # rows of the probe's (rows, width) @ (width, 4 * width)
+
+
+def run_on_isa(isa: str, script: str, argv: list[str]) -> int | None:
+    """`script argv` again in a process whose environment caps the CPU path (ISA_ENV), as the caps must be set before
+    torch loads its kernels; its exit code. None when this process already runs on that path."""
+    caps = ISA_ENV[isa]
+    if all(os.environ.get(k) == v for k, v in caps.items()):
+        return None
+    print(f"{os.path.basename(script)} on the {isa} path: {' '.join(f'{k}={v}' for k, v in caps.items())}", flush=True)
+    return subprocess.call([sys.executable, os.path.abspath(script), *argv], env={**os.environ, **caps})
 
 
 def autocast(device_type: str, precision: str):

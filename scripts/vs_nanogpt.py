@@ -43,7 +43,7 @@ from quillgpt.distributed import DistInfo  # noqa: E402
 from quillgpt.errors import UserError, run_main  # noqa: E402
 from quillgpt.machine import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD, SHAKESPEARE, load_average
 from quillgpt.metrics import matmul_ceiling  # noqa: E402
-from quillgpt.precision import ISA_ENV
+from quillgpt.precision import ISA_ENV, run_on_isa
 
 BABY_GPT = [
     "--device=cpu",
@@ -156,10 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--isa", choices=list(ISA_ENV), default="native", help="run every arm on this CPU path")
     args = p.parse_args(argv)
-    if args.isa != "native" and any(os.environ.get(k) != v for k, v in ISA_ENV[args.isa].items()):
-        # the ceiling too must be measured under the caps, which torch reads when it loads: this script again, capped
-        env = {**os.environ, **ISA_ENV[args.isa]}
-        raise SystemExit(subprocess.call([sys.executable, __file__, *(argv or sys.argv[1:])], env=env))
+    # the ceiling too must be measured under the caps, which torch reads when it loads: this script again, capped
+    if args.isa != "native" and (code := run_on_isa(args.isa, __file__, argv or sys.argv[1:])) is not None:
+        raise SystemExit(code)
     if not (args.nanogpt / "train.py").is_file() or not (args.nanogpt / "configurator.py").is_file():
         raise UserError(f"--nanogpt {args.nanogpt}: not a nanoGPT clone (no train.py and configurator.py)")
     if not SHAKESPEARE.is_file():

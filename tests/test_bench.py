@@ -1,6 +1,7 @@
 """bench.py and speedrun.py on tiny inputs: every mode runs and prints its numbers (timings are never asserted)."""
 
 import json
+import platform
 import re
 import subprocess
 import sys
@@ -391,6 +392,26 @@ def test_speedrun_stops_a_run_at_its_budget_once_per_seed(tiny, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [r for r in table_rows(result.stdout) if r[0] != "config"]
     assert [r[2] for r in rows] == ["5", "6"] and all("over budget (best" in r[-3] for r in rows)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 caps are x86's")
+def test_speedrun_on_the_avx2_path_trains_in_fp32_and_scales_its_budget_by_fp32s_rate(tiny, tmp_path):
+    """--isa avx2: train.py and the budget's probe run under the caps, where bf16 is emulated, so the preset's auto
+    trains in fp32 and the budget is scaled by the fp32 rate measured there."""
+    config = tmp_path / "auto.toml"
+    config.write_text('[run]\ndevice = "cpu"\n[training]\nmax_iters = 2\neval_iters = 1\nprecision = "auto"\n')
+    result = subprocess.run(
+        [sys.executable, "speedrun.py", "--isa", "avx2", "--configs", str(config), "--final-batches", "1", *tiny],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "speedrun.py on the avx2 path: ONEDNN_MAX_CPU_ISA=AVX2" in result.stdout
+    [row] = [r for r in table_rows(result.stdout) if r[0] != "config"]
+    budget, gflops = re.fullmatch(r"(\d+)s \(([\d,]+) GFLOP/s fp32\)", row[7]).groups()
+    assert np.isclose(float(budget), speedrun.budget_seconds(10, float(gflops.replace(",", ""))), rtol=0.01)
 
 
 def test_speedrun_budget_scales_up_on_slower_machines_only():
