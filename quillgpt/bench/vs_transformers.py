@@ -36,7 +36,8 @@ SHAKESPEARE_CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrs
 PROMPT = "ROMEO:\nI will go"  # PROMPT_TOKENS characters
 CONTEXT = 512  # the GPU preset's 256 can't hold the prompt and 256 new tokens
 # sample.py --verbose's last line: "[256 tokens in 0.63s: 403 tokens/s, DIR, fp32]"
-OUR_RATE = re.compile(r"\[(\d+) tokens in ([\d.]+)s: [\d,]+ tokens/s, .*, (\w+)[^,]*\]")
+# the rate, not the seconds: those are printed to 0.01 s, which a short run on a small model rounds to 0
+OUR_RATE = re.compile(r"\[\d+ tokens in [\d.]+s: ([\d,]+) tokens/s, .*, (\w+)[^,]*\]")
 THEIRS = """
 import json, sys, time
 import torch, transformers
@@ -92,9 +93,9 @@ def run_ours(side: Side, directory: str, new_tokens: int, compile: bool) -> None
     stats = OUR_RATE.findall(log)
     if not stats:
         raise UserError(f"sample.py printed no tokens/s line: {log[-300:]}")
-    tokens, seconds, side.note = stats[-1]
+    rate, side.note = stats[-1]
     text = output[len(PROMPT) :].removesuffix("\n")  # sample.py prints the prompt and the text
-    side.record(wall, float(seconds) * new_tokens / int(tokens), text)
+    side.record(wall, new_tokens / float(rate.replace(",", "")), text)
 
 
 def run_theirs(side: Side, directory: str, new_tokens: int, prompt_ids: list[int], tokenizer) -> None:
