@@ -37,7 +37,6 @@ ISA_ENV = {
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_avx2_{getpass.getuser()}"),
     },
 }
-
 BF16_MARGIN = 1.5  # bf16 must measure this much faster: near parity, fp32's exactness wins and no re-run flips
 PROBE_SECONDS = 0.06  # per precision, after one warm-up call, in PROBE_ROUNDS windows
 PROBE_ROUNDS = 3
