@@ -1,6 +1,7 @@
 """Continuous batching for serve.py: the main thread owns the model (run_engine; the web server runs on another)
-and decodes one token for every active request per step; new requests join between steps (their prompt prefilled alone, then their row added to the batch) and a
-finished or cancelled one leaves at once, so a short reply never waits for a long one.
+and decodes one token for every active request per step; new requests join between steps (their prompt prefilled
+alone, then their row added to the batch) and a finished or cancelled one leaves at once, so a short reply never
+waits for a long one.
 
 The KV cache is one buffer per layer with a row per slot (SlotCache). The active requests keep rows 0..B-1: a
 request that leaves hands its row to the last one (a copy of that row's filled positions), so each step runs on the

@@ -5,6 +5,7 @@ on sys.path, so tests import `model`, `quillgpt` and the scripts.)"""
 import atexit
 import functools
 import os
+import platform
 import random
 import shutil
 import signal
@@ -19,6 +20,7 @@ import torch
 from quillgpt.machine import SHAKESPEARE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+X86_ONLY = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 caps are x86's")
 
 # Under pytest-xdist the workers already keep every core busy (-n 2 on 2 cores, -n auto elsewhere): a second OpenMP
 # thread in each worker, and in each process a test starts, only oversubscribes the cores and spins. One thread

@@ -1,7 +1,6 @@
 """bench.py and speedrun.py on tiny inputs: every mode runs and prints its numbers (timings are never asserted)."""
 
 import json
-import platform
 import re
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO_ROOT, TINY_COMPILED, tiny_overrides
+from conftest import REPO_ROOT, TINY_COMPILED, X86_ONLY, tiny_overrides
 
 import bench
 import speedrun
@@ -394,7 +393,7 @@ def test_speedrun_stops_a_run_at_its_budget_once_per_seed(tiny, tmp_path):
     assert [r[2] for r in rows] == ["5", "6"] and all("over budget (best" in r[-3] for r in rows)
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 caps are x86's")
+@X86_ONLY
 def test_speedrun_on_the_avx2_path_trains_in_fp32_and_scales_its_budget_by_fp32s_rate(tiny, tmp_path):
     """--isa avx2: train.py and the budget's probe run under the caps, where bf16 is emulated, so the preset's auto
     trains in fp32 and the budget is scaled by the fp32 rate measured there."""

@@ -3,17 +3,15 @@
 with the measured slowdown; a resumed run keeps the precision auto chose."""
 
 import os
-import platform
 import re
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT, tiny_overrides
+from conftest import REPO_ROOT, X86_ONLY, tiny_overrides
 
 from quillgpt.precision import BF16_MARGIN, ISA_ENV, MatmulRates, measure_cpu_rates
 
-x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 caps are x86's")
 DEVICE_LINE = re.compile(r"device: cpu, (fp32|bf16) \(.*: fp32 ([\d,.]+), bf16 ([\d,.]+) GFLOP/s\)")
 
 
@@ -40,7 +38,7 @@ def quick(tiny_data, tmp_path, **extra) -> dict:
     )
 
 
-@pytest.mark.parametrize("isa", ["native", pytest.param("avx2", marks=x86)])
+@pytest.mark.parametrize("isa", ["native", pytest.param("avx2", marks=X86_ONLY)])
 def test_auto_picks_the_precision_the_probe_measured_faster(tiny_data, tmp_path, isa):
     """The device line prints both rates and the choice, and the choice is the faster one, whatever this box is;
     on the AVX2 path bf16 is emulated, so auto picks fp32 there."""
@@ -52,7 +50,7 @@ def test_auto_picks_the_precision_the_probe_measured_faster(tiny_data, tmp_path,
         assert chosen == "fp32" and bf16 < fp32 / 5
 
 
-@x86
+@X86_ONLY
 def test_forcing_bf16_where_it_is_emulated_warns_with_the_measured_slowdown(tiny_data, tmp_path):
     out = run_train(quick(tiny_data, tmp_path, **{"training.precision": "bf16"}), "avx2")
     chosen, fp32, bf16 = chosen_and_rates(out)
@@ -61,7 +59,7 @@ def test_forcing_bf16_where_it_is_emulated_warns_with_the_measured_slowdown(tiny
     assert float(slowdown.group(1).replace(",", "")) == pytest.approx(fp32 / bf16, rel=0.05)
 
 
-@x86
+@X86_ONLY
 def test_a_resumed_run_keeps_the_precision_auto_chose(tiny_data, tmp_path):
     """A run started on the AVX2 path (auto: fp32) resumes natively in fp32, as recorded, not by a new choice (where
     bf16 is native auto would pick it), so the resumed losses continue the same computation."""
@@ -78,7 +76,7 @@ def test_the_probe_is_bounded_and_cached():
     assert rates.fp32 > 0 and rates.bf16 > 0 and measure_cpu_rates(64, 100_000) is rates
 
 
-@x86
+@X86_ONLY
 def test_bench_probe_on_the_avx2_path_shows_the_capped_kernels_and_rates():
     out = subprocess.run(
         [sys.executable, "bench.py", "--probe", "--isa", "avx2", "--width", "128"],
