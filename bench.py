@@ -20,7 +20,7 @@ A mode flag picks another benchmark, one at a time:
     python bench.py --probe              # the CPU path: capability, oneDNN's ISA, fp32 vs bf16 matmul rates
     python bench.py --vs-transformers    # batch-1 greedy decoding, load included: sample.py's default vs HF generate
     python bench.py --serve              # serve.py: aggregate tokens/s of 1, 8 and 16 concurrent greedy clients
-Each mode is a module of quillgpt/bench/ with its own flags and defaults (`python bench.py --sample --help`); any
+Each mode is a module of benchmarks/ with its own flags and defaults (`python bench.py --sample --help`); any
 other --section.key value pair overrides the config. --isa avx2, with any mode, runs it on this CPU's AVX2-only path
 (oneDNN, MKL and ATen capped at AVX2: bf16 matmuls are emulated there, as on most laptops).
 """
@@ -31,44 +31,44 @@ import argparse
 import difflib
 import sys
 
-from quillgpt.bench import (
+from benchmarks import (
     against,
-    chat,
+    chat_rows,
+    decoding,
     finetune,
     hellaswag,
-    kernels,
+    kernel_times,
     memory,
     muon,
     precision_curves,
-    prepare,
+    prepare_speed,
     probe,
-    sample,
-    serve,
-    training,
+    serving_load,
+    training_step,
     vs_transformers,
 )
-from quillgpt.bench.common import Mode
+from benchmarks.common import Mode
+from benchmarks.conditions import ISA_ENV, run_on_isa
 from quillgpt.config import SHORT_FLAGS, parse_overrides
 from quillgpt.errors import UserError, run_main
-from quillgpt.precision import ISA_ENV, run_on_isa
 
-DEFAULT = training.MODE  # no mode flag: the training step
+DEFAULT = training_step.MODE  # no mode flag: the training step
 MODES = [
     m.MODE
     for m in (
         against,
-        kernels,
-        sample,
+        kernel_times,
+        decoding,
         hellaswag,
-        prepare,
+        prepare_speed,
         memory,
         precision_curves,
         muon,
         finetune,
-        chat,
+        chat_rows,
         probe,
         vs_transformers,
-        serve,
+        serving_load,
     )
 ]
 

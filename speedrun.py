@@ -36,11 +36,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.conditions import ISA_ENV, load_average, run_on_isa, with_shakespeare_input
 from quillgpt.config import build_config, load_toml, parse_overrides
 from quillgpt.errors import UserError, run_main
-from quillgpt.machine import load_average, with_shakespeare_input
 from quillgpt.metrics import matmul_ceiling
-from quillgpt.precision import ISA_ENV, run_on_isa
 
 REPO = Path(__file__).resolve().parent
 CONFIGS = [

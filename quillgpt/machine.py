@@ -1,19 +1,9 @@
-"""Facts about the machine a run is on: usable cores, load, the malloc setting CPU training runs with, and where our
-machines keep tiny Shakespeare."""
+"""Facts about the machine a run is on: usable cores and the malloc setting CPU training runs with."""
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
-
-# Where our machines keep tiny Shakespeare, which tests and benchmarks read (never a committed copy): beside the
-# clone in shared/, or wherever QUILLGPT_SHAKESPEARE says. A path with no file there means "absent", which is how
-# CI proves the tests' fallback corpus in a clone that has the real one beside it.
-SHAKESPEARE = Path(
-    os.environ.get("QUILLGPT_SHAKESPEARE")
-    or Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
-)
 
 # glibc's malloc settings CPU training runs with (see keep_freed_memory), in bytes
 MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks below it come from the heap, not fresh mmaps
@@ -46,15 +36,3 @@ def usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-def load_average() -> str:
-    """The line every benchmark table ends with: above the core count, someone else was computing too."""
-    return f"load average (1 min) {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
-
-
-def with_shakespeare_input(cli: list[str]) -> list[str]:
-    """Command-line overrides with tiny Shakespeare's local copy as data.input unless one is given, so the
-    shakespeare_char presets prepare their dataset offline."""
-    given = any(a.split("=")[0] == "--data.input" for a in cli)
-    return cli if given or not SHAKESPEARE.is_file() else ["--data.input", str(SHAKESPEARE), *cli]

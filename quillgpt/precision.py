@@ -11,11 +11,6 @@ is bounded in time, and paid once per process and shape.
 from __future__ import annotations
 
 import functools
-import getpass
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -23,34 +18,10 @@ from dataclasses import dataclass
 import torch
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Environment caps under which this CPU runs the code paths of an AVX2-only one: oneDNN's (bf16) and MKL's (fp32)
-# matmuls, ATen's own kernels and the code inductor generates (it follows ATen's capability). They are read when
-# torch loads its kernels, so they must be set before the process starts. The capped
-# path keeps its own inductor cache: the caps are not part of inductor's cache key, and kernels compiled for the
-# native path crashed when loaded on the capped one.
-ISA_ENV = {
-    "native": {},
-    "avx2": {
-        "ONEDNN_MAX_CPU_ISA": "AVX2",
-        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-        "ATEN_CPU_CAPABILITY": "avx2",
-        "TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_avx2_{getpass.getuser()}"),
-    },
-}
 BF16_MARGIN = 1.5  # bf16 must measure this much faster: near parity, fp32's exactness wins and no re-run flips
 PROBE_SECONDS = 0.06  # per precision, after one warm-up call, in PROBE_ROUNDS windows
 PROBE_ROUNDS = 3
 PROBE_MAX_ROWS = 256  # rows of the probe's (rows, width) @ (width, 4 * width)
-
-
-def run_on_isa(isa: str, script: str, argv: list[str]) -> int | None:
-    """`script argv` again in a process whose environment caps the CPU path (ISA_ENV), as the caps must be set before
-    torch loads its kernels; its exit code. None when this process already runs on that path."""
-    caps = ISA_ENV[isa]
-    if all(os.environ.get(k) == v for k, v in caps.items()):
-        return None
-    print(f"{os.path.basename(script)} on the {isa} path: {' '.join(f'{k}={v}' for k, v in caps.items())}", flush=True)
-    return subprocess.call([sys.executable, os.path.abspath(script), *argv], env={**os.environ, **caps})
 
 
 def autocast(device_type: str, precision: str):

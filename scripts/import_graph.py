@@ -2,14 +2,15 @@
 
     python scripts/import_graph.py
 
-Modules are the root's scripts (train, sample, prepare, eval, export, bench, speedrun), `model`, and the package's
-modules (quillgpt.config, ...). Every import of one of them counts, also one inside a function (a lazy import hides a
+Modules are the root's scripts (train, sample, prepare, eval, export, bench, speedrun, ...), `model`, the package's
+modules (quillgpt.config, ...) and the benchmarks' (benchmarks.common, ...). Every import of one of them counts, also one inside a function (a lazy import hides a
 cycle from Python, not from this). Prints each module with what it imports, in layers (a module imports only from
 layers below its own), then checks the rules, which tests/test_layout.py checks too:
 - no import cycle;
 - no module imports an entry script (a root module other than `model`): the scripts are built from the package and
   never from each other;
-- the package imports nothing from the root but `model`.
+- the package imports nothing from the root but `model`, and nothing from the benchmarks: what a user's program
+  imports (`quillgpt`) never pulls in a measurement.
 Exits 1 when a rule is broken.
 """
 
@@ -21,16 +22,21 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "quillgpt"
+BENCHMARKS = "benchmarks"
 MODEL = "model"
 
 
 def module_files(root: Path = REPO_ROOT) -> dict[str, Path]:
     """Module name (train, model, quillgpt.trainer, ...) -> its file."""
     files = {p.stem: p for p in root.glob("*.py")}
-    files |= {f"{PACKAGE}.{p.stem}": p for p in (root / PACKAGE).glob("*.py") if p.stem != "__init__"}
-    for sub in (root / PACKAGE).glob("*/__init__.py"):
-        files[f"{PACKAGE}.{sub.parent.name}"] = sub
-        files |= {f"{PACKAGE}.{sub.parent.name}.{p.stem}": p for p in sub.parent.glob("*.py") if p.stem != "__init__"}
+    for package in (PACKAGE, BENCHMARKS):
+        files[package] = root / package / "__init__.py"
+        files |= {f"{package}.{p.stem}": p for p in (root / package).glob("*.py") if p.stem != "__init__"}
+        for sub in (root / package).glob("*/__init__.py"):
+            files[f"{package}.{sub.parent.name}"] = sub
+            files |= {
+                f"{package}.{sub.parent.name}.{p.stem}": p for p in sub.parent.glob("*.py") if p.stem != "__init__"
+            }
     return files
 
 
@@ -57,7 +63,7 @@ def import_graph(root: Path = REPO_ROOT) -> dict[str, set[str]]:
 
 
 def entry_scripts(graph: dict[str, set[str]]) -> set[str]:
-    return {m for m in graph if "." not in m and m != MODEL}
+    return {m for m in graph if "." not in m and m not in (MODEL, PACKAGE, BENCHMARKS)}
 
 
 def layers(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -101,13 +107,13 @@ def script_imports(graph: dict[str, set[str]]) -> list[str]:
 
 
 def package_root_imports(graph: dict[str, set[str]]) -> list[str]:
-    """'a -> b' for every package module a that imports a root module b other than `model`."""
+    """'a -> b' for every package module a that imports a root module b other than `model`, or a benchmark."""
     return [
         f"{m} -> {dep}"
         for m, deps in sorted(graph.items())
-        if m.startswith(f"{PACKAGE}.")
+        if m == PACKAGE or m.startswith(f"{PACKAGE}.")
         for dep in sorted(deps)
-        if "." not in dep and dep != MODEL
+        if dep not in (MODEL, PACKAGE) and not dep.startswith(f"{PACKAGE}.")
     ]
 
 
@@ -122,7 +128,7 @@ def main() -> int:
     print(
         f"package imports from the root: {'; '.join(upward)}"
         if upward
-        else "the package imports only `model` from the root"
+        else "the package imports only `model` from outside it (no script, no benchmark)"
     )
     return 1 if cycle or wrong or upward else 0
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quillgpt.machine import SHAKESPEARE
+from benchmarks.conditions import SHAKESPEARE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 X86_ONLY = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 caps are x86's")

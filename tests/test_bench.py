@@ -14,8 +14,8 @@ from conftest import REPO_ROOT, TINY_COMPILED, X86_ONLY, tiny_overrides
 
 import bench
 import speedrun
-from quillgpt.bench.common import write_repeated
-from quillgpt.bench.training import LoopBatchSource
+from benchmarks.common import write_repeated
+from benchmarks.training_step import LoopBatchSource
 from quillgpt.checkpoint import RunDir, load_checkpoint
 from quillgpt.data import BatchSource, load_dataset
 from quillgpt.errors import UserError
@@ -438,11 +438,11 @@ def test_speedrun_ratio_is_a_bound_when_the_baseline_never_reaches_the_target():
 
 
 def test_vs_nanogpt_reads_both_trainers_iteration_lines_and_gives_nanogpt_our_data(tiny_data, tmp_path, capsys):
-    """scripts/vs_nanogpt.py times each trainer by the lines it prints: ours from a real run (log_interval 1), and
+    """benchmarks/vs_nanogpt.py times each trainer by the lines it prints: ours from a real run (log_interval 1), and
     nanoGPT's in the format of its train.py; nanoGPT's scratch directory links our train.bin and names the vocab."""
     import pickle
 
-    import vs_nanogpt
+    from benchmarks import vs_nanogpt
     from conftest import tiny_overrides
 
     from train import train

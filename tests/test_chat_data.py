@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO_ROOT, resume_in_subprocess, tiny_overrides, train_until_sigterm
 
+from benchmarks.chat_rows import sums_conversations
 from model import GPT, GPTConfig
-from quillgpt.bench.chat import sums_conversations
 from quillgpt.chat_template import CHAT_TOKENS, chat_format
 from quillgpt.data import BatchSource, load_dataset
 from quillgpt.errors import UserError

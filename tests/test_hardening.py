@@ -199,7 +199,7 @@ def test_the_write_audit_catches_direct_writes(tmp_path):
 
 def test_the_audits_read_the_scripts_and_the_whole_package():
     read = {module_name(p) for p in repo_modules()}
-    some = {"train.py", "model.py", "quillgpt/files.py", "quillgpt/prepare/workdir.py", "quillgpt/bench/common.py"}
+    some = {"train.py", "model.py", "quillgpt/files.py", "quillgpt/prepare/workdir.py", "benchmarks/common.py"}
     assert some <= read, f"the audits miss {some - read}"
 
 

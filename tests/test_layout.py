@@ -30,15 +30,22 @@ def test_the_entry_scripts_build_from_the_package_not_from_each_other():
     assert "quillgpt.trainer" in graph["train"] and "quillgpt.prepare" in graph["prepare"]
 
 
-def test_the_package_imports_nothing_from_the_root_but_model():
+def test_the_package_imports_nothing_from_the_root_but_model_and_no_benchmark():
     graph = import_graph()
     assert package_root_imports(graph) == []
-    assert package_root_imports({"quillgpt.a": {"model", "train"}, "train": set(), "model": set()}) == [
-        "quillgpt.a -> train"
-    ]
+    assert {"benchmarks.common", "benchmarks.training_step"} <= set(graph)
+    assert package_root_imports(
+        {
+            "quillgpt.a": {"model", "train", "benchmarks.common"},
+            "train": set(),
+            "model": set(),
+            "benchmarks.common": set(),
+        }
+    ) == ["quillgpt.a -> benchmarks.common", "quillgpt.a -> train"]
 
 
 def test_the_root_holds_only_the_scripts_and_model():
+    """Beside them: the package (quillgpt/) and the benchmarks (benchmarks/, under bench.py)."""
     assert sorted(p.name for p in REPO_ROOT.glob("*.py")) == [
         "bench.py",
         "chat.py",

@@ -10,7 +10,8 @@ import sys
 import pytest
 from conftest import REPO_ROOT, X86_ONLY, tiny_overrides
 
-from quillgpt.precision import BF16_MARGIN, ISA_ENV, MatmulRates, measure_cpu_rates
+from benchmarks.conditions import ISA_ENV
+from quillgpt.precision import BF16_MARGIN, MatmulRates, measure_cpu_rates
 
 DEVICE_LINE = re.compile(r"device: cpu, (fp32|bf16) \(.*: fp32 ([\d,.]+), bf16 ([\d,.]+) GFLOP/s\)")
 

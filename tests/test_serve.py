@@ -22,8 +22,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 import bench  # noqa: E402
+from benchmarks.serving_load import ServerProcess  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from quillgpt.bench.serve import ServerProcess  # noqa: E402
 from quillgpt.chat_session import ChatSession  # noqa: E402
 from quillgpt.chat_template import chat_format, with_chat_tokens  # noqa: E402
 from quillgpt.checkpoint import save_checkpoint  # noqa: E402

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, GPTConfig
-from quillgpt.bench.common import (
+from benchmarks.common import (
     REPO,
     Mode,
     child_step_flags,
@@ -24,10 +23,12 @@ from quillgpt.bench.common import (
     run_child,
     time_generation,
 )
+from benchmarks.conditions import load_average, with_shakespeare_input
+from model import GPT, GPTConfig
 from quillgpt.config import build_config, load_toml, parse_overrides
 from quillgpt.hf import export_hf
 from quillgpt.loading import load_model
-from quillgpt.machine import load_average, usable_cpus, with_shakespeare_input
+from quillgpt.machine import usable_cpus
 from quillgpt.metrics import matmul_flops
 
 FINETUNE_PRESET = REPO / "configs" / "finetune" / "smollm2_135m.toml"

@@ -3,8 +3,8 @@ a mix of completions and chats, streamed and not, some abandoned mid-stream; the
 start, the middle and the end. Exit 1 when it grows by 5% or more from the middle to the end, or a slot is still taken
 at the end: nothing of a request may outlive it.
 
-    python scripts/soak_serve.py                          # a tiny random char model, made here
-    python scripts/soak_serve.py --ckpt checkpoints/base --requests 2000 --clients 8
+    python -m benchmarks.soak_serve                          # a tiny random char model, made here
+    python -m benchmarks.soak_serve --ckpt checkpoints/base --requests 2000 --clients 8
 """
 
 from __future__ import annotations
@@ -19,15 +19,14 @@ from pathlib import Path
 import psutil
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))  # run as `python scripts/soak_serve.py`: the package and model.py are at the root
-
+from benchmarks.serving_load import ServerProcess
 from model import GPT, GPTConfig
-from quillgpt.bench.serve import ServerProcess
 from quillgpt.chat_template import with_chat_tokens
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.errors import run_main
 from quillgpt.tokenizer import CharTokenizer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 CHARS = list("\n abcdefghijklmnopqrstuvwxyz.,:?!'")
 MAX_GROWTH = 0.05  # of the RSS at the middle: more from there to the end is a leak (exit 1)

@@ -1,8 +1,8 @@
 """Soak test: a long tiny CPU training run, watching its memory and its run directory.
 
-    python scripts/soak.py                          # 2000 iterations, eval every 100, checkpoint every 50, keep_last 3
-    python scripts/soak.py --iters 300 --warmup 100 # a shorter check
-    python scripts/soak.py --input my.txt --keep    # another corpus; keep the temp directory for a look
+    python -m benchmarks.soak                          # 2000 iterations, eval every 100, checkpoint every 50, keep_last 3
+    python -m benchmarks.soak --iters 300 --warmup 100 # a shorter check
+    python -m benchmarks.soak --input my.txt --keep    # another corpus; keep the temp directory for a look
 
 Runs `python train.py` on a tiny model in a temp directory, samples the child's RSS (psutil) and the
 run directory's disk usage (distinct inodes: a step checkpoint hard-linked to ckpt_last counts once)
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks.conditions import SHAKESPEARE
+from quillgpt.files import atomic_write_text
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-from quillgpt.files import atomic_write_text  # noqa: E402  (the repo's scripts run from its root, not as a package)
-from quillgpt.machine import SHAKESPEARE
 
 MAX_RSS_GROWTH = 0.05
 STEP_LINE = re.compile(r"^(?:iter\s+|eval )(\d+)")

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from quillgpt.bench.common import (
+from benchmarks.common import (
     CPU_PRESET,
     REPO,
     Mode,
@@ -23,8 +23,8 @@ from quillgpt.bench.common import (
     print_table,
     run_child,
 )
+from benchmarks.conditions import load_average, with_shakespeare_input
 from quillgpt.errors import UserError
-from quillgpt.machine import load_average, with_shakespeare_input
 
 THIS = "this checkout"
 

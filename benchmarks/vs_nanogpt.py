@@ -1,10 +1,10 @@
 """The CPU preset against nanoGPT's own train.py, side by side: the same model, settings and data.
 
     git clone https://github.com/karpathy/nanoGPT ~/nanoGPT
-    python scripts/vs_nanogpt.py --nanogpt ~/nanoGPT                       # 3 rounds of 150 iterations per arm
-    python scripts/vs_nanogpt.py --nanogpt ~/nanoGPT --iters 300 --rounds 4
-    python scripts/vs_nanogpt.py --nanogpt ~/nanoGPT --precision fp32        # ours in fp32 too, as nanoGPT on a CPU
-    python scripts/vs_nanogpt.py --nanogpt ~/nanoGPT --isa avx2              # every arm on this CPU's AVX2-only path
+    python -m benchmarks.vs_nanogpt --nanogpt ~/nanoGPT                       # 3 rounds of 150 iterations per arm
+    python -m benchmarks.vs_nanogpt --nanogpt ~/nanoGPT --iters 300 --rounds 4
+    python -m benchmarks.vs_nanogpt --nanogpt ~/nanoGPT --precision fp32        # ours in fp32 too, as nanoGPT on a CPU
+    python -m benchmarks.vs_nanogpt --nanogpt ~/nanoGPT --isa avx2              # every arm on this CPU's AVX2-only path
 
 Four arms, each a fresh process, the order turning each round (drift hits every arm alike):
 - nanoGPT as its README trains the "baby GPT" on a CPU: `python train.py config/train_shakespeare_char.py
@@ -34,16 +34,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.conditions import ISA_ENV, SHAKESPEARE, load_average, run_on_isa
+from quillgpt.config import build_config, load_toml
+from quillgpt.data import Dataset, find_dataset
+from quillgpt.distributed import DistInfo
+from quillgpt.errors import UserError, run_main
+from quillgpt.machine import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD
+from quillgpt.metrics import matmul_ceiling
 
-from quillgpt.config import build_config, load_toml  # noqa: E402
-from quillgpt.data import Dataset, find_dataset  # noqa: E402
-from quillgpt.distributed import DistInfo  # noqa: E402
-from quillgpt.errors import UserError, run_main  # noqa: E402
-from quillgpt.machine import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD, SHAKESPEARE, load_average
-from quillgpt.metrics import matmul_ceiling  # noqa: E402
-from quillgpt.precision import ISA_ENV, run_on_isa
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 BABY_GPT = [
     "--device=cpu",

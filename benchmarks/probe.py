@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from quillgpt.bench.common import Mode
-from quillgpt.machine import load_average
+from benchmarks.common import Mode
+from benchmarks.conditions import load_average
 from quillgpt.precision import measure_cpu_rates
 
 ONEDNN_ISA = re.compile(r"onednn_verbose.*?isa:([^,\n]+)", re.IGNORECASE)

@@ -13,9 +13,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from quillgpt.bench.common import GPU_PRESET, REPO, Mode, add_config, print_table
+from benchmarks.common import GPU_PRESET, REPO, Mode, add_config, print_table
+from benchmarks.conditions import load_average, with_shakespeare_input
 from quillgpt.errors import UserError
-from quillgpt.machine import load_average, with_shakespeare_input
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

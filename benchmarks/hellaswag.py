@@ -13,10 +13,11 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.common import GPU_PRESET, Mode, add_config
+from benchmarks.conditions import SHAKESPEARE, load_average
 from model import GPT, GPTConfig
-from quillgpt.bench.common import GPU_PRESET, Mode, add_config
 from quillgpt.config import build_config, load_toml, parse_overrides
-from quillgpt.machine import SHAKESPEARE, keep_freed_memory, load_average
+from quillgpt.machine import keep_freed_memory
 from quillgpt.metrics import matmul_flops
 from quillgpt.precision import PRECISIONS
 from quillgpt.precision import autocast as precision_autocast

@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from quillgpt.bench.common import (
+from benchmarks.common import (
     CPU_PRESET,
     Mode,
     add_config,
@@ -19,10 +19,10 @@ from quillgpt.bench.common import (
     run_child,
     write_repeated,
 )
+from benchmarks.conditions import load_average, with_shakespeare_input
 from quillgpt.config import build_config, load_toml, parse_overrides
 from quillgpt.data import find_dataset
 from quillgpt.distributed import DistInfo
-from quillgpt.machine import load_average, with_shakespeare_input
 
 WARMUP = 5
 

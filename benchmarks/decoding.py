@@ -11,8 +11,7 @@ import time
 
 import torch
 
-from model import GPT, quantize_int8
-from quillgpt.bench.common import (
+from benchmarks.common import (
     GPU_PRESET,
     PROMPT_TOKENS,
     Mode,
@@ -21,7 +20,8 @@ from quillgpt.bench.common import (
     print_table,
     time_generation,
 )
-from quillgpt.machine import load_average
+from benchmarks.conditions import load_average
+from model import GPT, quantize_int8
 from quillgpt.metrics import matmul_flops
 
 # (weights, KV cache, compiled step), in the table's order

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.common import GPU_PRESET, PROMPT_TOKENS, REPO, Mode, add_config, decoding_model_args, print_table
+from benchmarks.conditions import load_average
 from model import GPT
-from quillgpt.bench.common import GPU_PRESET, PROMPT_TOKENS, REPO, Mode, add_config, decoding_model_args, print_table
 from quillgpt.errors import UserError
 from quillgpt.hf import export_hf
 from quillgpt.loading import load_model
-from quillgpt.machine import load_average
 from quillgpt.tokenizer import CharTokenizer, tokenizer_from_dict
 
 SHAKESPEARE_CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # 65, as CHAR_VOCAB

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from quillgpt.bench.common import CPU_PRESET, Bench, Mode, build_trainer, describe, print_table, time_training
+from benchmarks.common import CPU_PRESET, Bench, Mode, build_trainer, describe, print_table, time_training
+from benchmarks.conditions import load_average
 from quillgpt.config import parse_overrides
 from quillgpt.data import BatchSource
 from quillgpt.files import atomic_write_text
-from quillgpt.machine import load_average
 from quillgpt.optim import lr_multiplier, set_lr
 from quillgpt.trainer import Trainer, evaluate, train_step
 

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import psutil
 
-from quillgpt.bench.common import REPO, Mode, print_table, write_repeated
+from benchmarks.common import REPO, Mode, print_table, write_repeated
+from benchmarks.conditions import SHAKESPEARE, load_average
 from quillgpt.errors import UserError
 from quillgpt.files import atomic_write
-from quillgpt.machine import SHAKESPEARE, load_average, usable_cpus
+from quillgpt.machine import usable_cpus
 from quillgpt.tokenizer import BPE_PIECE_CHARS, cache_gpt2_files_from_package, get_tiktoken, split_text, train_tokenizer
 
 

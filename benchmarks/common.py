@@ -27,7 +27,7 @@ from quillgpt.metrics import matmul_flops, rss_mb
 from quillgpt.precision import PRECISIONS
 from quillgpt.trainer import Trainer, build, setup, train_step
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 CPU_PRESET = REPO / "configs" / "shakespeare_char" / "cpu.toml"
 GPU_PRESET = REPO / "configs" / "shakespeare_char" / "gpu.toml"
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quillgpt.bench.common import (
+from benchmarks.common import (
     CPU_PRESET,
     Bench,
     Mode,
@@ -38,10 +38,10 @@ from quillgpt.bench.common import (
     synchronize,
     time_training,
 )
+from benchmarks.conditions import load_average, with_shakespeare_input
 from quillgpt.config import parse_overrides
 from quillgpt.data import BatchSource
 from quillgpt.files import atomic_write
-from quillgpt.machine import load_average, with_shakespeare_input
 from quillgpt.trainer import Trainer
 
 # the all-off baseline: the same model eager, fp32, with a for-loop AdamW
@@ -174,5 +174,11 @@ def print_ceiling(tr: Trainer, row: StepTiming, ceilings: list[float]) -> None:
         f"matmul ceiling here: {flops / 1e9:,.0f} GFLOP/s ({tr.rt.precision}, MLP shape; median of "
         f"{len(ceilings)}, {min(ceilings) / 1e9:,.0f}-{max(ceilings) / 1e9:,.0f}, one before each round) -> at most "
         f"{flops / per_token:,.0f} tokens/s at {per_token / 1e6:.1f} MFLOP/token; optimised runs at "
-        f"{statistics.median(shares):.0%} of it (median over rounds; {min(shares):.0%}-{max(shares):.0%})"
+        f"{percent(statistics.median(shares))} of it (median over rounds; {percent(min(shares))}-"
+        f"{percent(max(shares))})"
     )
+
+
+def percent(share: float) -> str:
+    """A share as a percentage: whole numbers, two decimals below 1% (a tiny model's 0.31% is not 0%)."""
+    return f"{100 * share:.0f}%" if share >= 0.01 else f"{100 * share:.2f}%"

@@ -10,10 +10,10 @@ import time
 
 import torch
 
-from quillgpt.bench.common import REPO, Bench, Mode, add_config, build_trainer, print_table, time_training
+from benchmarks.common import REPO, Bench, Mode, add_config, build_trainer, print_table, time_training
+from benchmarks.conditions import load_average, with_shakespeare_input
 from quillgpt.config import parse_overrides
 from quillgpt.errors import UserError
-from quillgpt.machine import load_average, with_shakespeare_input
 from quillgpt.optim import Muon
 
 SPEEDRUN_PRESET = REPO / "configs" / "shakespeare_char" / "speedrun_cpu.toml"

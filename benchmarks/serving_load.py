@@ -2,7 +2,7 @@
 thread each, each sending --requests completions of --max-tokens tokens one after another) against one server, and
 whether every level's replies equal the single client's. The model is the config's (default: the GPU preset's char
 model) with random weights and a tokenizer without an end-of-text id, so every reply is --max-tokens long; or
---ckpt's. ServerProcess, serve.py in a subprocess, is what the tests and scripts/soak_serve.py start too.
+--ckpt's. ServerProcess, serve.py in a subprocess, is what the tests and benchmarks/soak_serve.py start too.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import GPU_PRESET, REPO, Mode, add_config, decoding_model_args, print_table
+from benchmarks.conditions import load_average
 from model import GPT
-from quillgpt.bench.common import GPU_PRESET, REPO, Mode, add_config, decoding_model_args, print_table
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.errors import UserError
-from quillgpt.machine import load_average
 from quillgpt.tokenizer import CharTokenizer
 
 BENCH_CHARS = list("\n !',.:;?" + string.ascii_letters + "0123")  # 65, as tiny Shakespeare's vocabulary

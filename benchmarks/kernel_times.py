@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from quillgpt.bench.common import (
+from benchmarks.common import (
     CPU_PRESET,
     Bench,
     Mode,
@@ -25,9 +25,9 @@ from quillgpt.bench.common import (
     print_table,
     run_steps,
 )
+from benchmarks.conditions import load_average, with_shakespeare_input
 from quillgpt.config import parse_overrides
 from quillgpt.errors import UserError
-from quillgpt.machine import load_average, with_shakespeare_input
 from quillgpt.trainer import Trainer
 
 
