@@ -22,7 +22,7 @@ import torch
 
 from quillgpt.chat_session import ChatSession
 from quillgpt.errors import UserError, run_main
-from quillgpt.generate import DTYPES, check_sampling_flags, load_for_sampling
+from quillgpt.generate import DTYPES, load_for_sampling, sampling_error
 
 HISTORY = Path.home() / ".quillgpt_chat_history"
 HELP = "/reset: a new conversation | /system TEXT: a new one with this system message | /quit: leave"
@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
-    check_sampling_flags(p, args)
+    if why := sampling_error(args.temperature, args.top_p):
+        p.error(why)
     return args
 
 

@@ -30,12 +30,12 @@ import argparse
 import torch
 
 from quillgpt.errors import run_main
-from quillgpt.evaluate import DEFAULT_CONTEXT, evaluate, print_report
+from quillgpt.evaluate import DEFAULT_CONTEXT, EvalRequest, evaluate, print_report
 from quillgpt.files import atomic_write_json
 from quillgpt.tasks import parse_tasks
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalRequest]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--ckpt", required=True, help="checkpoint, run directory, .safetensors file, or HF model directory or hub name"
@@ -102,13 +102,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--json", metavar="FILE", help="write every figure, the checkpoint, data hashes and settings here")
     args = p.parse_args(argv)
-    args.tasks = ",".join(args.tasks) if args.tasks else None  # the harness's own form: one comma-separated list
-    if not (args.text or args.split or args.hellaswag is not None or args.tasks or args.chat_task):
+    harness_tasks = [t for given in args.tasks or [] for t in given.split(",") if t]
+    if not (args.text or args.split or args.hellaswag is not None or harness_tasks or args.chat_task):
         args.split = "val"
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be at least 1")
-    if args.chat_task:
-        args.chat_task = ",".join(parse_tasks(args.chat_task))  # an unknown name stops here, before the model loads
+    chat_tasks = parse_tasks(args.chat_task) if args.chat_task else []  # an unknown name stops here, before loading
     if args.chat_items < 1:
         p.error("--chat-items must be at least 1")
     if args.apply_chat_template and not args.tasks:
@@ -117,12 +116,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--context must be at least 2")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device} but this machine has no CUDA device")
-    return args
+    return args, EvalRequest(
+        ckpt=args.ckpt,
+        text=tuple(args.text or ()),
+        text_field=args.text_field,
+        split=args.split,
+        data=args.data,
+        context=args.context,
+        stride=args.stride,
+        hellaswag=args.hellaswag,
+        tasks=tuple(harness_tasks),
+        task_dir=args.task_dir,
+        apply_chat_template=args.apply_chat_template,
+        num_fewshot=args.num_fewshot,
+        limit=args.limit,
+        chat_tasks=tuple(chat_tasks),
+        chat_items=args.chat_items,
+        map_unknown=args.map_unknown,
+        device=args.device,
+        precision=args.precision,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    report = evaluate(args)
+    args, request = parse_args(argv)
+    report = evaluate(request)
     print_report(report)
     if args.json:
         atomic_write_json(args.json, report)

@@ -373,7 +373,7 @@ class GPT(nn.Module):
 
     def decode_rows(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """decode_one with each row at its own position: tokens (B, 1), positions (B,) -> next-token logits (B, V).
-        For continuous batching (quillgpt/engine.py), where requests that started at different times share a step.
+        For continuous batching (quillgpt/serve/batcher.py), where requests that started at different times share a step.
         The cache's write(layer, positions, k, v) stores row i's k and v at positions[i] and returns the buffers
         (B, nkv, L, hs) the rows attend over; cache.length is L. Each row sees the positions up to its own."""
         B = tokens.size(0)

@@ -41,10 +41,10 @@ from model import GPT
 from quillgpt.errors import UserError, run_main
 from quillgpt.generate import (
     DTYPES,
-    check_sampling_flags,
     encode_prompt,
     generate_texts,
     load_for_sampling,
+    sampling_error,
     unescape,
 )
 from quillgpt.tokenizer import Tokenizer
@@ -93,7 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 0:
         p.error("--num-samples must be >= 1 and --max-new-tokens >= 0")
-    check_sampling_flags(p, args)
+    if why := sampling_error(args.temperature, args.top_p):
+        p.error(why)
     args.stop = [unescape(s) for s in args.stop]
     return args
 

@@ -5,7 +5,7 @@
     python serve.py --ckpt exports/base.safetensors --host 0.0.0.0       # reachable from other machines
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both stream with "stream": true), GET /v1/models,
-GET /health. Concurrent requests are decoded together, one token for each per step (quillgpt/engine.py); greedy
+GET /health. Concurrent requests are decoded together, one token for each per step (quillgpt/serve/batcher.py); greedy
 replies (temperature 0) are sample.py's --temperature 0 replies. --ckpt takes what sample.py's does.
 """
 
@@ -16,14 +16,15 @@ import os
 import socket
 from pathlib import Path
 
-from quillgpt.engine import Engine
 from quillgpt.errors import UserError, run_main
 from quillgpt.generate import DTYPES, load_for_sampling
 
 try:
     import uvicorn
 
-    from quillgpt.serving import ServerSettings, build_app, run_engine
+    from quillgpt.serve.app import build_app, run_server
+    from quillgpt.serve.batcher import Batcher
+    from quillgpt.serve.requests import ServerSettings
 except ImportError as e:
     SERVE_EXTRA_MISSING = f"serve.py needs {e.name}: pip install '.[serve]'"
 else:
@@ -76,15 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype, batch=args.max_batch)
     name = args.model_name or Path(args.ckpt.rstrip("/")).stem
     settings = ServerSettings(name, model.config.block_size, args.api_key, args.max_body_kb * 1024)
-    engine = Engine(model, tokenizer, args.max_batch, args.max_queue)
+    batcher = Batcher(model, tokenizer, args.max_batch, args.max_queue)
     server = uvicorn.Server(
-        uvicorn.Config(build_app(engine, settings), log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.Config(build_app(batcher, settings), log_level="warning", timeout_graceful_shutdown=5)
     )
 
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {name} ({label}) on http://{shown}:{port}/v1", flush=True)
-    run_engine(server, engine, sock)
+    run_server(server, batcher, sock)
     return 0
 
 

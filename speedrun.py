@@ -49,7 +49,7 @@ CONFIGS = [
 ]
 TARGETS = [1.88, 1.70, 1.55, 1.47]
 REFERENCE_GFLOPS = 800.0  # the machine the budget is stated for
-EVAL_LINE = re.compile(r"^eval (\d+): train [\d.]+ \| val ([\d.]+)")
+EVAL_LINE = re.compile(r"^eval (\d+)(?: \(assistant tokens\))?: train [\d.]+ \| val ([\d.]+)")
 
 
 @dataclass

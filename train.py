@@ -41,11 +41,12 @@ from quillgpt.data import find_dataset
 from quillgpt.errors import run_main
 from quillgpt.feasibility import check_memory, report_feasibility
 from quillgpt.metrics import MetricsLog
+from quillgpt.run_model import plan_model
 from quillgpt.trainer import (
     Outcome,
     StopRequest,
     Trainer,
-    build,
+    build_trainer,
     callers_determinism_restored,
     fit,
     restore,
@@ -70,8 +71,10 @@ def train(
     resume: bool | str = False,
     force: bool = False,
     validate_only: bool = False,
-) -> TrainResult:
-    """Train from a TOML file plus overrides ({"training.max_iters": 10} or CLI-style list). Python API."""
+) -> TrainResult | dict:
+    """Train from a TOML file plus overrides ({"training.max_iters": 10} or CLI-style list). Python API.
+    validate_only: train nothing; the dict of what --validate checked (the model's arguments and parameters, the
+    memory estimate, the measured step time)."""
     dist = distributed.from_env()
     try:
         with distributed.reporting_peer_failures(dist), callers_determinism_restored():
@@ -79,11 +82,11 @@ def train(
             rt = setup(cfg, dist)
             run_dir = distributed.broadcast_object(run_dir, dist)  # an unnamed run is named by each rank's clock
             dataset = find_dataset(cfg, dist)
+            plan = distributed.on_every_rank(plan_model, dist, cfg, dataset, ckpt)  # the one model both paths take
+            checked = check_memory(cfg, rt, plan) if validate_only else None
+            tr = build_trainer(cfg, rt, dataset, run_dir, ckpt, plan)
             if validate_only:
-                check_memory(cfg, rt, dataset, resuming=ckpt is not None)
-            tr = build(cfg, rt, dataset, run_dir, ckpt)
-            if validate_only:
-                return report_feasibility(tr)
+                return report_feasibility(tr, checked)
             state = restore(tr, ckpt) if ckpt else TrainState()
             log = start_run(tr, state, resumed=ckpt is not None)
             with StopRequest() as stop:

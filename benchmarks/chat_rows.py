@@ -22,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import CPU_PRESET, Bench, Mode, build_trainer, describe, print_table, time_training
+from benchmarks.common import CPU_PRESET, Bench, Mode, describe, print_table, time_training, trainer_for
 from benchmarks.conditions import load_average
 from quillgpt.config import parse_overrides
 from quillgpt.data import BatchSource
 from quillgpt.files import atomic_write_text
 from quillgpt.optim import lr_multiplier, set_lr
-from quillgpt.trainer import Trainer, evaluate, train_step
+from quillgpt.trainer import Trainer, eval_metrics, train_step
 
 MODEL = {
     "model.n_layer": 4,
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
             ("data.chat", True),
             *parse_overrides(cli),
         ]
-        masked = build_trainer(str(CPU_PRESET), overrides)
+        masked = trainer_for(str(CPU_PRESET), overrides)
         print(f"model: {describe(masked)}", flush=True)
         time_masked_loss(masked, args)
         if args.rows:
@@ -129,11 +129,11 @@ def time_masked_loss(masked: Trainer, args: argparse.Namespace) -> None:
 def compare_rows(config: str, overrides: list, seconds: float) -> None:
     results = {}
     for rows in ("packed", "padded"):
-        tr = build_trainer(config, [*overrides, ("data.chat_rows", rows)])
+        tr = trainer_for(config, [*overrides, ("data.chat_rows", rows)])
         steps, counted = train_for(tr, seconds)
         padded_eval = with_rows(tr, "padded")
         packed_eval = with_rows(tr, "packed")
-        results[rows] = (steps, counted / steps, evaluate(padded_eval), evaluate(packed_eval))
+        results[rows] = (steps, counted / steps, eval_metrics(padded_eval), eval_metrics(packed_eval))
     print_table(
         ["rows", "steps", "assistant tokens/step", "val loss (padded eval)", "val acc", "val loss (packed eval)"],
         [

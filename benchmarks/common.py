@@ -25,7 +25,7 @@ from quillgpt.errors import UserError
 from quillgpt.files import atomic_write
 from quillgpt.metrics import matmul_flops, rss_mb
 from quillgpt.precision import PRECISIONS
-from quillgpt.trainer import Trainer, build, setup, train_step
+from quillgpt.trainer import Trainer, build_trainer, setup, train_step
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_PRESET = REPO / "configs" / "shakespeare_char" / "cpu.toml"
@@ -117,12 +117,12 @@ def synchronize(device: torch.device) -> None:
 # ---- timed training steps -------------------------------------------------------------------------
 
 
-def build_trainer(config: str, overrides: list[tuple[str, object]]) -> Trainer:
+def trainer_for(config: str, overrides: list[tuple[str, object]]) -> Trainer:
     """The Trainer train.py would build for this config and these overrides (nothing is written)."""
     cfg = build_config(load_toml(config), overrides, source=config)
     dist = DistInfo()
     rt = setup(cfg, dist)
-    return build(cfg, rt, find_dataset(cfg, dist))
+    return build_trainer(cfg, rt, find_dataset(cfg, dist))
 
 
 @dataclass

@@ -19,11 +19,11 @@ from benchmarks.common import (
     Bench,
     Mode,
     add_config,
-    build_trainer,
     describe,
     matmul_ceiling,
     print_table,
     run_steps,
+    trainer_for,
 )
 from benchmarks.conditions import load_average, with_shakespeare_input
 from quillgpt.config import parse_overrides
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, cli: list[str]) -> None:
-    bench = Bench(build_trainer(args.config, parse_overrides(with_shakespeare_input(cli))))
+    bench = Bench(trainer_for(args.config, parse_overrides(with_shakespeare_input(cli))))
     tr = bench.tr
     if tr.rt.device.type != "cpu" or not tr.rt.compile:
         raise UserError(

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from benchmarks.common import REPO, Bench, Mode, add_config, build_trainer, print_table, time_training
+from benchmarks.common import REPO, Bench, Mode, add_config, print_table, time_training, trainer_for
 from benchmarks.conditions import load_average, with_shakespeare_input
 from quillgpt.config import parse_overrides
 from quillgpt.errors import UserError
@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, cli: list[str]) -> None:
-    bench = Bench(build_trainer(args.config, parse_overrides(with_shakespeare_input(cli))))
+    bench = Bench(trainer_for(args.config, parse_overrides(with_shakespeare_input(cli))))
     tr = bench.tr
     ours = tr.optimizers[0]
     if not isinstance(ours, Muon):

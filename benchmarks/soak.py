@@ -109,13 +109,14 @@ def disk_usage(directory: Path) -> tuple[float, int]:
 
 def train_command(args: argparse.Namespace, tmp: Path) -> list[str]:
     config = tmp / "soak.toml"
-    config.write_text(
+    atomic_write_text(
+        config,
         CONFIG.format(
             iters=args.iters,
             eval_interval=args.eval_interval,
             save_interval=args.save_interval,
             keep_last=args.keep_last,
-        )
+        ),
     )
     data = (
         ["--data.dataset", "soak", "--data.input", str(args.input)]

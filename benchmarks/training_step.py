@@ -30,13 +30,13 @@ from benchmarks.common import (
     Mode,
     StepTiming,
     add_config,
-    build_trainer,
     describe,
     matmul_ceiling,
     print_table,
     run_steps,
     synchronize,
     time_training,
+    trainer_for,
 )
 from benchmarks.conditions import load_average, with_shakespeare_input
 from quillgpt.config import parse_overrides
@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, cli: list[str]) -> None:
     overrides = parse_overrides(with_shakespeare_input(cli))
-    benches = {"optimised": Bench(build_trainer(args.config, overrides))}
+    benches = {"optimised": Bench(trainer_for(args.config, overrides))}
     print(f"optimised: {describe(benches['optimised'].tr)}", flush=True)
     if args.baseline:
         benches["baseline (all off)"] = baseline_bench(args.config, overrides)
@@ -114,7 +114,7 @@ class LoopBatchSource(BatchSource):
 def baseline_bench(config: str, overrides: list[tuple[str, object]]) -> Bench:
     """The same Trainer with every optimisation off: BASELINE's overrides, batches built row by row without
     prefetching, and the loss read back after every step."""
-    tr = build_trainer(config, overrides + BASELINE)
+    tr = trainer_for(config, overrides + BASELINE)
     batches = LoopBatchSource(
         tr.dataset,
         tr.raw_model.config.block_size,

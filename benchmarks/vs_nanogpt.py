@@ -39,6 +39,7 @@ from quillgpt.config import build_config, load_toml
 from quillgpt.data import Dataset, find_dataset
 from quillgpt.distributed import DistInfo
 from quillgpt.errors import UserError, run_main
+from quillgpt.files import atomic_write
 from quillgpt.machine import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD
 from quillgpt.metrics import matmul_ceiling
 
@@ -89,7 +90,7 @@ def nanogpt_workdir(nanogpt: Path, dataset: Dataset, root: Path) -> Path:
     data.mkdir(parents=True)
     for split in ("train", "val"):
         (data / f"{split}.bin").symlink_to(dataset.path(split).resolve())
-    with open(data / "meta.pkl", "wb") as f:  # nanoGPT takes the vocabulary size from here (50304 without it)
+    with atomic_write(data / "meta.pkl") as f:  # nanoGPT takes the vocabulary size from here (50304 without it)
         pickle.dump({"vocab_size": dataset.vocab_size}, f)
     return root
 

@@ -36,8 +36,8 @@ import torch
 
 from quillgpt.config import Config, build_config, layer_from_dict, load_toml, lookup, parse_overrides
 from quillgpt.errors import UserError, WriteError
-from quillgpt.fields import OPTIONAL, wrong_fields
 from quillgpt.files import TEMP_SUFFIX, atomic_write, atomic_write_text, fsync_dir
+from quillgpt.typecheck import OPTIONAL, wrong_fields
 
 FORMAT = "quillgpt-checkpoint"
 VERSION = 1
@@ -72,7 +72,7 @@ class TrainingCheckpoint:
     model_args: dict  # GPTConfig.to_dict(): rebuilds the model without the config
     optimizers: list  # one state dict per optimizer; None each under FSDP, whose state is in `sharded`
     config: dict  # the run's resolved Config.to_dict()
-    rng: list | dict  # one RNG state per rank (a single dict, rank 0's, in early checkpoints)
+    rng: list  # one RNG state per rank
     state: TrainState
     scaler: dict | None = field(default=None, metadata=OPTIONAL)  # the fp16 GradScaler's state
     tokenizer: dict | None = field(default=None, metadata=OPTIONAL)  # Tokenizer.to_dict() of the dataset

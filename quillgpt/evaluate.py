@@ -1,15 +1,16 @@
 """Score a model where runs are compared: bits per byte on text, HellaSwag, lm-evaluation-harness tasks, and the
-accuracy of its answers on the synthetic chat tasks. eval.py is the command line over `evaluate`; how each figure is
+accuracy of its answers on the synthetic chat tasks. eval.py is the command line over `evaluate(EvalRequest)`; how
+each figure is
 computed: scoring.py (bits per byte, HellaSwag), lm_harness.py (lm-evaluation-harness), run_chat_tasks below (chat
 tasks, quillgpt/tasks.py)."""
 
 from __future__ import annotations
 
-import argparse  # evaluate() takes eval.py's parsed arguments
 import hashlib
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,30 @@ FEW_SHOT = 3  # a base model's examples of the answer's form, fewer when they wo
 
 
 # ---- what to score ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """What to score and how: eval.py's flags, checked there (docs/evaluation.md)."""
+
+    ckpt: str  # a checkpoint, run directory, .safetensors file, or Hugging Face directory or hub name
+    text: tuple[str, ...] = ()  # text files, .jsonl/.parquet documents or directories
+    text_field: str = "text"
+    split: str | None = None  # "train" or "val" of a prepared dataset
+    data: str | None = None  # that dataset's directory (None: the checkpoint's own)
+    context: int = DEFAULT_CONTEXT  # at most this many tokens of context a window
+    stride: int | None = None  # tokens a window moves on (None: half the context)
+    hellaswag: str | None = None  # HellaSwag's validation jsonl ("": downloaded once); None: not asked
+    tasks: tuple[str, ...] = ()  # lm-evaluation-harness tasks
+    task_dir: str | None = None
+    apply_chat_template: bool = False
+    num_fewshot: int | None = None
+    limit: int | None = None  # HellaSwag items and harness documents
+    chat_tasks: tuple[str, ...] = ()  # synthetic chat tasks to answer and grade
+    chat_items: int = 100
+    map_unknown: bool = False
+    device: str = "cpu"
+    precision: str = "auto"
 
 
 def text_documents(paths: list[str], text_field: str) -> list[tuple[str, list[str]]]:
@@ -101,8 +126,9 @@ def hellaswag_file(given: str | None) -> Path:
 # ---- running it ---------------------------------------------------------------------------------
 
 
-def evaluate(args: argparse.Namespace) -> dict:
-    loaded = load_model(args.ckpt)
+def evaluate(req: EvalRequest) -> dict:
+    """Every figure the request asks for, in one report (print_report prints it, eval.py --json writes it)."""
+    loaded = load_model(req.ckpt)
     if loaded.tokenizer is None:
         raise UserError(f"{loaded.source} records no tokenizer, so no text can be encoded for it")
     tokenizer = tokenizer_from_dict(loaded.tokenizer)
@@ -112,14 +138,14 @@ def evaluate(args: argparse.Namespace) -> dict:
             f"{loaded.source} has {model.config.vocab_size} token ids, fewer than its "
             f"{tokenizer_label(loaded.tokenizer)} tokenizer's {tokenizer.vocab_size}"
         )
-    if args.context < model.config.block_size:  # a 32k-token window's logits alone would not fit in memory
-        model.crop_block_size(args.context)
-    device = torch.device(args.device)
+    if req.context < model.config.block_size:  # a 32k-token window's logits alone would not fit in memory
+        model.crop_block_size(req.context)
+    device = torch.device(req.device)
     if device.type == "cpu":
         keep_freed_memory()  # batches re-allocate the same activations, which glibc would fault in again (docs/LOG.md)
     model.to(device).eval()
-    rows = min(args.context, model.config.block_size) * 4  # a few windows a forward pass
-    precision, _ = inference_precision(args.precision, device, model.config.n_embd, rows)
+    rows = min(req.context, model.config.block_size) * 4  # a few windows a forward pass
+    precision, _ = inference_precision(req.precision, device, model.config.n_embd, rows)
     autocast = precision_autocast(device.type, precision)
     report = {
         "checkpoint": loaded.source,
@@ -127,11 +153,11 @@ def evaluate(args: argparse.Namespace) -> dict:
         "parameters": model.num_params(),
         "tokenizer": tokenizer_label(loaded.tokenizer),
         "settings": {
-            "stride": args.stride or model.config.block_size // 2,
+            "stride": req.stride or model.config.block_size // 2,
             "precision": precision,
-            "device": args.device,
-            "limit": args.limit,
-            "map_unknown": args.map_unknown,
+            "device": req.device,
+            "limit": req.limit,
+            "map_unknown": req.map_unknown,
         },
         "text": [],
         "hellaswag": None,
@@ -140,9 +166,9 @@ def evaluate(args: argparse.Namespace) -> dict:
     }
     if Path(loaded.source).is_file():
         report["checkpoint_sha256"] = sha256_file(Path(loaded.source))
-    for name, path, streams, note in text_inputs(args, model, tokenizer, loaded):
+    for name, path, streams, note in text_inputs(req, model, tokenizer, loaded):
         t0 = time.perf_counter()
-        score = score_text(model, streams, tokenizer.token_bytes(), args.stride, autocast, progress=True)
+        score = score_text(model, streams, tokenizer.token_bytes(), req.stride, autocast, progress=True)
         report["text"].append(
             {
                 "name": name,
@@ -153,39 +179,39 @@ def evaluate(args: argparse.Namespace) -> dict:
                 **({"note": note} if note else {}),
             }
         )
-    if args.hellaswag is not None:
-        report["hellaswag"] = run_hellaswag(args, model, tokenizer, autocast)
-    if args.tasks:
+    if req.hellaswag is not None:
+        report["hellaswag"] = run_hellaswag(req, model, tokenizer, autocast)
+    if req.tasks:
         from quillgpt.lm_harness import run_tasks
 
         report["harness"] = run_tasks(
             model,
             tokenizer,
-            args.tasks.split(","),
-            args.task_dir,
-            args.limit,
-            args.num_fewshot,
+            list(req.tasks),
+            req.task_dir,
+            req.limit,
+            req.num_fewshot,
             autocast,
-            apply_chat_template=args.apply_chat_template,
+            apply_chat_template=req.apply_chat_template,
         )
-    if args.chat_task:
+    if req.chat_tasks:
         with autocast:
-            report["chat_tasks"] = run_chat_tasks(model, tokenizer, tasks.parse_tasks(args.chat_task), args.chat_items)
+            report["chat_tasks"] = run_chat_tasks(model, tokenizer, list(req.chat_tasks), req.chat_items)
     return report
 
 
-def text_inputs(args: argparse.Namespace, model: GPT, tokenizer: Tokenizer, loaded) -> list[tuple]:
+def text_inputs(req: EvalRequest, model: GPT, tokenizer: Tokenizer, loaded) -> list[tuple]:
     """(name, file, token streams, note) of each text to score: the --text inputs and the --split."""
     out = []
-    for path, docs in text_documents(args.text or [], args.text_field):
-        docs, note = map_unknown(tokenizer, docs, args.map_unknown, path)
+    for path, docs in text_documents(list(req.text), req.text_field):
+        docs, note = map_unknown(tokenizer, docs, req.map_unknown, path)
         out.append((Path(path).name, Path(path), document_streams(tokenizer, docs), note))
-    if args.split:
-        data_dir = Path(args.data) if args.data else checkpoint_dataset(loaded.source)
+    if req.split:
+        data_dir = Path(req.data) if req.data else checkpoint_dataset(loaded.source)
         if data_dir is None:
             raise UserError(f"{loaded.source} records no dataset: give the prepared dataset with --data DIR")
-        stream = split_stream(data_dir, args.split, model, loaded.tokenizer, loaded.source)
-        out.append((f"{args.split} split of {data_dir}", data_dir / f"{args.split}.bin", [stream], ""))
+        stream = split_stream(data_dir, req.split, model, loaded.tokenizer, loaded.source)
+        out.append((f"{req.split} split of {data_dir}", data_dir / f"{req.split}.bin", [stream], ""))
     return out
 
 
@@ -193,9 +219,9 @@ def figures(score: TextScore) -> dict:
     return {"bpb": score.bpb, "loss": score.loss, "ppl": score.ppl, "tokens": score.tokens, "bytes": score.bytes}
 
 
-def run_hellaswag(args: argparse.Namespace, model: GPT, tokenizer: Tokenizer, autocast) -> dict:
-    path = hellaswag_file(args.hellaswag or None)
-    items, note = hellaswag_items(path, tokenizer, args.limit, args.map_unknown)
+def run_hellaswag(req: EvalRequest, model: GPT, tokenizer: Tokenizer, autocast) -> dict:
+    path = hellaswag_file(req.hellaswag or None)
+    items, note = hellaswag_items(path, tokenizer, req.limit, req.map_unknown)
     t0 = time.perf_counter()
     score = score_hellaswag(model, tokenizer, items, autocast, progress=True)
     seconds = time.perf_counter() - t0

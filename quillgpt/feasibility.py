@@ -1,7 +1,8 @@
 """`python train.py --config X --validate`: will this run fit, and how long will it take?
 
-train.py calls check_memory once config, device and data have passed their checks, before the model
-exists (a model too large for the machine is refused without allocating it), and
+train.py calls check_memory once config, device and data have passed their checks and the model is planned
+(run_model.plan_model), before the model exists (a model too large for the machine is refused without allocating
+it), and
 report_feasibility once the Trainer is built: the measured time of a few real optimizer steps and
 the projected total time and tokens. Exit 0 when the run fits, 2 (UserError) when it would not.
 """
@@ -15,20 +16,13 @@ import torch
 
 from model import GPT
 from quillgpt.config import Config
-from quillgpt.data import Dataset
 from quillgpt.errors import UserError
 from quillgpt.metrics import format_duration, rss_mb
-from quillgpt.trainer import Runtime, Trainer, model_config, tokens_per_step, train_step
+from quillgpt.run_model import ModelPlan, meta_model
+from quillgpt.trainer import Runtime, Trainer, tokens_per_step, train_step
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ALLOCATOR_SLACK = 0.15
-
-
-def meta_model(cfg: Config, dataset: Dataset, resuming: bool) -> GPT:
-    """The model the run would train (the config's, or run.init_from's) on the meta device: shapes and counts
-    without allocating memory."""
-    with torch.device("meta"):
-        return GPT(model_config(cfg, dataset, resuming))
 
 
 def memory_estimate(cfg: Config, model: GPT, precision: str, world_size: int) -> dict[str, float]:
@@ -75,10 +69,11 @@ def free_memory(device: torch.device) -> float:
     return float(psutil.virtual_memory().available)
 
 
-def check_memory(cfg: Config, rt: Runtime, dataset: Dataset, resuming: bool = False) -> None:
-    """Print parameters, tokens per step and the memory estimate; UserError when it can't fit."""
+def check_memory(cfg: Config, rt: Runtime, plan: ModelPlan) -> dict:
+    """Print parameters, tokens per step and the memory estimate of the planned model; UserError when it can't
+    fit. Returns what it checked: the model's arguments and parameters, and the estimate."""
     t, world = cfg.training, rt.dist.world_size
-    model = meta_model(cfg, dataset, resuming)
+    model = meta_model(plan)
     est = memory_estimate(cfg, model, rt.precision, world)
     free = free_memory(rt.device)
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
@@ -103,6 +98,7 @@ def check_memory(cfg: Config, rt: Runtime, dataset: Dataset, resuming: bool = Fa
             "lower training.batch_size (raise grad_accum_steps), enable training.gradient_checkpointing, "
             "or use distributed.fsdp"
         )
+    return {"model_args": model.config.to_dict(), "parameters": model.num_params(), "memory": est}
 
 
 def time_steps(tr: Trainer, steps: int = 3) -> float:
@@ -116,8 +112,9 @@ def time_steps(tr: Trainer, steps: int = 3) -> float:
     return min(times[1:]) if len(times) > 1 else times[0]
 
 
-def report_feasibility(tr: Trainer) -> dict:
-    """Time a few real steps and project the whole run (after check_memory passed)."""
+def report_feasibility(tr: Trainer, checked: dict) -> dict:
+    """Time a few real steps and project the whole run (after check_memory passed); what check_memory checked, with
+    the measured step and projected run time."""
     t = tr.cfg.training
     step_s = time_steps(tr)
     evals = t.max_iters // t.eval_interval + 1 if t.eval_interval else 1
@@ -132,4 +129,4 @@ def report_feasibility(tr: Trainer) -> dict:
         f"about {format_duration(total)} (evaluation {format_duration(eval_s)})"
     )
     print("ok: this config would run")
-    return {"step_s": step_s, "total_s": total}
+    return {**checked, "step_s": step_s, "total_s": total}

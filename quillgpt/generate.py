@@ -3,7 +3,6 @@ sequences, streaming the first row. sample.py is the command line over these."""
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
@@ -53,12 +52,13 @@ def load_for_sampling(
     return model, tokenizer, f"{loaded.source}, {precision}"
 
 
-def check_sampling_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--temperature and --top-p in range, or the parser's usage error."""
-    if args.temperature < 0:
-        p.error("--temperature must be >= 0")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        p.error("--top-p must be in (0, 1]")
+def sampling_error(temperature: float, top_p: float | None) -> str | None:
+    """Why a temperature and top-p can't sample (a script's usage error), or None when they can."""
+    if temperature < 0:
+        return "--temperature must be >= 0"
+    if top_p is not None and not 0 < top_p <= 1:
+        return "--top-p must be in (0, 1]"
+    return None
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> list[int]:

@@ -31,10 +31,10 @@ from safetensors.torch import load_file, save
 from model import GPT
 from quillgpt.config import GPTConfig, build_config
 from quillgpt.errors import UserError
-from quillgpt.fields import required
 from quillgpt.files import atomic_write, atomic_write_json, atomic_write_text, read_json
 from quillgpt.network import check_hub_reachable
 from quillgpt.tokenizer import Tokenizer, hf_files, hf_tokenizer, tokenizer_from_dict
+from quillgpt.typecheck import required
 
 ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
@@ -97,19 +97,19 @@ def is_hub_name(name: str) -> bool:
 def load_hf(source: str | Path, dropout: float = 0.0) -> tuple[GPT, dict | None]:
     """A local Hugging Face directory or a hub name -> (model, tokenizer dict or None)."""
     directory = Path(source) if Path(source).is_dir() else download(str(source))
-    hf_config = read_json(directory / "config.json", "Hugging Face config")
-    family = family_of(hf_config, str(source))
-    config = config_from_hf(family, hf_config, str(source), dropout)
-    tokenizer = directory_tokenizer(family, directory, hf_config, config.vocab_size)
+    config, tokenizer = read_config_and_tokenizer(directory, str(source), dropout)
     model = GPT(config)
+    family = family_of(read_json(directory / "config.json", "Hugging Face config"), str(source))
     model.load_state_dict(state_from_hf(family, model, read_weights(directory), str(source)))
     return model, tokenizer
 
 
-def read_config(source: str | Path, dropout: float = 0.0) -> GPTConfig:
-    """The model a local Hugging Face directory holds, without reading its weights."""
-    hf_config = read_json(Path(source) / "config.json", "Hugging Face config")
-    return config_from_hf(family_of(hf_config, str(source)), hf_config, str(source), dropout)
+def read_config_and_tokenizer(directory: Path, source: str, dropout: float = 0.0) -> tuple[GPTConfig, dict | None]:
+    """The model a local Hugging Face directory holds and its tokenizer, without reading its weights."""
+    hf_config = read_json(directory / "config.json", "Hugging Face config")
+    family = family_of(hf_config, source)
+    config = config_from_hf(family, hf_config, source, dropout)
+    return config, directory_tokenizer(family, directory, hf_config, config.vocab_size)
 
 
 def download(name: str) -> Path:

@@ -50,18 +50,29 @@ def load_model(source: str | Path, dropout: float | None = None) -> Loaded:
     return Loaded(model_from_checkpoint(ckpt, path, dropout), ckpt.get("tokenizer"), str(path))
 
 
-def model_config_of(source: str | Path, dropout: float | None = None) -> GPTConfig:
-    """The architecture load_model(source) would build, without building it (a Hugging Face directory's
-    config.json, a safetensors header, a checkpoint's model_args)."""
-    if is_hf_source(source) and Path(source).is_dir():
-        return hf.read_config(source, dropout or 0.0)
+@dataclass
+class Described:
+    """What load_model(source) would give, but the weights: the architecture and the tokenizer."""
+
+    config: GPTConfig
+    tokenizer: dict | None
+    source: str
+
+
+def describe_model(source: str | Path, dropout: float | None = None) -> Described:
+    """The architecture and tokenizer load_model(source, dropout) would give, without building the model (a Hugging
+    Face directory's config.json and tokenizer files, a safetensors header, a checkpoint's model_args)."""
     if is_hf_source(source):
-        return load_model(source, dropout).model.config
+        directory = Path(source) if Path(source).is_dir() else hf.download(str(source))
+        config, tokenizer = hf.read_config_and_tokenizer(directory, str(source), dropout or 0.0)
+        return Described(config, tokenizer, str(source))
     if Path(source).suffix == ".safetensors":
-        return read_safetensors_metadata(Path(source))[0]
+        config, tokenizer = read_safetensors_metadata(Path(source))
+        return Described(config, tokenizer, str(source))
     path = resolve_checkpoint(source, prefer="best")
-    config = model_config_from_args(load_checkpoint(path)["model_args"], path)
-    return config if dropout is None else replace(config, dropout=dropout)
+    ckpt = load_checkpoint(path)
+    config = model_config_from_args(ckpt["model_args"], path)
+    return Described(config if dropout is None else replace(config, dropout=dropout), ckpt.get("tokenizer"), str(path))
 
 
 def is_hf_source(name_or_dir: str | Path) -> bool:

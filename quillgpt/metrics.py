@@ -127,9 +127,17 @@ def has_amx_bf16(cpuinfo: str) -> bool:
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, json_log: bool = True, plot: bool = True, history: list[dict] | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        json_log: bool = True,
+        plot: bool = True,
+        history: list[dict] | None = None,
+        assistant_only: bool = False,
+    ):
         self.run_dir = run_dir
         self.json_log, self.plot = json_log, plot
+        self.assistant_only = assistant_only  # chat data: every loss counts the assistant's tokens only
         self.history: list[dict] = history or []
         self.wandb = None
         self._plotter: subprocess.Popen | None = None
@@ -180,6 +188,7 @@ class MetricsLog:
                 tokens_per_s,
                 mfu,
                 (max_iters - it) * seconds_per_step,
+                "assistant loss" if self.assistant_only else "loss",
             ),
             flush=True,
         )
@@ -200,7 +209,8 @@ class MetricsLog:
     def evaluation(self, it: int, metrics: dict[str, float], improved: bool, tokens: int) -> None:
         hellaswag = f" | hellaswag {metrics['hellaswag_acc_norm']:.4f}" if "hellaswag_acc_norm" in metrics else ""
         print(
-            f"eval {it}: train {metrics['train_loss']:.4f} | val {metrics['val_loss']:.4f} "
+            f"eval {it}{' (assistant tokens)' if self.assistant_only else ''}: train {metrics['train_loss']:.4f} | "
+            f"val {metrics['val_loss']:.4f} "
             f"(ppl {metrics['val_ppl']:.2f}, acc {metrics['val_acc']:.3f}, {metrics['val_bpb']:.4f} bits/byte)"
             + hellaswag
             + (" *best" if improved else ""),
@@ -313,9 +323,10 @@ def format_step_line(
     tokens_per_s: float,
     mfu: float,
     eta_s: float,
+    loss_name: str = "loss",
 ) -> str:
     return (
-        f"iter {it:>6}/{max_iters} | loss {loss:.4f} | lr {lr:.2e} | norm {grad_norm:.2f} | "
+        f"iter {it:>6}/{max_iters} | {loss_name} {loss:.4f} | lr {lr:.2e} | norm {grad_norm:.2f} | "
         f"{dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu * 100:.1f}% | eta {format_duration(eta_s)}"
     )
 

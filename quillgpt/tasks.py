@@ -1,8 +1,6 @@
 """Synthetic chat tasks with checkable answers: what a small model learns on a CPU in minutes, and how it is graded.
 
-    python -m quillgpt.tasks --out data/chat_tasks.jsonl                        # 20,000 training conversations
-    python -m quillgpt.tasks --out data/chat_test.jsonl --split test --n 300    # held-out items
-    python -m quillgpt.tasks --out data/sums.jsonl --tasks arithmetic --turns 2 --seed 1
+tasks.py (at the repository root) writes them as conversations; this module makes and grades them.
 
 Three families, each a question and a short answer in plain ASCII (any char vocabulary trained on English or code
 has every character):
@@ -18,16 +16,12 @@ the test split (quillgpt.evaluate.run_chat_tasks).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from quillgpt.errors import UserError, run_main
-from quillgpt.files import atomic_write
+from quillgpt.errors import UserError
 
 # Common English words of 3 to 8 letters: reversing and counting letters of a word the model has never seen in a
 # question is the test, so the held-out split holds words no training item uses.
@@ -184,37 +178,3 @@ def plain_prompt(item: Item, shots: list[Item]) -> str:
 def grade(item: Item, reply: str) -> bool:
     """A reply is right when, stripped of surrounding spaces and a final full stop, it is the answer."""
     return reply.strip().removesuffix(".").strip() == item.answer
-
-
-# ---- the command line ------------------------------------------------------------------------------
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m quillgpt.tasks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--out", required=True, help="the jsonl file to write")
-    p.add_argument("--n", type=int, default=20_000, help="conversations (default 20,000)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--split", choices=("train", "test"), default="train")
-    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated (default {','.join(TASKS)})")
-    p.add_argument("--turns", type=int, default=1, help="at most this many question-answer turns a conversation")
-    args = p.parse_args(argv)
-    if args.n < 1 or args.turns < 1:
-        p.error("--n and --turns must be at least 1")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    tasks = parse_tasks(args.tasks)
-    rows = conversations(tasks, args.split, args.n, args.seed, args.turns)
-    with atomic_write(args.out, "w") as f:
-        for messages in rows:
-            f.write(json.dumps({"messages": messages}) + "\n")
-    print(f"wrote {len(rows):,} conversations ({', '.join(tasks)}; {args.split} split) to {args.out}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    run_main(main)

@@ -44,9 +44,9 @@ import numpy as np
 import tiktoken
 
 from quillgpt.errors import UserError
-from quillgpt.fields import required, type_name
 from quillgpt.files import atomic_write, atomic_write_json, read_json
 from quillgpt.machine import usable_cpus
+from quillgpt.typecheck import required, type_name
 
 DEFAULT_BPE_VOCAB_SIZE = 4096
 MIN_BPE_VOCAB_SIZE = 257  # one token per byte value (every byte sequence is encodable) and <|endoftext|>

@@ -1,15 +1,15 @@
-"""The training engine: from a config to a trained model, each stage a small function.
+"""The training loop: from a config to a trained model, each stage a small function.
 
     rt = setup(cfg, dist)                             # device, precision, compile, process group, seed, MFU peak
     dataset = find_dataset(cfg, dist)                 # data.py: located (or prepared) and checked
-    tr = build(cfg, rt, dataset, run_dir, ckpt)       # model, wrapping, optimizers, scaler, batches
+    tr = build_trainer(cfg, rt, dataset, run_dir, ckpt)       # model, wrapping, optimizers, scaler, batches
     state = restore(tr, ckpt) if ckpt else TrainState()
     log = start_run(tr, state, resumed=ckpt is not None)
     with StopRequest() as stop:
         outcome = fit(tr, state, log, stop)           # step, log, evaluate, save
 
 train.py is that sequence; bench.py and feasibility.py (--validate) build the same Trainer and time its
-train_step. The config flows down: build() returns the config the run records (config.resolved),
+train_step. The config flows down: build_trainer() returns the config the run records (config.resolved),
 and nothing here writes into the one it was given. Optimizers and the LR schedule live in
 optim.py, checkpoint contents and run directories in checkpoint.py, telemetry in metrics.py.
 """
@@ -33,21 +33,19 @@ from tqdm import tqdm
 
 from model import GPT
 from quillgpt import distributed
-from quillgpt.chat_template import with_chat_tokens
 from quillgpt.checkpoint import RunDir, TrainingCheckpoint, TrainState, rng_state, set_rng_state
-from quillgpt.config import Config, EvalConfig, GPTConfig, TrainingConfig, resolved, summary, to_toml
-from quillgpt.data import BatchSource, Dataset, check_fits, check_vocab_compatible, micro_batch_index
+from quillgpt.config import Config, EvalConfig, TrainingConfig, resolved, summary, to_toml
+from quillgpt.data import BatchSource, Dataset, micro_batch_index
 from quillgpt.distributed import DistInfo
 from quillgpt.errors import UserError
 from quillgpt.files import atomic_write_text
-from quillgpt.loading import load_model, load_model_weights, model_config_from_args, model_config_of
 from quillgpt.machine import keep_freed_memory
 from quillgpt.metrics import MetricsLog, default_peak_flops, rss_mb
 from quillgpt.optim import lr_multiplier, make_optimizers, set_lr
 from quillgpt.precision import PRECISIONS, MatmulRates, emulation_warning, measure_cpu_rates
 from quillgpt.precision import autocast as precision_autocast
+from quillgpt.run_model import ModelPlan, build_model, plan_model
 from quillgpt.scoring import HellaSwagItem, hellaswag_items, score_hellaswag
-from quillgpt.tokenizer import same_tokenizer, tokenizer_from_dict
 
 # ---- setup --------------------------------------------------------------------------------------
 
@@ -183,7 +181,7 @@ class Evaluation:
 
 @dataclass
 class Trainer:
-    """Everything the loop works with, built once by build()."""
+    """Everything the loop works with, built once by build_trainer()."""
 
     cfg: Config  # the resolved config: what the run records
     rt: Runtime
@@ -195,7 +193,7 @@ class Trainer:
     batches: BatchSource
     run_dir: RunDir | None  # None: a measurement that saves nothing (bench.py)
     tokenizer: dict  # the dataset's tokenizer.to_dict(), stored in every checkpoint
-    evaluation: Evaluation  # what evaluate() scores besides the loss
+    evaluation: Evaluation  # what eval_metrics() scores besides the loss
 
     @property
     def tokens_per_step(self) -> int:
@@ -215,12 +213,19 @@ def tokens_per_step(t: TrainingConfig, world_size: int, block_size: int) -> int:
     return t.batch_size * t.grad_accum_steps * world_size * block_size
 
 
-def build(
-    cfg: Config, rt: Runtime, dataset: Dataset, run_dir: RunDir | None = None, resume: TrainingCheckpoint | None = None
+def build_trainer(
+    cfg: Config,
+    rt: Runtime,
+    dataset: Dataset,
+    run_dir: RunDir | None = None,
+    resume: TrainingCheckpoint | None = None,
+    plan: ModelPlan | None = None,
 ) -> Trainer:
-    """The model (resumed, from run.init_from, or new) on its device, wrapped for DDP/FSDP and compiled as
-    configured, its optimizers, the GradScaler and the batch source; with the config the run records."""
-    raw_model = distributed.on_every_rank(build_model, rt.dist, cfg, dataset, resume)
+    """The planned model (run_model.plan_model: resumed, from run.init_from, or new) on its device, wrapped for
+    DDP/FSDP and compiled as configured, its optimizers, the GradScaler and the batch source; with the config the run
+    records."""
+    plan = plan or distributed.on_every_rank(plan_model, rt.dist, cfg, dataset, resume)
+    raw_model = distributed.on_every_rank(build_model, rt.dist, plan, resume)
     raw_model.to(rt.device)
     raw_model.gradient_checkpointing = cfg.training.gradient_checkpointing
     cfg = resolved(cfg, run_dir.path.name if run_dir else cfg.run.name, raw_model.config, rt.compile, rt.precision)
@@ -259,83 +264,8 @@ def build(
     )
 
 
-def build_model(cfg: Config, dataset: Dataset, resume: TrainingCheckpoint | None) -> GPT:
-    """The model a run trains, checked against the dataset: the resumed checkpoint's (whose architecture must be
-    the config's), run.init_from's (see model_config), or a new one from the config."""
-    if resume is not None:
-        margs = model_config_from_args(resume.model_args, "checkpoint")
-        if margs.to_dict() != cfg.model_args():
-            diff = [k for k, v in margs.to_dict().items() if cfg.model_args()[k] != v]
-            raise UserError(
-                f"--resume: the config's model differs from the checkpoint's in {diff}; "
-                "resume with the run's own config, or fine-tune with run.init_from instead"
-            )
-        check_vocab_compatible(margs.vocab_size, resume.tokenizer, dataset, "the checkpoint")
-    elif cfg.run.init_from != "scratch":
-        loaded = load_model(cfg.run.init_from, dropout=cfg.model.dropout)
-        tokenizer = loaded.tokenizer
-        if dataset.chat and adds_chat_tokens(tokenizer, dataset):
-            grow_vocabulary(loaded.model, dataset.vocab_size)
-            tokenizer = dataset.tokenizer.to_dict()
-        check_vocab_compatible(loaded.model.config.vocab_size, tokenizer, dataset, loaded.source)
-        if cfg.model.block_size < loaded.model.config.block_size:
-            loaded.model.crop_block_size(cfg.model.block_size)
-        check_fits(dataset, loaded.model.config.block_size, loaded.model.config.vocab_size)
-        return loaded.model
-    else:
-        margs = model_config(cfg, dataset)
-    check_fits(dataset, margs.block_size, margs.vocab_size)
-    model = GPT(margs)
-    if resume is not None:
-        load_model_weights(model, resume.model, "checkpoint")
-    return model
-
-
-def model_config(cfg: Config, dataset: Dataset, resuming: bool = False) -> GPTConfig:
-    """The architecture a run trains. Resumed or from scratch: the config's, with the dataset's vocabulary unless set.
-    From run.init_from (a checkpoint, run directory, .safetensors file or Hugging Face model): the source's, with the
-    config's dropout, and its context cropped to model.block_size when that is shorter (fine-tuning a long-context
-    model on shorter sequences)."""
-    if resuming or cfg.run.init_from == "scratch":
-        return GPTConfig.from_dict({**cfg.model_args(), "vocab_size": cfg.model.vocab_size or dataset.vocab_size})
-    config = model_config_of(cfg.run.init_from, dropout=cfg.model.dropout)
-    vocab_size = max(config.vocab_size, dataset.vocab_size) if dataset.chat else config.vocab_size  # grown for chat
-    return replace(config, block_size=min(config.block_size, cfg.model.block_size), vocab_size=vocab_size)
-
-
-def adds_chat_tokens(model_tokenizer: dict | None, dataset: Dataset) -> bool:
-    """The chat dataset's tokenizer is the model's with the chat template and its tokens added (with_chat_tokens)."""
-    if model_tokenizer is None:
-        return False
-    with_chat = with_chat_tokens(tokenizer_from_dict(model_tokenizer)).to_dict()
-    return same_tokenizer(with_chat, dataset.tokenizer.to_dict()) and not same_tokenizer(
-        model_tokenizer, dataset.tokenizer.to_dict()
-    )
-
-
-@torch.no_grad()
-def grow_vocabulary(model: GPT, vocab_size: int) -> None:
-    """Give the model ids up to vocab_size (the chat tokens added after its vocabulary): the new rows of the token
-    embedding and of the head are the means of the old ones, so a new token starts as an average token, not as
-    noise that the first steps would spend their updates on."""
-    old = model.config.vocab_size
-    if vocab_size <= old:
-        return
-    tied = model.lm_head.weight is model.transformer.wte.weight
-
-    def grown(weight: torch.Tensor) -> nn.Parameter:
-        mean = weight.mean(0, keepdim=True).expand(vocab_size - old, -1)  # (new, C)
-        return nn.Parameter(torch.cat([weight, mean]))
-
-    model.transformer.wte.weight = grown(model.transformer.wte.weight)
-    model.transformer.wte.num_embeddings = vocab_size
-    model.lm_head.weight = model.transformer.wte.weight if tied else grown(model.lm_head.weight)
-    model.lm_head.out_features = vocab_size
-    model.config = replace(model.config, vocab_size=vocab_size)
-
-
 def restore(tr: Trainer, ckpt: TrainingCheckpoint) -> TrainState:
-    """Optimizer, scaler and RNG state from the checkpoint whose weights build() loaded; returns its progress.
+    """Optimizer, scaler and RNG state from the checkpoint whose weights build_trainer() loaded; returns its progress.
 
     On the world size it was written with, a run continues exactly: the data stream is a pure
     function of the step (data.py) and every rank gets back its own RNG state (dropout). On another
@@ -360,9 +290,8 @@ def restore(tr: Trainer, ckpt: TrainingCheckpoint) -> TrainState:
             opt.load_state_dict(sd)
     if ckpt.scaler and tr.scaler.is_enabled():
         tr.scaler.load_state_dict(ckpt.scaler)
-    rng = ckpt.rng if isinstance(ckpt.rng, list) else [ckpt.rng]  # early checkpoints: rank 0's state only
-    if len(rng) == dist.world_size:
-        set_rng_state(rng[dist.rank])
+    if len(ckpt.rng) == dist.world_size:
+        set_rng_state(ckpt.rng[dist.rank])
     else:
         torch.manual_seed(hash((tr.cfg.run.seed, dist.rank, ckpt.state.iter_num)) & 0xFFFF_FFFF)
         if dist.is_main:
@@ -390,7 +319,11 @@ def start_run(tr: Trainer, state: TrainState, resumed: bool) -> MetricsLog | Non
             run_dir.path / "config.toml", to_toml(cfg)
         )  # creates the run directory; WriteError if it can't
         run_dir.remove_temp_files()
-    kw = dict(json_log=cfg.logging.json_log and not evaluating_only, plot=cfg.logging.plot and not evaluating_only)
+    kw = dict(
+        json_log=cfg.logging.json_log and not evaluating_only,
+        plot=cfg.logging.plot and not evaluating_only,
+        assistant_only=tr.dataset.chat,
+    )
     log = MetricsLog.resume(run_dir.path, state.iter_num, **kw) if resumed else MetricsLog(run_dir.path, **kw)
     if cfg.logging.wandb_project:
         state.wandb_run_id = log.start_wandb(
@@ -517,7 +450,7 @@ def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 
 @torch.no_grad()  # not inference_mode: FSDP's unsharded weights made here are reused by training
-def evaluate(tr: Trainer, batches: int | None = None) -> dict[str, float]:
+def eval_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
     """Mean loss, perplexity, next-token accuracy and bits per byte over `batches` (default eval_iters) batches per
     split (the same batches every time), and HellaSwag when eval.hellaswag names it. On chat data all of them are
     over the assistant's tokens (the targets that count), weighted by their number.
@@ -583,7 +516,7 @@ def evaluate_and_track(tr: Trainer, state: TrainState, log: MetricsLog | None, f
     """Evaluate (the final evaluation over final_eval_iters batches), log it, keep the best checkpoint and count
     evaluations without improvement. Returns why training should stop early, or ""."""
     t = tr.cfg.training
-    metrics = evaluate(tr, t.final_eval_iters if final else None)
+    metrics = eval_metrics(tr, t.final_eval_iters if final else None)
     state.best_val_loss = min(state.best_val_loss, metrics["val_loss"])
     score = best_metric_score(metrics, t.best_metric)
     improved = score < state.best_score - t.early_stopping_min_delta

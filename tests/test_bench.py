@@ -58,7 +58,7 @@ def table_rows(out: str) -> list[list[str]]:
 
 def test_bench_tables_the_optimised_and_baseline_steps_and_the_speed_up(tiny, capsys):
     """Per step: median and best ms/iter, tokens/s, MFU, peak RSS; then the speed-up and the share of the ceiling."""
-    # eager: bench builds the step with trainer.build, whose compiled path test_train.py runs (a cold compile is slow)
+    # eager: bench builds the step with trainer.build_trainer, whose compiled path test_train.py runs (a cold compile is slow)
     bench.main([*tiny, "--warmup", "2", "--iters", "3", "--repeats", "2", "--baseline", "--training.compile", "false"])
     out = capsys.readouterr().out
     rows = {row[0]: row for row in table_rows(out)}
@@ -442,9 +442,9 @@ def test_vs_nanogpt_reads_both_trainers_iteration_lines_and_gives_nanogpt_our_da
     nanoGPT's in the format of its train.py; nanoGPT's scratch directory links our train.bin and names the vocab."""
     import pickle
 
-    from benchmarks import vs_nanogpt
     from conftest import tiny_overrides
 
+    from benchmarks import vs_nanogpt
     from train import train
 
     train(None, overrides=tiny_overrides(tiny_data, tmp_path / "run", **{"training.max_iters": 6}))

@@ -262,7 +262,12 @@ def test_training_logs_assistant_losses_and_resumes_exactly(chat_data, tmp_path,
     common = {"training.max_iters": 16, "training.save_interval": 4, "optimizer.lr_decay_iters": 16}
     straight = train(None, overrides=chat_overrides(data_dir, tmp_path / "straight", **common))
     assert straight.iterations == 16
-    assert "chat: losses, accuracy and the best checkpoint count the assistant's tokens only" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "chat: losses, accuracy and the best checkpoint count the assistant's tokens only" in out
+    steps = [line for line in out.splitlines() if line.startswith("iter ")]
+    evals = [line for line in out.splitlines() if line.startswith("eval ")]
+    assert len(steps) == 16 and all("| assistant loss " in line for line in steps)  # the number says what it counts
+    assert evals and all(line.startswith(f"eval {line.split()[1]} (assistant tokens): train ") for line in evals)
     train_until_sigterm(chat_overrides(data_dir, tmp_path / "split", **common), iter_lines=6)
     resume_in_subprocess(tmp_path / "split" / "t", 16)
 

@@ -156,8 +156,9 @@ def calls_by_function(tree: ast.AST, scope: str = "") -> Iterator[tuple[str, ast
 
 
 def repo_modules() -> list[Path]:
-    """Every module of the code: the scripts and model.py at the repository root, and the quillgpt package."""
-    return sorted([*REPO_ROOT.glob("*.py"), *REPO_ROOT.glob("quillgpt/**/*.py")])
+    """Every module of the code: the scripts and model.py at the repository root, the quillgpt package and the
+    benchmarks."""
+    return sorted([*REPO_ROOT.glob("*.py"), *REPO_ROOT.glob("quillgpt/**/*.py"), *REPO_ROOT.glob("benchmarks/**/*.py")])
 
 
 def module_name(path: Path) -> str:

@@ -472,13 +472,10 @@ def test_validate_estimates_the_init_from_model_not_the_config(llama_dir, tmp_pa
 
 
 def test_eval_scores_an_hf_directory_within_its_context(llama_dir, tmp_path):
-    import eval as eval_script
-    from quillgpt import evaluate
+    from quillgpt.evaluate import EvalRequest, evaluate
 
     (tmp_path / "t.txt").write_text(TEXT[:3000])
-    report = evaluate.evaluate(
-        eval_script.parse_args(["--ckpt", str(llama_dir), "--text", str(tmp_path / "t.txt"), "--context", "48"])
-    )
+    report = evaluate(EvalRequest(ckpt=str(llama_dir), text=(str(tmp_path / "t.txt"),), context=48))
     assert report["model_args"]["block_size"] == 48 and 0 < report["text"][0]["bpb"] < 20
 
 

@@ -56,6 +56,7 @@ def test_the_root_holds_only_the_scripts_and_model():
         "sample.py",
         "serve.py",
         "speedrun.py",
+        "tasks.py",
         "train.py",
     ]
 

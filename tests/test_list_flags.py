@@ -71,10 +71,10 @@ def test_sample_stop_and_eval_tasks_take_both_forms():
     ]
     assert stops == [["a", "\n"], ["a", "\n"]]
     tasks = [
-        eval_script.parse_args(["--ckpt", "c", *argv]).tasks
+        eval_script.parse_args(["--ckpt", "c", *argv])[1].tasks
         for argv in (["--tasks", "a,b", "c"], ["--tasks", "a", "--tasks", "b,c"])
     ]
-    assert tasks == ["a,b,c", "a,b,c"]
+    assert tasks == [("a", "b", "c"), ("a", "b", "c")]
 
 
 def test_eval_text_scores_every_file_whether_given_after_one_flag_or_one_flag_each(tiny_data, tmp_path):

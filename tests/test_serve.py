@@ -351,7 +351,7 @@ def test_bench_serve_tables_tokens_per_second_by_clients_and_checks_the_greedy_t
 
 @pytest.mark.parametrize("sig, code, said", [(signal.SIGTERM, 0, ""), (signal.SIGINT, 130, "interrupted")])
 def test_sigterm_ends_the_server_cleanly_and_ctrl_c_says_interrupted(ckpt, sig, code, said):
-    """The engine runs on the main thread and the web server on another: a signal still ends both, at once."""
+    """The batcher runs on the main thread and the web server on another: a signal still ends both, at once."""
     s = Server(ckpt, "--model-name", "tiny")
     assert s.health()
     s.proc.send_signal(sig)

@@ -90,7 +90,7 @@ def test_a_nonfinite_gradient_leaves_weights_and_optimizer_state_untouched(tiny_
     bit for bit, the step reports skipped, and the next step trains on from there."""
     cfg = build_config(None, tiny_overrides(tiny_data, tmp_path, **{"optimizer.name": optimizer}))
     rt = trainer.setup(cfg, DistInfo())
-    tr = trainer.build(cfg, rt, find_dataset(cfg, DistInfo()))
+    tr = trainer.build_trainer(cfg, rt, find_dataset(cfg, DistInfo()))
     handle = nan_gradient_once(tr.raw_model, at_call=2)
     _, _, skipped = trainer.train_step(tr, 0)
     assert skipped.item() == 0
@@ -110,15 +110,15 @@ def test_a_nonfinite_gradient_leaves_weights_and_optimizer_state_untouched(tiny_
 def test_skipped_steps_are_reported_in_one_line_at_the_next_log_step(tiny_data, tmp_path, monkeypatch, capsys):
     """A NaN gradient at step 3 of a run that logs every 5: one line at step 5 names the span and the count, the
     run goes on to the end, and its loss stays finite."""
-    real_build = trainer.build
+    real_build = trainer.build_trainer
 
     def build_with_nan(*args, **kwargs):
         tr = real_build(*args, **kwargs)
         nan_gradient_once(tr.raw_model, at_call=3)
         return tr
 
-    monkeypatch.setattr(trainer, "build", build_with_nan)
-    monkeypatch.setattr("train.build", build_with_nan)
+    monkeypatch.setattr(trainer, "build_trainer", build_with_nan)
+    monkeypatch.setattr("train.build_trainer", build_with_nan)
     over = tiny_overrides(tiny_data, tmp_path, **{"training.max_iters": 10, "training.log_interval": 5})
     result = train(None, overrides=over)
     out = capsys.readouterr().out

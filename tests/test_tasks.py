@@ -19,7 +19,7 @@ QUICKSTART_BLOCK_SIZE = 128  # configs/base/base.toml
 
 def run_tasks(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "quillgpt.tasks", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "tasks.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
     )
 
 

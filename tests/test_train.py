@@ -1,4 +1,4 @@
-"""train.py and the engine (trainer.py): the loop's promises, on tiny real runs."""
+"""train.py and the training loop (trainer.py): the loop's promises, on tiny real runs."""
 
 import json
 import math
@@ -194,7 +194,7 @@ def test_accumulation_matches_one_big_batch(tiny_data, tmp_path):
     plain SGD optimizer and one fixed batch)."""
     from quillgpt.data import find_dataset
     from quillgpt.distributed import DistInfo
-    from quillgpt.trainer import build, setup, train_step
+    from quillgpt.trainer import build_trainer, setup, train_step
 
     vocab_size = json.loads((tiny_data / "tiny" / "meta.json").read_text())["vocab_size"]
     torch.manual_seed(0)
@@ -217,7 +217,7 @@ def test_accumulation_matches_one_big_batch(tiny_data, tmp_path):
             ),
         )
         rt = setup(cfg, DistInfo())  # seeds torch: both trainers start from the same weights
-        tr = build(cfg, rt, find_dataset(cfg, DistInfo()))
+        tr = build_trainer(cfg, rt, find_dataset(cfg, DistInfo()))
         tr = replace(tr, optimizers=[torch.optim.SGD(tr.model.parameters(), lr=1.0)], batches=FixedBatches(x, y, batch))
         before = [p.detach().clone() for p in tr.model.parameters()]
         train_step(tr, 0)
@@ -371,7 +371,7 @@ def assert_losses_as_expected(got: dict[int, float], fixture: Path) -> None:
         assert got[int(it)] == pytest.approx(loss, abs=1e-4)
 
 
-def test_a_checkpoint_written_before_the_engine_refactor_resumes_exactly(tmp_path, capsys):
+def test_a_checkpoint_written_before_trainer_py_existed_resumes_exactly(tmp_path, capsys):
     """tests/fixtures/run_14e5811 holds the checkpoint that the code at commit 14e5811 (before trainer.py existed)
     wrote after 4 of 8 steps of a tiny char run with dropout. Resumed by today's code, steps 5-8 give the losses
     that the old code logs resuming it (with today's dropout-mask generator patched in: expected.json says how):
@@ -464,7 +464,7 @@ if sys.argv[1] == "glibc-default":
     trainer.keep_freed_memory = lambda: False
 cfg = build_config({{}}, list({overrides!r}.items()), source="test")
 rt = trainer.setup(cfg, DistInfo())
-tr = trainer.build(cfg, rt, find_dataset(cfg, DistInfo()))
+tr = trainer.build_trainer(cfg, rt, find_dataset(cfg, DistInfo()))
 for it in range(12):  # the heap grows to its steady size over the first few steps
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     trainer.train_step(tr, it)

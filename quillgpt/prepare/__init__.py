@@ -25,7 +25,7 @@ from typing import Any
 
 from quillgpt.errors import UserError
 from quillgpt.prepare.nanogpt_layout import prepare_txt_dir
-from quillgpt.prepare.pipeline import build
+from quillgpt.prepare.pipeline import encode_dataset
 from quillgpt.prepare.request import Request, Settings, resolve
 from quillgpt.prepare.reuse import reusable
 from quillgpt.prepare.workdir import WORK_DIR, describe
@@ -55,7 +55,7 @@ def prepare_dataset(dataset: str, *, data_dir: str | Path = "data", reset: bool 
             return out_dir
     if reset:
         shutil.rmtree(out_dir / WORK_DIR, ignore_errors=True)
-    build(dataset, out_dir, request, settings)
+    encode_dataset(dataset, out_dir, request, settings)
     return out_dir
 
 

@@ -17,7 +17,7 @@ from quillgpt import corpus
 from quillgpt.corpus import Source
 from quillgpt.errors import UserError
 from quillgpt.files import read_json
-from quillgpt.prepare.pipeline import build
+from quillgpt.prepare.pipeline import encode_dataset
 from quillgpt.prepare.request import DEFAULT_VAL_FRACTION, Request, Settings
 from quillgpt.prepare.splits import check_splits
 from quillgpt.prepare.workdir import WORK_DIR, PartialBins, WorkDir, describe, token_dtype
@@ -88,7 +88,7 @@ def prepare_txt_dir(
         for name in names:
             if (src / name).stat().st_size == 0:
                 raise UserError(f"{src / name} is empty")
-        build(src.name, cache, request, Settings(verbose, workers=workers), tok, fingerprint)
+        encode_dataset(src.name, cache, request, Settings(verbose, workers=workers), tok, fingerprint)
     return cache
 
 

@@ -1,11 +1,11 @@
-"""The build pipeline: a resolved request's corpus -> its tokenizer -> train.bin and val.bin in the work directory
+"""The encoding pipeline: a resolved request's corpus -> its tokenizer -> train.bin and val.bin in the work directory
 -> the dataset folder.
 
 Tokenizers: char (the corpus's characters, sorted; the vocabulary size is an upper bound), bpe (byte-level BPE with
 vocab_size ids, default 4096, trained on the first 64 MB of the train split), a tiktoken encoding name such as gpt2,
 or hf:DIR (a Hugging Face tokenizer.json). Work is done by the workers of pool.py on chunks of about 16 MB and
-written in input order; each chunk is journaled in the work directory (workdir.py), so a killed build continues.
-A mistake in the input stops a new build with one line and removes its partial work; the previous complete dataset,
+written in input order; each chunk is journaled in the work directory (workdir.py), so a killed run continues.
+A mistake in the input stops a new run with one line and removes its partial work; the previous complete dataset,
 if any, stays as it was.
 """
 
@@ -48,7 +48,7 @@ from quillgpt.tokenizer import (
 )
 
 
-def build(
+def encode_dataset(
     dataset: str,
     out_dir: Path,
     request: Request,

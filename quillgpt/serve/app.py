@@ -2,7 +2,7 @@
 server-sent events with "stream": true), GET /v1/models, and GET /health (slots in use, requests waiting).
 
 FastAPI (request models validated by pydantic) on uvicorn, streaming through sse-starlette, which cancels a stream
-whose client has gone (its slot is freed at the engine's next step). Every refusal has OpenAI's error shape,
+whose client has gone (its slot is freed at the batcher's next step). Every refusal has OpenAI's error shape,
 {"error": {"message", "type", "param", "code"}}: a bad request 400, a missing or wrong API key 401, a full queue
 503 with Retry-After. A request names only the model being served: no field names a file, checkpoint or template.
 """
@@ -19,111 +19,51 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
 from quillgpt.chat_template import ChatFormat, chat_format, check_messages
-from quillgpt.engine import Engine, Finish, GenRequest, Handle, QueueFull
 from quillgpt.errors import UserError
 from quillgpt.generate import encode_prompt
+from quillgpt.serve.batcher import Batcher, Finish, GenRequest, Handle, QueueFull
+from quillgpt.serve.requests import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    SamplingFields,
+    ServerSettings,
+    check_model,
+    generation,
+    validation_error,
+)
 
-MAX_STOP = 4  # OpenAI's limit on stop strings
 RETRY_AFTER_SECONDS = 1
 DISCONNECT_POLL_SECONDS = 1.0  # how often a waiting non-streamed request checks that its client is still there
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    model_name: str
-    block_size: int
-    api_key: str | None = None
-    max_body_bytes: int = 1 << 20
-
-
-class APIError(Exception):
-    """A refusal in OpenAI's error shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-# ---- requests -----------------------------------------------------------------------------------------
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool = False
-
-
-class SamplingFields(BaseModel):
-    """What both endpoints take. Unknown fields are refused (as OpenAI does), and types are strict: "0.5" is not a
-    temperature. n, the penalties and user are accepted only at values that change nothing."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
-    user: str | None = None
-
-
-class CompletionRequest(SamplingFields):
-    prompt: str = ""
-
-
-class ChatRequest(SamplingFields):
-    messages: list[Any]  # checked by chat_template.check_messages: one place for what a conversation is
-    max_completion_tokens: int | None = Field(None, ge=1)  # newer clients' name for max_tokens
 
 
 # ---- the app ------------------------------------------------------------------------------------------
 
 
-def run_engine(server: uvicorn.Server, engine: Engine, sock: socket.socket) -> None:
-    """The web server on a thread of its own, the engine on this one until the server ends or SIGTERM arrives.
+def run_server(server: uvicorn.Server, batcher: Batcher, sock: socket.socket) -> None:
+    """The web server on a thread of its own, the batcher on this one until the server ends or SIGTERM arrives.
     The model runs on the main thread because torch's OpenMP workers serve it fastest there: the same batch-1
     decoding step took 2.5 times as long on another thread (docs/LOG.md)."""
     web = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="quillgpt-http", daemon=True)
-    signal.signal(signal.SIGTERM, lambda *_: engine.halt())
+    signal.signal(signal.SIGTERM, lambda *_: batcher.halt())
     web.start()
     try:
-        engine.run(until=lambda: not web.is_alive())
+        batcher.run(until=lambda: not web.is_alive())
     finally:
         server.should_exit = True
         web.join(timeout=10)
 
 
-def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
+def build_app(batcher: Batcher, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="quillgpt", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, settings=settings)
     app.add_exception_handler(APIError, lambda request, e: e.response())
@@ -133,7 +73,7 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", **engine.counts()}
+        return {"status": "ok", **batcher.counts()}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -149,15 +89,15 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         check_model(body.model, settings)
         try:
             ids = encode_prompt(
-                engine.tokenizer, body.prompt, sys.maxsize
+                batcher.tokenizer, body.prompt, sys.maxsize
             )  # sample.py's encoding; length checked below
         except UserError as e:
             raise APIError(400, str(e), param="prompt") from None
-        eot = engine.tokenizer.eot_id
+        eot = batcher.tokenizer.eot_id
         gen = generation(body, ids, frozenset() if eot is None else {eot}, settings, "prompt", default_max_tokens=16)
-        return await respond(engine, gen, body, request, CompletionShape(settings.model_name))
+        return await respond(batcher, gen, body, request, CompletionShape(settings.model_name))
 
-    chat = chat_or_why_not(engine)
+    chat = chat_or_why_not(batcher)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -171,87 +111,17 @@ def build_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         if body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         gen = generation(body, ids, chat.stop_ids, settings, "messages")
-        return await respond(engine, gen, body, request, ChatShape(settings.model_name))
+        return await respond(batcher, gen, body, request, ChatShape(settings.model_name))
 
     return app
 
 
-def chat_or_why_not(engine: Engine) -> ChatFormat | str:
+def chat_or_why_not(batcher: Batcher) -> ChatFormat | str:
     """The tokenizer's chat format, or why it has none (the chat endpoint's 400)."""
     try:
-        return chat_format(engine.tokenizer)
+        return chat_format(batcher.tokenizer)
     except UserError as e:
         return str(e)
-
-
-def check_model(name: str, settings: ServerSettings, status: int = 400) -> None:
-    if name != settings.model_name:
-        raise APIError(
-            status,
-            f"the model {name!r} does not exist: this server serves {settings.model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
-
-
-def generation(
-    body: SamplingFields,
-    prompt_ids: list[int],
-    stop_ids: frozenset[int],
-    settings: ServerSettings,
-    prompt_param: str,
-    default_max_tokens: int | None = None,
-) -> GenRequest:
-    """The engine's request: the prompt and max_tokens must fit the context (a reply is never cut short by it)."""
-    room = settings.block_size - len(prompt_ids)
-    if room < 1:
-        raise APIError(
-            400,
-            f"the prompt is {len(prompt_ids)} tokens: this model's context is {settings.block_size}, with room "
-            "for at least one new token needed",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    max_tokens = body.max_tokens
-    if max_tokens is None:
-        max_tokens = min(room, default_max_tokens or room)
-    elif max_tokens > room:
-        raise APIError(
-            400,
-            f"max_tokens is {max_tokens} but the prompt's {len(prompt_ids)} tokens leave {room} of this model's "
-            f"{settings.block_size}-token context",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    if len(stop) > MAX_STOP:
-        raise APIError(400, f"stop takes at most {MAX_STOP} strings, not {len(stop)}", param="stop")
-    return GenRequest(
-        prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p if body.top_p < 1 else None,
-        stop=tuple(s for s in stop if s),
-        stop_ids=frozenset(stop_ids),
-        seed=body.seed,
-        stream=body.stream,
-    )
-
-
-def validation_error(e: RequestValidationError, request: Request) -> APIError:
-    """pydantic's first complaint as one OpenAI error: the field in `param`, malformed JSON said plainly."""
-    first = e.errors()[0] if e.errors() else {}
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'malformed')}")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    if not loc:
-        sent = request.headers.get("content-type", "")
-        hint = f" (sent as {sent}: send Content-Type: application/json)" if "json" not in sent else ""
-        return APIError(400, f"the body must be a JSON object{hint}")
-    param = ".".join(loc)
-    if first.get("type") == "extra_forbidden":
-        return APIError(400, f"unrecognized request argument: {param}", param=param)
-    return APIError(400, f"{param}: {first.get('msg', 'invalid value')}", param=param)
 
 
 # ---- responses ----------------------------------------------------------------------------------------
@@ -300,9 +170,9 @@ class ChatShape(CompletionShape):
         return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
 
-async def respond(engine: Engine, gen: GenRequest, body: SamplingFields, request: Request, shape: CompletionShape):
+async def respond(batcher: Batcher, gen: GenRequest, body: SamplingFields, request: Request, shape: CompletionShape):
     try:
-        handle = engine.submit(gen, asyncio.get_running_loop())
+        handle = batcher.submit(gen, asyncio.get_running_loop())
     except QueueFull:
         raise APIError(
             503,
@@ -337,7 +207,7 @@ def usage(finish: Finish) -> dict:
 
 async def events(handle: Handle, request: Request, poll_disconnect: bool) -> AsyncIterator[str | Finish]:
     """The request's text deltas, then its Finish. However it ends (finished, the client gone, the stream cancelled
-    by sse-starlette on a disconnect) the engine is told, so an abandoned request frees its slot."""
+    by sse-starlette on a disconnect) the batcher is told, so an abandoned request frees its slot."""
     try:
         while True:
             try:

@@ -1,4 +1,4 @@
-"""Continuous batching for serve.py: the main thread owns the model (run_engine; the web server runs on another)
+"""Continuous batching for serve.py: the main thread owns the model (app.run_server; the web server runs on another)
 and decodes one token for every active request per step; new requests join between steps (their prompt prefilled
 alone, then their row added to the batch) and a finished or cancelled one leaves at once, so a short reply never
 waits for a long one.
@@ -55,7 +55,7 @@ class Finish:
 
 
 class Handle:
-    """The server's side of a request: text deltas then a Finish arrive on `queue`, put there from the engine's
+    """The server's side of a request: text deltas then a Finish arrive on `queue`, put there from the batcher's
     thread through the event loop (call_soon_threadsafe). cancel() frees the request's slot at the next step."""
 
     def __init__(self, request: GenRequest, loop: asyncio.AbstractEventLoop):
@@ -121,8 +121,9 @@ class SlotCache:
             self.v[layer][dst] = self.v[layer][src]
 
 
-class Engine:
-    """The decoding loop (run, on the main thread: quillgpt.serving.run_engine). submit() is called from the event loop."""
+class Batcher:
+    """The decoding loop (run, on the main thread: quillgpt.serve.app.run_server). submit() is called from the event
+    loop."""
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, max_batch: int = 16, max_queue: int = 64):
         self.model, self.tokenizer = model, tokenizer
@@ -156,7 +157,7 @@ class Engine:
         self.running = False
         self.wake.set()
 
-    # ---- the engine's loop ------------------------------------------------------------------------
+    # ---- the decoding loop ------------------------------------------------------------------------
 
     @torch.inference_mode()
     def run(self, until: Callable[[], bool] = lambda: False) -> None:

@@ -1,0 +1,49 @@
+"""Write synthetic chat tasks as conversations: questions with checkable answers (quillgpt/tasks.py), the data of the
+CPU chat demo (docs/chat.md).
+
+    python tasks.py --out data/chat_tasks.jsonl                        # 20,000 training conversations
+    python tasks.py --out data/chat_test.jsonl --split test --n 300    # held-out items
+    python tasks.py --out data/sums.jsonl --tasks arithmetic --turns 2 --seed 1
+
+Each line is {"messages": [...]}, the form prepare.py --chat reads. Held-out items (--split test) are never in the
+train split in any phrasing; eval.py --chat-task grades a model on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from quillgpt.errors import run_main
+from quillgpt.files import atomic_write
+from quillgpt.tasks import TASKS, conversations, parse_tasks
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the jsonl file to write")
+    p.add_argument("--n", type=int, default=20_000, help="conversations (default 20,000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split", choices=("train", "test"), default="train")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated (default {','.join(TASKS)})")
+    p.add_argument("--turns", type=int, default=1, help="at most this many question-answer turns a conversation")
+    args = p.parse_args(argv)
+    if args.n < 1 or args.turns < 1:
+        p.error("--n and --turns must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tasks = parse_tasks(args.tasks)
+    rows = conversations(tasks, args.split, args.n, args.seed, args.turns)
+    with atomic_write(args.out, "w") as f:
+        for messages in rows:
+            f.write(json.dumps({"messages": messages}) + "\n")
+    print(f"wrote {len(rows):,} conversations ({', '.join(tasks)}; {args.split} split) to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
