@@ -1,4 +1,5 @@
-"""Facts about the machine a run is on: usable cores and the malloc setting CPU training runs with."""
+"""Facts about the machine a run is on: usable cores, the CPU's feature flags, and the malloc setting CPU training runs
+with."""
 
 from __future__ import annotations
 
@@ -36,3 +37,13 @@ def usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux x86); empty where there is none."""
+    try:
+        with open("/proc/cpuinfo", errors="replace") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())

@@ -11,11 +11,14 @@ is bounded in time, and paid once per process and shape.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+
+from quillgpt.machine import cpu_flags
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BF16_MARGIN = 1.5  # bf16 must measure this much faster: near parity, fp32's exactness wins and no re-run flips
@@ -33,32 +36,97 @@ def autocast(device_type: str, precision: str):
 
 @dataclass(frozen=True)
 class MatmulRates:
-    """FLOP/s of fp32 and bf16 matmuls at one shape on this CPU, measured one after the other."""
+    """FLOP/s of fp32 and bf16 matmuls at one shape on this CPU, and the precision auto takes by them."""
 
     fp32: float
     bf16: float
     shape: tuple[int, int, int]  # (rows, width, 4 * width)
+    settled_by: str = ""  # where a busy machine misled the readings: what decided instead, and why
+    choice: str = ""  # the precision auto takes ("": by the rates, BF16_MARGIN)
+    one_thread: tuple[float, float] | None = None  # (fp32, bf16) best on one thread, where those were read
 
     @property
     def faster(self) -> str:
-        """bf16 where it measures clearly faster (BF16_MARGIN), else fp32."""
-        return "bf16" if self.bf16 > BF16_MARGIN * self.fp32 else "fp32"
+        """bf16 where it measures clearly faster (BF16_MARGIN), else fp32; or the CPU class's choice (settled_by)."""
+        return self.choice or measured_faster(self.fp32, self.bf16)
 
     def rate(self, precision: str) -> float:
         return self.bf16 if precision == "bf16" else self.fp32
 
+    @property
+    def bf16_slowdown(self) -> float:
+        """How many times slower bf16 runs than fp32, by the readings a busy machine misleads least."""
+        fp32, bf16 = self.one_thread or (self.fp32, self.bf16)
+        return fp32 / bf16
+
     def describe(self) -> str:
         m, k, n = self.shape
-        return f"matmul ({m}, {k}) @ ({k}, {n}): fp32 {self.fp32 / 1e9:,.1f}, bf16 {self.bf16 / 1e9:,.1f} GFLOP/s"
+        line = f"matmul ({m}, {k}) @ ({k}, {n}): fp32 {self.fp32 / 1e9:,.1f}, bf16 {self.bf16 / 1e9:,.1f} GFLOP/s"
+        return f"{line}; {self.settled_by}" if self.settled_by else line
+
+
+def measured_faster(fp32: float, bf16: float) -> str:
+    return "bf16" if bf16 > BF16_MARGIN * fp32 else "fp32"
 
 
 @functools.cache
 def measure_cpu_rates(width: int, rows: int) -> MatmulRates:
     """fp32 and bf16 rates of (rows, width) @ (width, 4 * width), a model's MLP shape (rows capped: the probe stays
-    well under a second). The two precisions take turns in PROBE_ROUNDS short windows and each keeps its best call,
-    so that a busy moment of the machine (another process, threads descheduled mid-matmul) cannot fall on one
-    precision only; an emulated bf16 path is slow enough that its single calls tell."""
+    well under a second), and the precision auto takes by them.
+
+    Two readings on all threads (read_rates: each keeps its best calls). Where they agree with each other and with
+    what the CPU's class says (cpu_bf16_class: native bf16 matmuls or not, from its flags and the libraries' caps),
+    they decide. Otherwise the machine may have been too busy to tell: on a contended 2-core box, threads waiting
+    for each other read a matmul at a hundredth of its speed (8 GFLOP/s, or an AVX2 path's fp32 below its emulated
+    bf16). Then two readings on one thread, which a busy machine only slows between calls, decide where they agree
+    (a library path the flags don't show), else the class does; the rates (for MFU) stay the all-thread ones, and
+    the text says what decided (settle)."""
     rows = max(1, min(rows, PROBE_MAX_ROWS))
+    cpu_class = cpu_bf16_class()
+    readings = [read_rates(width, rows) for _ in range(2)]
+    votes = {measured_faster(*r) for r in readings}
+    if len(votes) == 1 and (cpu_class is None or votes == {cpu_class[0]}):
+        return MatmulRates(max(r[0] for r in readings), max(r[1] for r in readings), (rows, width, 4 * width))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = [read_rates(width, rows) for _ in range(2)]
+    finally:
+        torch.set_num_threads(threads)
+    return settle(readings, single, (rows, width, 4 * width), cpu_class)
+
+
+def settle(
+    readings: list[tuple[float, float]],
+    single: list[tuple[float, float]],
+    shape: tuple[int, int, int],
+    cpu_class: tuple[str, str] | None,
+) -> MatmulRates:
+    """MatmulRates from all-thread readings that disagreed (with each other or with the CPU's class) and one-thread
+    readings: each precision's best all-thread rate; the precision the one-thread readings agree on, else the
+    CPU class's (their majority's, the first's on a tie, where the class is unknown); the reason in settled_by."""
+    fp32, bf16 = max(r[0] for r in readings), max(r[1] for r in readings)
+    votes = [measured_faster(*r) for r in single]
+
+    def shown(rs: list[tuple[float, float]]) -> str:
+        return ", ".join(f"{a / 1e9:,.0f}/{b / 1e9:,.0f}" for a, b in rs)
+
+    doubt = "disagreed" if len({measured_faster(*r) for r in readings}) > 1 else f"contradicted {cpu_class[1]}"
+    if len(set(votes)) == 1:
+        choice, why = votes[0], f"the 1-thread readings ({shown(single)}), which a busy machine does not mislead"
+    else:
+        choice, why = cpu_class or (max(votes, key=votes.count), "the 1-thread readings' majority")
+        why = f"{why} (1 thread read {shown(single)})"
+    settled = f"the readings (fp32/bf16 GFLOP/s: {shown(readings)}) {doubt}: {choice} by {why}"
+    one_thread = (max(r[0] for r in single), max(r[1] for r in single))
+    return MatmulRates(fp32, bf16, shape, settled_by=settled, choice=choice, one_thread=one_thread)
+
+
+def read_rates(width: int, rows: int) -> tuple[float, float]:
+    """One reading: (fp32, bf16) FLOP/s of (rows, width) @ (width, 4 * width). The two precisions take turns in
+    PROBE_ROUNDS short windows and each keeps its best call, so that a busy moment (another process, threads
+    descheduled mid-matmul) cannot fall on one precision only; an emulated bf16 path is slow enough that its single
+    calls tell."""
     operands = {
         name: (torch.randn(rows, width, dtype=dtype), torch.randn(width, 4 * width, dtype=dtype))
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
@@ -78,13 +146,29 @@ def measure_cpu_rates(width: int, rows: int) -> MatmulRates:
                     if now >= window_end:
                         break
     flops = 2 * rows * width * 4 * width
-    return MatmulRates(flops / best["fp32"], flops / best["bf16"], (rows, width, 4 * width))
+    return flops / best["fp32"], flops / best["bf16"]
+
+
+def cpu_bf16_class() -> tuple[str, str] | None:
+    """(precision, why) from what this CPU is, where readings can't tell: bf16 where its matmuls run natively
+    (x86 with AMX or AVX512-BF16 in /proc/cpuinfo, on ATen's AVX512 path and not capped below it by
+    ONEDNN_MAX_CPU_ISA), fp32 on any other x86 path (bf16 emulated). None elsewhere (ARM, no /proc/cpuinfo)."""
+    flags = cpu_flags()
+    if not flags or not ({"avx2", "avx512f", "sse4_2"} & flags):
+        return None
+    native = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
+    capability = torch.backends.cpu.get_cpu_capability()
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    capped = not (cap in ("ALL", "DEFAULT") or "BF16" in cap or "AMX" in cap)
+    if native and capability.startswith("AVX512") and not capped:
+        return "bf16", f"this CPU's class: native bf16 matmuls ({native[0]})"
+    return "fp32", f"this CPU's class: bf16 matmuls emulated ({capability} path{', oneDNN capped' if capped else ''})"
 
 
 def emulation_warning(rates: MatmulRates) -> str:
     """The line for a user who forces bf16 where it measures slower than fp32."""
     return (
-        f"warning: bf16 runs {rates.fp32 / rates.bf16:,.1f}x slower than fp32 on this CPU (emulated; "
+        f"warning: bf16 runs {rates.bf16_slowdown:,.1f}x slower than fp32 on this CPU (emulated; "
         f"{rates.describe()}): --training.precision auto or fp32 is faster"
     )
 
@@ -96,8 +180,14 @@ def inference_precision(requested: str, device: torch.device, width: int, rows: 
     if requested != "auto":
         return requested, None
     if device.type == "cuda":
-        return ("bf16" if torch.cuda.is_bf16_supported() else "fp32"), None
+        return ("bf16" if cuda_has_native_bf16() else "fp32"), None
     if device.type != "cpu":
         return "fp32", None
     rates = measure_cpu_rates(width, rows)
     return rates.faster, rates
+
+
+def cuda_has_native_bf16() -> bool:
+    """bf16 on this CUDA device runs in hardware (Ampere and later). torch's is_bf16_supported() also counts
+    emulation, which on older cards is slower than fp16 with a GradScaler."""
+    return torch.cuda.is_bf16_supported(including_emulation=False)
