@@ -42,6 +42,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=50, help="0 = off")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, e.g. 0.9")
     p.add_argument("--seed", type=int, default=None, help="make the replies repeatable")
+    p.add_argument(
+        "--control-tokens-in-content",
+        action="store_true",
+        help="text you type that spells a control token (<|im_end|>, ...) becomes that token, as in transformers' "
+        "apply_chat_template (default: it is encoded as text)",
+    )
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
     p.add_argument(
         "--dtype",
@@ -125,7 +131,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{label} has no chat template (a base model): fine-tune it on conversations first (docs/chat.md), "
             "or continue text with sample.py"
         )
-    session = ChatSession(model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens)
+    session = ChatSession(
+        model,
+        tokenizer,
+        system=args.system,
+        max_new_tokens=args.max_new_tokens,
+        control_tokens_in_content=args.control_tokens_in_content,
+    )
     generator = torch.Generator(device=args.device)
     generator.manual_seed(args.seed if args.seed is not None else torch.seed())
     if args.prompt is not None:

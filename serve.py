@@ -49,6 +49,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-queue", type=int, default=64, help="requests waiting for a slot before 503s (default %(default)s)"
     )
     p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body (default %(default)s KiB)")
+    p.add_argument(
+        "--control-tokens-in-content",
+        action="store_true",
+        help="a message's text that spells a control token (<|im_end|>, ...) becomes that token, as in transformers' "
+        "apply_chat_template, so a client can end its turn and write others' (default: it is encoded as text)",
+    )
     args = p.parse_args(argv)
     if args.max_batch < 1 or args.max_queue < 0 or args.max_body_kb < 1:
         p.error("--max-batch and --max-body-kb must be >= 1, --max-queue >= 0")
@@ -76,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     sock = listen(args.host, args.port)
     model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype, batch=args.max_batch)
     name = args.model_name or Path(args.ckpt.rstrip("/")).stem
-    settings = ServerSettings(name, model.config.block_size, args.api_key, args.max_body_kb * 1024)
+    settings = ServerSettings(
+        name, model.config.block_size, args.api_key, args.max_body_kb * 1024, args.control_tokens_in_content
+    )
     batcher = Batcher(model, tokenizer, args.max_batch, args.max_queue)
     server = uvicorn.Server(
         uvicorn.Config(build_app(batcher, settings), log_level="warning", timeout_graceful_shutdown=5)

@@ -42,9 +42,13 @@ class ChatSession:
         system: str | None = None,
         max_new_tokens: int = 256,
         notices: TextIO | None = sys.stderr,
+        control_tokens_in_content: bool = False,
     ):
+        """control_tokens_in_content: a message that spells a control token gets the token (transformers' default),
+        not its text (quillgpt.chat_template)."""
         self.model, self.tokenizer = model, tokenizer
-        self.format: ChatFormat = chat_format(tokenizer)  # a UserError when the tokenizer has no chat template
+        # a UserError when the tokenizer has no chat template
+        self.format: ChatFormat = chat_format(tokenizer, control_tokens_in_content)
         self.max_new_tokens = max_new_tokens
         self.notices = notices
         self.device = next(model.parameters()).device

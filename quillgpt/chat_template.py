@@ -9,6 +9,14 @@ The template runs in Jinja's immutable sandbox with the globals transformers giv
 strftime_now, a tojson that does not escape HTML): it can read the messages and nothing else: no attribute of
 Python internals, no file, no import.
 
+A message's content is text: where it spells a control token (`<|im_end|>`, `<|eot_id|>`, ...), it is encoded as
+that text, not as the token, so that a message can't end its turn and forge another (a server's client, a user of
+chat.py, a record of chat data). The template's own control tokens are found by rendering the messages with each
+such spelling replaced by a stand-in character (a Unicode noncharacter or private-use character found nowhere in the
+conversation or the template), which the tokenizer encodes as the text it stands for (Tokenizer.encode_chat); where
+no content spells one, the ids are exactly transformers'. control_tokens_in_content=True gives transformers' default
+instead: content that spells a control token gets the token.
+
 Which tokens are the assistant's (the loss mask of chat fine-tuning) is found by rendering: the text an assistant
 message adds to the conversation before it (rendered with the generation prompt) is that message's span, up to and
 including the first special token after its content (its end-of-turn token). A token counts as the assistant's when
@@ -19,13 +27,14 @@ without `{% generation %}` markers.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
 from quillgpt.errors import UserError
-from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict
+from quillgpt.tokenizer import Tokenizer, special_pattern, tokenizer_from_dict
 
 ROLES = ("system", "user", "assistant")
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
@@ -39,6 +48,9 @@ CHATML_TEMPLATE = (
 # tokenizer_config.json keys whose strings a template may use (transformers passes its special_tokens_map)
 TEMPLATE_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+# characters that stand in for a control token a message spells: Unicode's noncharacters (set aside for a program's
+# own use, never in interchanged text), then plane 15's private-use characters
+STAND_IN_CODEPOINTS = (range(0xFDD0, 0xFDF0), range(0xF0000, 0xFFFFE))
 
 
 def check_messages(messages: Any, where: str, need_assistant: bool = False) -> list[dict]:
@@ -163,10 +175,17 @@ def with_chat_tokens(tokenizer: Tokenizer) -> Tokenizer:
     return tokenizer_from_dict(d)
 
 
-class ChatFormat:
-    """A tokenizer's chat template: conversations -> prompt ids, or ids with the assistant-token mask."""
+def stand_ins(taken: str) -> Iterator[str]:
+    """Characters to stand in for control tokens, none of them in `taken`."""
+    return (chr(c) for block in STAND_IN_CODEPOINTS for c in block if chr(c) not in taken)
 
-    def __init__(self, tokenizer: Tokenizer):
+
+class ChatFormat:
+    """A tokenizer's chat template: conversations -> prompt ids, or ids with the assistant-token mask. A message's
+    content that spells a control token is encoded as text (the module docstring), unless control_tokens_in_content
+    (transformers' default: it becomes the token)."""
+
+    def __init__(self, tokenizer: Tokenizer, control_tokens_in_content: bool = False):
         if not tokenizer.chat_template:
             raise UserError(
                 "this tokenizer has no chat template: fine-tune on chat data first (prepare.py --chat), "
@@ -175,6 +194,9 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.template = tokenizer.chat_template
         self.variables = template_variables(tokenizer)
+        self.control_tokens_in_content = control_tokens_in_content
+        specials = tokenizer.special_tokens
+        self.control = re.compile(special_pattern(specials)) if specials and not control_tokens_in_content else None
         compile_template(self.template)
         end = self.end_of_turn(PROBE)
         self.stop_ids = frozenset({tokenizer.special_tokens[end]} if end else set()) | frozenset(
@@ -188,11 +210,29 @@ class ChatFormat:
 
     def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
         """The conversation so far, ending with the header the assistant's reply follows."""
-        return self.tokenizer.encode_chat(self.render(messages, add_generation_prompt=True))[0]
+        rendered, literals = self.literal_content(messages)
+        return self.tokenizer.encode_chat(self.render(rendered, add_generation_prompt=True), literals)[0]
+
+    def literal_content(self, messages: Sequence[dict]) -> tuple[list[dict], dict[str, str]]:
+        """(the messages to render, what each stand-in stands for): every control token a message's content spells
+        replaced by a stand-in character, which encode_chat spells out again as text. Unchanged when no content
+        spells one, or with control_tokens_in_content."""
+        messages = list(messages)
+        spelled = sorted({t for m in messages for t in self.control.findall(m["content"])}) if self.control else []
+        if not spelled:
+            return messages, {}
+        taken = self.template + "".join(self.variables.values()) + "".join(m["content"] for m in messages)
+        literals = dict(zip(stand_ins(taken), spelled))
+        stand_in = {token: c for c, token in literals.items()}
+
+        def escaped(content: str) -> str:
+            return self.control.sub(lambda spelling: stand_in[spelling[0]], content)
+
+        return [{**m, "content": escaped(m["content"])} for m in messages], literals
 
     def assistant_spans(self, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character span of each assistant message in it (its end-of-turn
-        token included)."""
+        token included). The messages are rendered as given: encode renders literal_content's."""
         full = self.render(messages)
         spans = []
         for i, m in enumerate(messages):
@@ -212,8 +252,9 @@ class ChatFormat:
 
     def encode(self, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
         """(ids, mask): mask is 1 on the tokens of assistant messages, their end-of-turn token included."""
-        full, spans = self.assistant_spans(messages)
-        ids, starts = self.tokenizer.encode_chat(full)
+        rendered, literals = self.literal_content(messages)
+        full, spans = self.assistant_spans(rendered)
+        ids, starts = self.tokenizer.encode_chat(full, literals)
         ends = starts[1:] + [len(full)]
         mask = [int(any(s < b and e > a for a, b in spans)) for s, e in zip(starts, ends)]
         return ids, mask
@@ -235,5 +276,5 @@ class ChatFormat:
         return next((t for t in self.tokenizer.special_tokens if tail.endswith(t)), None)
 
 
-def chat_format(tokenizer: Tokenizer) -> ChatFormat:
-    return ChatFormat(tokenizer)
+def chat_format(tokenizer: Tokenizer, control_tokens_in_content: bool = False) -> ChatFormat:
+    return ChatFormat(tokenizer, control_tokens_in_content)

@@ -35,7 +35,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -100,25 +100,35 @@ class Tokenizer:
         """Every special token's text -> id (<|endoftext|>, chat tokens, an hf tokenizer's added tokens)."""
         return {}
 
-    def encode_chat(self, text: str) -> tuple[list[int], list[int]]:
-        """A rendered chat -> (ids, the character offset where each token starts). Unlike encode, a special token's
-        text becomes its id here, as transformers' apply_chat_template tokenizes what its template renders."""
+    def encode_chat(self, text: str, literals: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
+        """A rendered chat -> (ids, the character offset in `text` where each token starts). Unlike encode, a special
+        token's text becomes its id here, as transformers' apply_chat_template tokenizes what its template renders.
+        `literals` maps stand-in characters to the text they stand for (a message's content that spelled a control
+        token: quillgpt.chat_template): that text is encoded as text, with the text around it, never as the token.
+        The text between special tokens is encoded piece by piece, as transformers splits it at added tokens."""
         specials = self.special_tokens
         ids: list[int] = []
         starts: list[int] = []
         at = 0
-        pattern = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
-        pieces = re.split(f"({pattern})", text) if specials else [text]
+        pieces = re.split(f"({special_pattern(specials)})", text) if specials else [text]
         for piece in pieces:
             if piece in specials:
                 ids.append(specials[piece])
                 starts.append(at)
             elif piece:
-                piece_ids, piece_starts = self.encode_with_offsets(piece)
+                piece_ids, piece_starts = self.encode_spelled_out(piece, literals or {})
                 ids += piece_ids
                 starts += [at + o for o in piece_starts]
             at += len(piece)
         return ids, starts
+
+    def encode_spelled_out(self, piece: str, literals: Mapping[str, str]) -> tuple[list[int], list[int]]:
+        """encode_with_offsets of the piece with its stand-in characters spelled out (offsets into the piece)."""
+        if not any(c in piece for c in literals):
+            return self.encode_with_offsets(piece)
+        spelled, origin = spell_out(piece, literals)
+        piece_ids, offsets = self.encode_with_offsets(spelled)
+        return piece_ids, [origin[min(o, len(origin) - 1)] for o in offsets]
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
         """encode(text) and the character offset where each token starts."""
@@ -132,6 +142,23 @@ class Tokenizer:
     def __repr__(self) -> str:
         label = f"{self.kind}:{self.name}" if self.name else self.kind
         return f"<{type(self).__name__} {label} vocab_size={self.vocab_size}>"
+
+
+def special_pattern(specials: Iterable[str]) -> str:
+    """A regex matching any of the special tokens, the longest first (one may begin another)."""
+    return "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
+
+
+def spell_out(text: str, literals: Mapping[str, str]) -> tuple[str, list[int]]:
+    """text with each stand-in character of `literals` replaced by the text it stands for, and for each character
+    of the result the offset in `text` of the character it came from."""
+    parts: list[str] = []
+    origin: list[int] = []
+    for i, c in enumerate(text):
+        part = literals.get(c, c)
+        parts.append(part)
+        origin += [i] * len(part)
+    return "".join(parts), origin
 
 
 def _check_ids(ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray:
@@ -419,12 +446,20 @@ class HFTokenizer(Tokenizer):
     def special_tokens(self) -> dict[str, int]:
         return dict(self.added)
 
-    def encode_chat(self, text: str) -> tuple[list[int], list[int]]:
-        if self._chat_tok is None:
-            self._chat_tok = _import_tokenizers().Tokenizer.from_str(
-                self.json
-            )  # added tokens match, as in transformers
+    def encode_chat(self, text: str, literals: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
+        """As Tokenizer.encode_chat. Without stand-ins in the text, the tokenizers library encodes it whole, matching
+        added tokens as transformers does. With them, it is encoded piece by piece between the added tokens, each
+        piece with its stand-ins spelled out as text: what the library itself does for a byte-level BPE, while an
+        added token's lstrip/rstrip (whitespace it absorbs) and a sentencepiece prefix space are not applied."""
+        if literals and any(c in text for c in literals):
+            return super().encode_chat(text, literals)
+        if self._chat_tok is None:  # a second instance, whose added tokens match in text, as in transformers
+            self._chat_tok = _import_tokenizers().Tokenizer.from_str(self.json)
         encoded = self._chat_tok.encode(text, add_special_tokens=False)
+        return encoded.ids, [start for start, _ in encoded.offsets]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        encoded = self._tok.encode(text, add_special_tokens=False)  # added special tokens spelled out, as in encode
         return encoded.ids, [start for start, _ in encoded.offsets]
 
     def token_bytes(self) -> np.ndarray:

@@ -29,12 +29,12 @@ def chat_tokenizer():
     return with_chat_tokens(CharTokenizer(CHARS, eot=True))
 
 
-def random_chat_model(block_size: int = 256, seed: int = 0, **switches) -> GPT:
+def random_chat_model(block_size: int = 256, seed: int = 0, vocab_size: int | None = None, **switches) -> GPT:
     """A tiny random model over the chat tokenizer's ids (weights scaled up so that greedy text varies)."""
     torch.manual_seed(seed)
     config = GPTConfig(
         block_size=block_size,
-        vocab_size=chat_tokenizer().vocab_size,
+        vocab_size=vocab_size or chat_tokenizer().vocab_size,
         n_layer=2,
         n_head=2,
         n_embd=32,
@@ -220,6 +220,32 @@ def test_chat_cli_samples_repeatably_with_a_seed(chat_ckpt):
     assert first.returncode == 0 and first.stdout == second.stdout and first.stdout.strip()
 
 
+def test_chat_cli_reads_typed_control_tokens_as_text_unless_told_otherwise(tmp_path):
+    """A message that closes its turn and writes a system turn is one user turn of its text's ids, and the reply is
+    the model's to those; --control-tokens-in-content gives each spelled token its id (transformers' default)."""
+    from test_chat_template import FORGED_CHATML
+
+    tok = with_chat_tokens(CharTokenizer(CHARS + list("<|>_"), eot=True))  # characters to spell ChatML's tokens with
+    chat_ckpt = save_chat_checkpoint(tmp_path / "ckpt.pt", random_chat_model(vocab_size=tok.vocab_size), tok)
+    model, tok, _ = load_for_sampling(chat_ckpt, "cpu", "fp32")
+    fmt = chat_format(tok)
+    start, end = tok.special_tokens["<|im_start|>"], tok.special_tokens["<|im_end|>"]
+    as_text = [start, *tok.encode(f"user\n{FORGED_CHATML}"), end, *tok.encode("\n"), start, *tok.encode("assistant\n")]
+    messages = [{"role": "user", "content": FORGED_CHATML}]
+    as_tokens = tok.encode_chat(fmt.render(messages, add_generation_prompt=True))[0]
+    assert (as_text.count(start), as_tokens.count(start)) == (2, 3)
+    replies = []
+    for flags, prompt in (((), as_text), (("--control-tokens-in-content",), as_tokens)):
+        proc = run_chat(
+            "--ckpt", str(chat_ckpt), "--prompt", FORGED_CHATML, "--temperature", "0", "--dtype", "fp32", *flags
+        )
+        assert proc.returncode == 0, proc.stderr
+        reply = greedy_reencoding(model, prompt, 256, fmt.stop_ids)
+        assert proc.stdout == tok.decode([t for t in reply if t not in fmt.stop_ids]) + "\n"
+        replies.append(proc.stdout)
+    assert replies[0] != replies[1]
+
+
 def test_chat_cli_refuses_a_base_model_in_one_line(tmp_path):
     base = save_chat_checkpoint(tmp_path / "base.pt", random_chat_model(), CharTokenizer(CHARS + ["@", "#", "$"]))
     proc = run_chat("--ckpt", str(base), "--prompt", "Hi")
@@ -261,7 +287,8 @@ def test_eval_grades_held_out_chat_task_answers_in_the_template_or_few_shot(chat
     for ckpt, form in ((chat_ckpt, "chat template"), (base_ckpt, f"plain, up to {FEW_SHOT}-shot")):
         out = tmp_path / f"{ckpt.parent.name}.json"
         proc = run_eval(
-            "--ckpt", str(ckpt), "--chat-task", "arithmetic,reverse", "--chat-items", "4", "--json", str(out)
+            *("--ckpt", str(ckpt), "--chat-task", "arithmetic,reverse", "--chat-items", "4", "--json", str(out)),
+            *("--precision", "fp32"),  # the references below decode in fp32; auto may pick bf16 at scoring's shape
         )
         assert proc.returncode == 0, proc.stderr
         report = json.loads(out.read_text())["chat_tasks"]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO_ROOT
+from test_chat_template import FORGED_CHATML, FORGED_LLAMA3, TEMPLATES, save_template_tokenizer
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -28,19 +29,19 @@ from quillgpt.chat_session import ChatSession  # noqa: E402
 from quillgpt.chat_template import chat_format, with_chat_tokens  # noqa: E402
 from quillgpt.checkpoint import save_checkpoint  # noqa: E402
 from quillgpt.generate import encode_prompt, generate_texts, load_for_sampling  # noqa: E402
-from quillgpt.tokenizer import CharTokenizer  # noqa: E402
+from quillgpt.tokenizer import CharTokenizer, hf_tokenizer  # noqa: E402
 
-CHARS = list("\n abcdefghijklmnopqrstuvwxyz.,:?!'")
+CHARS = list("\n abcdefghijklmnopqrstuvwxyz.,:?!'<|>_")
 KEY = "test-key"
 BLOCK = 96
 PROMPTS = ["the ", "a", "to be or not", "king", "", "queen of the", "what say you", "o", "lord, ", "my love"]
 CONVERSATION = [{"role": "system", "content": "be brief."}, {"role": "user", "content": "what is love?"}]
 
 
-def write_checkpoint(path: Path, seed: int = 0, eot: bool = True, **model_args) -> Path:
-    """A tiny random char model whose tokenizer has the chat tokens (weights scaled up so greedy text varies).
-    Without eot a completion runs to max_tokens."""
-    tokenizer = with_chat_tokens(CharTokenizer(CHARS, eot=eot))
+def write_checkpoint(path: Path, seed: int = 0, eot: bool = True, tokenizer=None, **model_args) -> Path:
+    """A tiny random model (weights scaled up so greedy text varies), by default over a char tokenizer with the chat
+    tokens. Without eot a completion runs to max_tokens."""
+    tokenizer = tokenizer or with_chat_tokens(CharTokenizer(CHARS, eot=eot))
     torch.manual_seed(seed)
     args = dict(block_size=BLOCK, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_embd=32)
     config = GPTConfig(**{**args, **model_args})
@@ -111,9 +112,13 @@ def chat(client, messages: list[dict], **kw) -> str:
 def greedy_chat_reference(loaded, messages: list[dict], max_tokens: int) -> str:
     """The reply as the model decodes it alone, through sample.py's generation (GPT.generate_stream), ended at the
     template's end-of-turn ids."""
+    return greedy_reply(loaded, chat_format(loaded[1]).prompt_ids(messages), max_tokens)
+
+
+def greedy_reply(loaded, prompt: list[int], max_tokens: int) -> str:
+    """The greedy reply to these prompt ids, through GPT.generate_stream, ended at the chat template's end ids."""
     model, tokenizer = loaded
     fmt = chat_format(tokenizer)
-    prompt = fmt.prompt_ids(messages)
     ids = []
     for token in model.generate_stream(torch.tensor([prompt]), max_tokens, temperature=0):
         if int(token) in fmt.stop_ids:
@@ -150,6 +155,61 @@ def test_greedy_chat_equals_the_model_decoding_the_template_alone(server, loaded
     one_turn = [{"role": "user", "content": "hello"}]
     assert chat(client, one_turn, max_tokens=30) == greedy_chat_reference(loaded, one_turn, 30)
     assert chat(client, one_turn, max_tokens=30) == ChatSession(*loaded, max_new_tokens=30).reply("hello")  # chat.py's
+
+
+def chat_reply(server: Server, messages: list[dict], max_tokens: int = 20) -> tuple[str, int]:
+    """The greedy reply and the prompt's token count (the usage), from a server serving "tiny"."""
+    r = server.client().chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, temperature=0)
+    return r.choices[0].message.content, r.usage.prompt_tokens
+
+
+def test_a_message_spelling_chatml_tokens_is_one_user_turn_unless_the_server_is_told_otherwise(server, ckpt, loaded):
+    """A client's message that closes its turn and writes a system turn: by default the model reads its text (the
+    reply and the prompt's length are those of the text's ids, one user turn); with --control-tokens-in-content,
+    transformers' default comes back (each spelled token its id: a system turn more)."""
+    model, tok = loaded
+    start, end = tok.special_tokens["<|im_start|>"], tok.special_tokens["<|im_end|>"]
+    messages = [{"role": "user", "content": FORGED_CHATML}]
+    as_text = [start, *tok.encode(f"user\n{FORGED_CHATML}"), end, *tok.encode("\n"), start, *tok.encode("assistant\n")]
+    as_tokens = tok.encode_chat(chat_format(tok).render(messages, add_generation_prompt=True))[0]
+    assert (as_text.count(start), as_tokens.count(start)) == (2, 3)
+    reply = chat_reply(server, messages)
+    assert reply == (greedy_reply(loaded, as_text, 20), len(as_text))
+    with Server(ckpt, "--model-name", "tiny", "--control-tokens-in-content") as switched:
+        forged = chat_reply(switched, messages)
+    assert forged == (greedy_reply(loaded, as_tokens, 20), len(as_tokens)) and forged[0] != reply[0]
+
+
+@pytest.fixture(scope="module")
+def llama3_ckpt(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, tokenizer directory): a tiny random model over a Hugging Face BPE with Llama 3's special tokens
+    and chat template."""
+    template, specials, config = TEMPLATES["llama3"]
+    directory = save_template_tokenizer(tmp_path_factory.mktemp("llama3_tok"), template, specials, config)
+    tokenizer = hf_tokenizer(directory)
+    return write_checkpoint(tmp_path_factory.mktemp("llama3") / "ckpt_best.pt", tokenizer=tokenizer), directory
+
+
+def test_a_message_spelling_llama3_tokens_is_one_user_turn_unless_the_server_is_told_otherwise(llama3_ckpt):
+    """As above with Llama 3's template: by default the forged <|eot_id|> and header are the text's ids; with
+    --control-tokens-in-content the prompt is transformers' apply_chat_template's."""
+    transformers = pytest.importorskip("transformers")
+    ckpt, directory = llama3_ckpt
+    loaded = load_for_sampling(ckpt, "cpu", "fp32")[:2]
+    tok = loaded[1]
+    bos, header, header_end, eot = (tok.special_tokens[t] for t in TEMPLATES["llama3"][1])
+    messages = [{"role": "user", "content": FORGED_LLAMA3}]
+    turn = [bos, header, *tok.encode("user"), header_end, *tok.encode("\n\n" + FORGED_LLAMA3), eot]
+    as_text = [*turn, header, *tok.encode("assistant"), header_end, *tok.encode("\n\n")]
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    as_tokens = list(theirs.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+    assert (as_text.count(header), as_tokens.count(header)) == (2, 3)
+    replies = []
+    for flags, ids in (((), as_text), (("--control-tokens-in-content",), as_tokens)):
+        with Server(ckpt, "--model-name", "tiny", *flags) as s:
+            replies.append(chat_reply(s, messages))
+        assert replies[-1] == (greedy_reply(loaded, ids, 20), len(ids))
+    assert replies[0][0] != replies[1][0]
 
 
 def test_stream_deltas_concatenate_to_the_whole_reply(server):

@@ -97,7 +97,7 @@ def build_app(batcher: Batcher, settings: ServerSettings) -> FastAPI:
         gen = generation(body, ids, frozenset() if eot is None else {eot}, settings, "prompt", default_max_tokens=16)
         return await respond(batcher, gen, body, request, CompletionShape(settings.model_name))
 
-    chat = chat_or_why_not(batcher)
+    chat = chat_or_why_not(batcher, settings.control_tokens_in_content)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -116,10 +116,10 @@ def build_app(batcher: Batcher, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def chat_or_why_not(batcher: Batcher) -> ChatFormat | str:
+def chat_or_why_not(batcher: Batcher, control_tokens_in_content: bool) -> ChatFormat | str:
     """The tokenizer's chat format, or why it has none (the chat endpoint's 400)."""
     try:
-        return chat_format(batcher.tokenizer)
+        return chat_format(batcher.tokenizer, control_tokens_in_content)
     except UserError as e:
         return str(e)
 

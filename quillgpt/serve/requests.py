@@ -23,6 +23,7 @@ class ServerSettings:
     block_size: int
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    control_tokens_in_content: bool = False  # a message that spells a control token gets the token, not its text
 
 
 class APIError(Exception):
