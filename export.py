@@ -3,7 +3,7 @@
 
     python export.py --ckpt checkpoints/base --hf exports/base-hf                  # a run dir: its ckpt_best.pt
     python export.py --ckpt checkpoints/base/ckpt_last.pt --safetensors exports/base.safetensors
-    python export.py --ckpt checkpoints/base --gguf exports/base.gguf --outtype q8_0   # and exports/Modelfile
+    python export.py --ckpt checkpoints/base --gguf exports/base.gguf --outtype q8_0   # and exports/base.Modelfile
 
 The Hugging Face directory loads with transformers.AutoModelForCausalLM.from_pretrained and gives
 the same logits. Its architecture follows the model's switches (hf.py): GPT-2 for learned positions,
@@ -14,8 +14,8 @@ transformers.AutoTokenizer loads and which encodes and decodes as ours does (cha
 and Hugging Face tokenizers alike). The safetensors file takes any model: the weights, plus the
 model arguments and the tokenizer as JSON in its metadata (sample.py --ckpt reads it). The GGUF file
 (quillgpt/gguf_export.py) takes the Hugging Face architecture and the tokenizer as llama.cpp's byte-level BPE,
-f32, f16 (the default), bf16 or q8_0, with an Ollama Modelfile beside it (ollama create NAME -f Modelfile); an
-existing file is replaced only with --force.
+f32, f16 (the default), bf16, q8_0 or q4_0, with its own Ollama Modelfile beside it (base.gguf: base.Modelfile, for
+ollama create NAME -f base.Modelfile); an existing file is replaced only with --force.
 
 From Python:
 
@@ -69,12 +69,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--safetensors", metavar="OUT", help="write one .safetensors file with the model arguments in its metadata"
     )
     p.add_argument(
-        "--gguf", metavar="OUT", help="write a GGUF file for llama.cpp and Ollama, and a Modelfile beside it"
+        "--gguf", metavar="OUT", help="write a GGUF file for llama.cpp and Ollama, and OUT's Modelfile beside it"
     )
     p.add_argument(
         "--outtype",
         default="f16",
-        help=f"GGUF weights: {', '.join(gguf_export.OUTTYPES)} (default f16; vectors and norms stay f32)",
+        help=f"GGUF weights: {', '.join(gguf_export.OUTTYPES)} (default f16; vectors and norms stay f32; q4_0 keeps "
+        "the output head at q8_0)",
     )
     p.add_argument("--force", action="store_true", help="replace an existing --gguf file and its Modelfile")
     args = p.parse_args(argv)

@@ -11,6 +11,8 @@ architecture expresses is refused before anything is written, naming it.
     f16      float16                          float32
     bf16     bfloat16                         float32
     q8_0     8-bit blocks of 32, one scale    float32   (a row whose length is not a multiple of 32: float16)
+    q4_0     4-bit blocks of 32, one scale;   float32   (a row whose length is not a multiple of 32: float16)
+             the output head (or the tied embedding) q8_0, as llama.cpp's quantizer gives the head more bits
 
 The tokenizer goes in as llama.cpp's byte-level BPE ("gpt2" model) with the pre-tokenizer that splits text as ours
 does, so that llama.cpp's ids for a prompt are ours:
@@ -24,9 +26,9 @@ does, so that llama.cpp's ids for a prompt are ours:
 Special tokens (<|endoftext|>, an HF tokenizer's special added tokens, chat tokens) are control tokens, which
 llama.cpp, like us, never makes from text. A chat template the tokenizer carries goes in as tokenizer.chat_template.
 
-Beside the file goes an Ollama Modelfile: FROM the file, with a ChatML TEMPLATE and stop tokens for a ChatML
-template, a comment for any other template (Ollama reads the one in the GGUF), a plain-prompt TEMPLATE for a model
-without one.
+Beside the file goes its own Ollama Modelfile (base.gguf: base.Modelfile, so that several exports share a folder):
+FROM the file, with a ChatML TEMPLATE and stop tokens for a ChatML template, a comment for any other template (Ollama
+reads the one in the GGUF), a plain-prompt TEMPLATE for a model without one.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ from quillgpt.errors import UserError
 from quillgpt.files import atomic_write, atomic_write_text
 from quillgpt.tokenizer import CharTokenizer, Tokenizer, bytes_to_unicode, hf_files, tokenizer_from_dict
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")
-MODELFILE = "Modelfile"
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+MODELFILE_SUFFIX = ".Modelfile"  # base.gguf's is base.Modelfile: ollama create NAME -f takes any file name
 # the pre-tokenizer llama.cpp splits with exactly as a tokenizer.json's Split regex does
 SPLIT_PATTERNS = {
     # tiktoken's gpt2 / r50k_base / p50k_base (GPT-2's regex with possessive quantifiers: the same pieces)
@@ -110,14 +112,19 @@ def check_outtype(outtype: str) -> None:
         raise UserError(f"unknown --outtype {outtype!r} (choose {', '.join(OUTTYPES[:-1])} or {OUTTYPES[-1]})")
 
 
+def modelfile_path(path: str | Path) -> Path:
+    """The GGUF file's own Modelfile beside it: exports/base.gguf -> exports/base.Modelfile."""
+    return Path(path).with_suffix(MODELFILE_SUFFIX)
+
+
 def check_target(path: str | Path, force: bool) -> None:
-    """The GGUF file and the Modelfile beside it are replaced only with --force."""
+    """The GGUF file and its Modelfile are replaced only with --force."""
     path = Path(path)
-    for target in (path, path.parent / MODELFILE):
+    if path.is_dir() or path.suffix == MODELFILE_SUFFIX:  # the Modelfile would be the GGUF file itself
+        raise UserError(f"{path} is not a file name for GGUF: give the .gguf file to write")
+    for target in (path, modelfile_path(path)):
         if target.exists() and not force:
             raise UserError(f"{target} exists: give --force to replace it")
-    if path.is_dir():
-        raise UserError(f"{path} is a directory: give the .gguf file to write")
 
 
 def plan_gguf(model: GPT, tokenizer: dict | None, outtype: str, source: str) -> Plan:
@@ -230,8 +237,8 @@ def pre_tokenizer(spec: dict) -> str:
 
 
 def modelfile(gguf_name: str, template: str | None) -> str:
-    """An Ollama Modelfile for the GGUF file beside it (ollama create NAME -f Modelfile)."""
-    head = f"# ollama create NAME -f {MODELFILE}\nFROM ./{gguf_name}\n"
+    """An Ollama Modelfile for the GGUF file beside it (ollama create NAME -f base.Modelfile)."""
+    head = f"# ollama create NAME -f {modelfile_path(gguf_name).name}\nFROM ./{gguf_name}\n"
     if template is None:
         return (
             head + '# no chat template: a completion model, the prompt goes in as it is\nTEMPLATE """{{ .Prompt }}"""\n'
@@ -286,19 +293,37 @@ def gguf_arch(family: str):
     }[family]
 
 
-def stored(name: str, data: np.ndarray, outtype: str) -> tuple[np.ndarray, object]:
-    """(bytes as the file holds them, GGMLQuantizationType): vectors, norms and positions stay float32, as in
-    convert_hf_to_gguf.py; a matrix q8_0 can't block (a row not a multiple of 32) falls back to float16."""
+def head_name(model: GPT) -> str:
+    """The GGUF tensor that computes the logits: output.weight, or token_embd.weight when the head is tied to it."""
+    return "token_embd.weight" if model.config.tie_embeddings else "output.weight"
+
+
+def tensor_type(name: str, data: np.ndarray, outtype: str, head: str):
+    """The GGMLQuantizationType a tensor is meant for. Vectors, norms and positions stay float32, as in
+    convert_hf_to_gguf.py. In q4_0 the head (output.weight, or the tied token_embd.weight) is q8_0: llama.cpp's
+    quantizer gives it Q6_K, or Q8_0 where Q6_K's blocks of 256 don't divide its rows (llama_tensor_get_type_impl and
+    tensor_type_fallback in src/llama-quant.cpp), and the gguf package can't write Q6_K."""
     import gguf
 
     q = gguf.GGMLQuantizationType
-    qtype = {"f32": q.F32, "f16": q.F16, "bf16": q.BF16, "q8_0": q.Q8_0}[outtype]
     if data.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") or name.startswith("position_"):
-        qtype = q.F32
+        return q.F32
+    if outtype == "q4_0" and name == head:
+        return q.Q8_0
+    return {"f32": q.F32, "f16": q.F16, "bf16": q.BF16, "q8_0": q.Q8_0, "q4_0": q.Q4_0}[outtype]
+
+
+def stored(name: str, data: np.ndarray, outtype: str, head: str) -> tuple[np.ndarray, object]:
+    """(bytes as the file holds them, GGMLQuantizationType). A matrix whose rows the type's blocks don't divide (q8_0
+    and q4_0: a row not a multiple of 32) falls back to float16, as convert_hf_to_gguf.py falls back when the gguf
+    package's quantize refuses a shape."""
+    import gguf
+
+    qtype = tensor_type(name, data, outtype, head)
     try:
         return gguf.quants.quantize(data, qtype), qtype
     except gguf.QuantError:
-        return gguf.quants.quantize(data, q.F16), q.F16
+        return gguf.quants.quantize(data, gguf.GGMLQuantizationType.F16), gguf.GGMLQuantizationType.F16
 
 
 # ---- writing --------------------------------------------------------------------------------------------------
@@ -308,7 +333,8 @@ def file_type(outtype: str):
     import gguf
 
     t = gguf.LlamaFileType
-    return {"f32": t.ALL_F32, "f16": t.MOSTLY_F16, "bf16": t.MOSTLY_BF16, "q8_0": t.MOSTLY_Q8_0}[outtype]
+    kinds = {"f32": t.ALL_F32, "f16": t.MOSTLY_F16, "bf16": t.MOSTLY_BF16, "q8_0": t.MOSTLY_Q8_0, "q4_0": t.MOSTLY_Q4_0}
+    return kinds[outtype]
 
 
 def add_metadata(writer, plan: Plan, model: GPT, name: str) -> None:
@@ -355,7 +381,7 @@ def model_name(source: str) -> str:
 
 
 def write_gguf(model: GPT, plan: Plan, path: str | Path, name: str) -> Path:
-    """Write the GGUF file (atomically) and the Modelfile beside it; returns the Modelfile's path."""
+    """Write the GGUF file (atomically) and its Modelfile beside it; returns the Modelfile's path."""
     import gguf
 
     path = Path(path)
@@ -363,7 +389,7 @@ def write_gguf(model: GPT, plan: Plan, path: str | Path, name: str) -> Path:
     add_metadata(writer, plan, model, name)
     with torch.no_grad():
         for tensor_name, data in gguf_tensors(plan.family, model):
-            data, qtype = stored(tensor_name, data, plan.outtype)
+            data, qtype = stored(tensor_name, data, plan.outtype, head_name(model))
             writer.add_tensor(tensor_name, data, raw_dtype=qtype)
     with atomic_write(path) as f:
         writer.fout, writer.state = [f], gguf.gguf_writer.WriterState.EMPTY  # our temp file, renamed into place
@@ -371,6 +397,6 @@ def write_gguf(model: GPT, plan: Plan, path: str | Path, name: str) -> Path:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.fout = None  # atomic_write closes it
-    modelfile_path = path.parent / MODELFILE
-    atomic_write_text(modelfile_path, modelfile(path.name, plan.vocab.chat_template))
-    return modelfile_path
+    modelfile_at = modelfile_path(path)
+    atomic_write_text(modelfile_at, modelfile(path.name, plan.vocab.chat_template))
+    return modelfile_at

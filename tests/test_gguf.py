@@ -2,7 +2,8 @@
 
 Every file is read back with gguf.GGUFReader (metadata, tensor names, shapes and types). When llama-cpp-python is
 installed (pip install '.[llama]'; it builds llama.cpp from source), llama.cpp itself reads each file: it must
-tokenize a prompt as we do, give our logits (f32 within F32_TOLERANCE; f16, bf16 and q8_0 within theirs) and
+tokenize a prompt as we do, give our logits (f32 within F32_TOLERANCE; f16, bf16 and q8_0 within theirs, and every
+rounded outtype q4_0 included within FILE_WEIGHTS_TOLERANCE of our model holding the file's rounded weights) and
 greedy-decode the same 32 tokens from an f32 file.
 
 Models: tiny random Llama, Qwen2 and Qwen3 directories saved by transformers (with a byte-level BPE tokenizer.json),
@@ -12,6 +13,7 @@ q/k/v biases and a char tokenizer, and the modern recipe (rope, RMSNorm, SwiGLU,
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -26,8 +28,10 @@ from safetensors.torch import load_file, save_file
 
 import export
 from model import GPT, GPTConfig
+from quillgpt import hf
 from quillgpt.chat_template import chat_format, with_chat_tokens
-from quillgpt.gguf_export import modelfile
+from quillgpt.errors import UserError
+from quillgpt.gguf_export import gguf_arch, modelfile
 from quillgpt.loading import load_model
 from quillgpt.tokenizer import tokenizer_from_dict, train_tokenizer
 
@@ -45,8 +49,14 @@ CHATML = (
 F32_TOLERANCE = 1e-3
 GPT2_F32_TOLERANCE = 1e-3  # of the largest logit
 # f16, bf16 and q8_0 round the weights (and q8_0 the activations in its dot products): the largest logit difference
-# as a fraction of the largest logit (measured on these models: at most 0.0034, 0.028 and 0.095)
+# as a fraction of the largest logit (measured on these models: at most 0.0034, 0.028 and 0.095). q4_0 has none: its
+# rounding alone moves these random models' logits by 25-80% of the largest one (our model with the file's weights,
+# in PyTorch, moves as far), so only the check against the file's weights below says whether llama.cpp runs it right
 ROUNDED_TOLERANCE = {"f16": 0.01, "bf16": 0.05, "q8_0": 0.15}
+# against our model holding the weights as the file rounds them, what is left is llama.cpp's own arithmetic: it rounds
+# the activations too, to float16, bfloat16 or (for q8_0 and q4_0 matrices) 8-bit blocks (measured: at most 0.0027,
+# 0.016, 0.053 and 0.053 of the largest logit)
+FILE_WEIGHTS_TOLERANCE = {"f16": 0.01, "bf16": 0.05, "q8_0": 0.1, "q4_0": 0.1}
 OURS = {
     "gpt2-char": ("char", {}),
     "gpt2-char-chat": ("char", {}),  # with ChatML's <|im_start|> and <|im_end|> added (with_chat_tokens)
@@ -59,6 +69,20 @@ OURS = {
         "bpe",
         dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, qk_norm=True, n_kv_head=2, head_dim=32),
     ),
+    # rows of 48, which no 32-value block divides, but for ffn_down's 128; an untied head
+    "llama-char-48": (
+        "char",
+        dict(
+            pos_emb="rope",
+            norm="rmsnorm",
+            mlp="swiglu",
+            bias=False,
+            n_kv_head=2,
+            n_embd=48,
+            mlp_hidden=128,
+            tie_embeddings=False,
+        ),
+    ),
 }
 ARCHITECTURE = {
     "gpt2-char": "gpt2",
@@ -66,12 +90,13 @@ ARCHITECTURE = {
     "gpt2-tiktoken": "gpt2",
     "llama-char": "llama",
     "qwen3-bpe": "qwen3",
+    "llama-char-48": "llama",
     "llama-hf": "llama",
     "qwen2-hf": "qwen2",
     "qwen3-hf": "qwen3",
 }
 PRE = {"char": "gpt-2", "tiktoken": "gpt-2", "bpe": "llama-bpe", "hf": "gpt-2"}  # by tokenizer kind
-CASES = list(ARCHITECTURE)
+CASES = [name for name in ARCHITECTURE if name != "llama-char-48"]  # that one is for q4_0's fallbacks
 
 
 def sharpen(model: torch.nn.Module) -> None:
@@ -98,7 +123,8 @@ def our_model(name: str, directory: Path) -> Path:
     if name.endswith("-chat"):
         tok = with_chat_tokens(tok)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=128, vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_embd=64, **switches))
+    shape = dict(block_size=128, vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_embd=64)
+    model = GPT(GPTConfig(**shape | switches))
     sharpen(model.eval())
     tokenizer = tok.to_dict()
     if kind == "bpe":
@@ -202,28 +228,50 @@ def test_every_architecture_writes_its_metadata_tensors_and_modelfile(source, ex
         assert tensors["blk.1.attn_q_norm.weight"] == ("F32", [c.head_width])
     n_params = sum(t.numel() for k, t in model.state_dict().items() if k != "lm_head.weight" or not c.tie_embeddings)
     assert sum(int(t.n_elements) for t in reader.tensors) >= n_params  # and the zero biases GPT-2 or Llama may add
-    assert (
-        (path.parent / "Modelfile").read_text().startswith(f"# ollama create NAME -f Modelfile\nFROM ./{path.name}\n")
-    )
-    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, "Modelfile"])  # no temp file left
+    modelfile_text = path.with_suffix(".Modelfile").read_text()
+    assert modelfile_text.startswith(f"# ollama create NAME -f {name}.Modelfile\nFROM ./{name}.gguf\n")
+    assert sorted(p.name for p in path.parent.iterdir()) == [f"{name}.Modelfile", f"{name}.gguf"]  # no temp file left
 
 
 def test_outtypes_round_matrices_only_and_shrink_the_file(exported):
     sizes = {}
-    for outtype, matrix in (("f32", "F32"), ("f16", "F16"), ("bf16", "BF16"), ("q8_0", "Q8_0")):
+    t = gguf.LlamaFileType
+    # (outtype, the file's type, the blocks' matrices, the tied embedding that is also the head): q4_0's head is 8-bit
+    for outtype, file_type, matrix, head in (
+        ("f32", t.ALL_F32, "F32", "F32"),
+        ("f16", t.MOSTLY_F16, "F16", "F16"),
+        ("bf16", t.MOSTLY_BF16, "BF16", "BF16"),
+        ("q8_0", t.MOSTLY_Q8_0, "Q8_0", "Q8_0"),
+        ("q4_0", t.MOSTLY_Q4_0, "Q4_0", "Q8_0"),
+    ):
         path = exported("qwen3-bpe", outtype)
         reader = gguf.GGUFReader(path)
         types = {t.name: t.tensor_type.name for t in reader.tensors}
-        assert types["blk.0.ffn_down.weight"] == types["token_embd.weight"] == matrix
+        assert types["blk.0.ffn_down.weight"] == types["blk.1.attn_q.weight"] == matrix
+        assert types["token_embd.weight"] == head and "output.weight" not in types
         assert types["blk.0.attn_norm.weight"] == types["blk.0.attn_q_norm.weight"] == "F32"
+        assert field(reader, "general.file_type") == file_type
         sizes[outtype] = path.stat().st_size
-    assert sizes["f32"] > sizes["f16"] == sizes["bf16"] > sizes["q8_0"]
+    assert sizes["f32"] > sizes["f16"] == sizes["bf16"] > sizes["q8_0"] > sizes["q4_0"]
+
+
+def test_q4_0_keeps_rows_its_blocks_cannot_divide_in_f16_as_llama_cpps_converter_does(exported):
+    """convert_hf_to_gguf.py stores a tensor the gguf package can't quantize (QuantError: rows not a multiple of the
+    block) in F16; the untied head, q8_0 in q4_0, falls back the same way."""
+    reader = gguf.GGUFReader(exported("llama-char-48", "q4_0"))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    for matrix in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"):  # rows of 48
+        assert types[f"blk.0.{matrix}.weight"] == types[f"blk.1.{matrix}.weight"] == "F16"
+    assert types["blk.0.ffn_down.weight"] == types["blk.1.ffn_down.weight"] == "Q4_0"  # rows of 128
+    assert types["token_embd.weight"] == types["output.weight"] == "F16"
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    assert field(reader, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_0
 
 
 def test_a_chat_template_goes_into_the_gguf_and_a_chatml_modelfile(exported):
     path = exported("qwen3-bpe")
     assert field(gguf.GGUFReader(path), "tokenizer.chat_template") == CHATML
-    text = (path.parent / "Modelfile").read_text()
+    text = path.with_suffix(".Modelfile").read_text()
     assert "<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>" in text
     assert 'PARAMETER stop "<|im_start|>"\nPARAMETER stop "<|im_end|>"\n' in text
 
@@ -238,9 +286,27 @@ def test_llama_cpp_reads_a_rendered_chat_prompt_as_we_encode_it(needs_llama_cpp,
     assert tok.special_tokens["<|im_start|>"] in ids and tok.special_tokens["<|im_end|>"] in ids
     reader = gguf.GGUFReader(path)
     assert field(reader, "tokenizer.chat_template") == tok.chat_template
-    assert 'PARAMETER stop "<|im_end|>"' in (path.parent / "Modelfile").read_text()
+    assert 'PARAMETER stop "<|im_end|>"' in path.with_suffix(".Modelfile").read_text()
     with llama_cpp_model(path) as llm:  # the rendered text, its chat tokens parsed as special, as llama.cpp chats
         assert llm.tokenize(tok.decode(ids).encode(), add_bos=True, special=True) == ids
+
+
+def test_two_exports_into_one_folder_each_write_their_own_modelfile(source, tmp_path):
+    ckpt = source("qwen3-bpe")
+    assert export.main(["--ckpt", str(ckpt), "--gguf", str(tmp_path / "base.gguf")]) == 0  # f16
+    result = run_export("--ckpt", str(ckpt), "--gguf", str(tmp_path / "base-q8_0.gguf"), "--outtype", "q8_0")
+    assert result.returncode == 0, result.stderr
+    assert f"ollama create NAME -f {tmp_path / 'base-q8_0.Modelfile'}" in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "base-q8_0.Modelfile",
+        "base-q8_0.gguf",
+        "base.Modelfile",
+        "base.gguf",
+    ]
+    for stem, file_type in (("base", gguf.LlamaFileType.MOSTLY_F16), ("base-q8_0", gguf.LlamaFileType.MOSTLY_Q8_0)):
+        text = (tmp_path / f"{stem}.Modelfile").read_text()
+        assert text.startswith(f"# ollama create NAME -f {stem}.Modelfile\nFROM ./{stem}.gguf\n")
+        assert field(gguf.GGUFReader(tmp_path / f"{stem}.gguf"), "general.file_type") == file_type
 
 
 def test_modelfiles_follow_the_template_kind():
@@ -321,7 +387,23 @@ def test_llama_cpp_tokenizes_and_decodes_greedily_as_we_do_in_f32(needs_llama_cp
     assert their_tokens == my_tokens
 
 
-@pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
+def with_file_weights(model: GPT, path: Path) -> GPT:
+    """The model holding each weight as the GGUF file rounds it (the gguf package's quantize, then dequantize, in the
+    type the file stores it in). Each GGUF tensor is a row split or row reordering of one of ours, and every type
+    rounds each row on its own, so rounding ours along its rows rounds theirs."""
+    reader = gguf.GGUFReader(path)
+    family = field(reader, "general.architecture")
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    names = gguf.get_tensor_name_map(gguf_arch(family), model.config.n_layer)
+    with torch.no_grad():
+        for key, p in model.named_parameters():  # a tied head once, as the embedding
+            [qtype] = {types[names.get_name(n, try_suffixes=(".weight", ".bias"))] for n in hf.hf_names(family, key)}
+            rounded = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qtype), qtype)
+            p.copy_(torch.from_numpy(rounded).reshape(p.shape))
+    return model
+
+
+@pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("name", ["gpt2-char", "llama-hf", "qwen2-hf", "qwen3-bpe"])
 def test_llama_cpp_logits_of_rounded_outtypes_stay_within_their_tolerance(
     needs_llama_cpp, source, exported, name, outtype
@@ -331,8 +413,49 @@ def test_llama_cpp_logits_of_rounded_outtypes_stay_within_their_tolerance(
     prompt = tokenizer_from_dict(loaded.tokenizer).prompt_ids(PROMPT)
     with llama_cpp_model(path) as llm:
         theirs, _ = logits_and_greedy(llm, prompt, 0)
-    mine, _ = ours(loaded.model.eval(), prompt, 0)
-    assert np.abs(theirs - mine).max() <= ROUNDED_TOLERANCE[outtype] * np.abs(mine).max()
+    rounded, _ = ours(with_file_weights(loaded.model.eval(), path), prompt, 0)
+    assert np.abs(theirs - rounded).max() <= FILE_WEIGHTS_TOLERANCE[outtype] * np.abs(rounded).max()
+    if outtype in ROUNDED_TOLERANCE:
+        mine, _ = ours(load_model(source(name)).model.eval(), prompt, 0)
+        assert np.abs(theirs - mine).max() <= ROUNDED_TOLERANCE[outtype] * np.abs(mine).max()
+
+
+def test_llama_cpp_runs_q4_0_with_its_f16_fallbacks_as_our_model_with_the_files_weights(
+    needs_llama_cpp, source, exported
+):
+    path = exported("llama-char-48", "q4_0")
+    loaded = load_model(source("llama-char-48"))
+    tok = tokenizer_from_dict(loaded.tokenizer)
+    prompt = tok.prompt_ids(TEXT.splitlines()[0][:60])  # a char vocabulary has only the corpus's characters
+    with llama_cpp_model(path) as llm:
+        theirs, _ = logits_and_greedy(llm, prompt, 0)
+    rounded, _ = ours(with_file_weights(loaded.model.eval(), path), prompt, 0)
+    assert np.abs(theirs - rounded).max() <= FILE_WEIGHTS_TOLERANCE["q4_0"] * np.abs(rounded).max()
+
+
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", ["qwen3-bpe", "llama-hf", "llama-char-48"])  # tied head, untied, rows of 48
+def test_quantized_files_are_llama_cpps_own_quantization_of_the_f32_file(
+    needs_llama_cpp, exported, tmp_path, name, outtype
+):
+    """llama.cpp's llama_model_quantize, run on our f32 file, gives every tensor the type ours has (q4_0's 8-bit head
+    and the F16 fallbacks included) and the same bytes."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{outtype.upper()}")
+    params.nthread = 1
+    theirs_path = tmp_path / "llama-quantize.gguf"
+    assert (
+        llama_cpp.llama_model_quantize(str(exported(name)).encode(), str(theirs_path).encode(), ctypes.byref(params))
+        == 0
+    )
+    ours = {t.name: t for t in gguf.GGUFReader(exported(name, outtype)).tensors}
+    theirs = {t.name: t for t in gguf.GGUFReader(theirs_path).tensors}
+    assert sorted(ours) == sorted(theirs)
+    for tensor_name, tensor in ours.items():
+        assert tensor.tensor_type == theirs[tensor_name].tensor_type, tensor_name
+        assert np.asarray(tensor.data).tobytes() == np.asarray(theirs[tensor_name].data).tobytes(), tensor_name
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
@@ -349,7 +472,11 @@ def unexportable(directory: Path, **switches) -> Path:
 @pytest.mark.parametrize(
     "make, args, message",
     [
-        (lambda d: unexportable(d), ["--outtype", "q4_k"], "unknown --outtype 'q4_k' (choose f32, f16, bf16 or q8_0)"),
+        (
+            lambda d: unexportable(d),
+            ["--outtype", "q4_k_m"],
+            "unknown --outtype 'q4_k_m' (choose f32, f16, bf16, q8_0 or q4_0)",
+        ),
         (
             lambda d: unexportable(d, pos_emb="rope", norm="rmsnorm", mlp="relu2"),
             [],
@@ -377,17 +504,22 @@ def test_an_existing_target_needs_force(source, tmp_path):
     ckpt = source("gpt2-char")
     out = tmp_path / "m.gguf"
     out.write_bytes(b"mine")
+    (tmp_path / "Modelfile").write_text("FROM llama3\n")  # the user's own Modelfile, which no export touches
     result = run_export("--ckpt", str(ckpt), "--gguf", str(out))
     assert result.returncode == 2 and result.stderr == f"error: {out} exists: give --force to replace it\n"
-    assert out.read_bytes() == b"mine" and not (tmp_path / "Modelfile").exists()
+    assert out.read_bytes() == b"mine" and not (tmp_path / "m.Modelfile").exists()
     out.unlink()
-    (tmp_path / "Modelfile").write_text("FROM llama3\n")  # a Modelfile of the user's is kept too
-    result = run_export("--ckpt", str(ckpt), "--gguf", str(out))
-    assert result.returncode == 2 and "Modelfile exists: give --force" in result.stderr and not out.exists()
+    (tmp_path / "m.Modelfile").write_text("FROM llama3\n")  # this export's Modelfile, from another model
+    with pytest.raises(UserError, match="m.Modelfile exists: give --force"):
+        export.main(["--ckpt", str(ckpt), "--gguf", str(out)])
+    assert not out.exists()
     assert export.main(["--ckpt", str(ckpt), "--gguf", str(out), "--force", "--outtype", "q8_0"]) == 0
     assert gguf.GGUFReader(out).fields["general.architecture"].contents() == "gpt2"
-    assert (tmp_path / "Modelfile").read_text().startswith("# ollama create")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile", "m.gguf"]  # no temp file left
+    assert (tmp_path / "m.Modelfile").read_text().startswith("# ollama create NAME -f m.Modelfile\nFROM ./m.gguf")
+    assert (tmp_path / "Modelfile").read_text() == "FROM llama3\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile", "m.Modelfile", "m.gguf"]  # no temp file left
+    with pytest.raises(UserError, match="is not a file name for GGUF"):  # its Modelfile would be the file itself
+        export.main(["--ckpt", str(ckpt), "--gguf", str(tmp_path / "m.Modelfile"), "--force"])
 
 
 def test_a_tokenizer_llama_cpp_cannot_split_alike_is_one_line(tmp_path):
