@@ -22,7 +22,7 @@ import torch
 
 from quillgpt.chat_session import ChatSession
 from quillgpt.errors import UserError, run_main
-from quillgpt.generate import DTYPES, load_for_sampling, sampling_error
+from quillgpt.generate import DEVICES, DTYPES, load_for_sampling, sampling_error
 
 HISTORY = Path.home() / ".quillgpt_chat_history"
 HELP = "/reset: a new conversation | /system TEXT: a new one with this system message | /quit: leave"
@@ -48,13 +48,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="text you type that spells a control token (<|im_end|>, ...) becomes that token, as in transformers' "
         "apply_chat_template (default: it is encoded as text)",
     )
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
+    p.add_argument("--device", default="auto", help=f"{DEVICES} (default auto: cuda, else mps, else cpu)")
     p.add_argument(
         "--dtype",
         choices=DTYPES,
         default="auto",
         help="weights' dtype (default auto, as sample.py: bf16 on a CUDA device that has it, on the CPU the faster of "
-        "fp32 and bf16, measured); int8: weight-only int8 on the CPU",
+        "fp32 and bf16 at one decoding row, measured); int8: weight-only int8 on the CPU",
     )
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
@@ -128,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype)
     if not tokenizer.chat_template:
         raise UserError(
-            f"{label} has no chat template (a base model): fine-tune it on conversations first (docs/chat.md), "
+            f"{args.ckpt} has no chat template (a base model): fine-tune it on conversations first (docs/chat.md), "
             "or continue text with sample.py"
         )
+    print(f"[chatting with {label}]", file=sys.stderr, flush=True)
     session = ChatSession(
         model,
         tokenizer,
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens,
         control_tokens_in_content=args.control_tokens_in_content,
     )
-    generator = torch.Generator(device=args.device)
+    generator = torch.Generator(device=next(model.parameters()).device)
     generator.manual_seed(args.seed if args.seed is not None else torch.seed())
     if args.prompt is not None:
         session.reply(args.prompt, args.temperature, args.top_k or None, args.top_p, generator, stream=sys.stdout)

@@ -26,12 +26,12 @@ a model with a chat template in it (a reply ends at its end-of-turn token), a ba
 from __future__ import annotations
 
 import argparse
-
-import torch
+import sys
 
 from quillgpt.errors import run_main
 from quillgpt.evaluate import DEFAULT_CONTEXT, EvalRequest, evaluate, print_report
 from quillgpt.files import atomic_write_json
+from quillgpt.generate import DEVICES, pick_device
 from quillgpt.tasks import parse_tasks
 
 
@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalRequest]
         action="store_true",
         help="score characters a char model has never seen as a stand-in character instead of stopping",
     )
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
+    p.add_argument("--device", default="auto", help=f"{DEVICES} (default auto: cuda, else mps, else cpu)")
     p.add_argument(
         "--precision",
         choices=("auto", "fp32", "bf16", "fp16"),
@@ -114,8 +114,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalRequest]
         p.error("--apply-chat-template is for harness tasks: give --tasks")
     if args.context < 2:
         p.error("--context must be at least 2")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device} but this machine has no CUDA device")
+    device = pick_device(args.device)  # a device this machine lacks: one line, before anything loads
     return args, EvalRequest(
         ckpt=args.ckpt,
         text=tuple(args.text or ()),
@@ -133,13 +132,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalRequest]
         chat_tasks=tuple(chat_tasks),
         chat_items=args.chat_items,
         map_unknown=args.map_unknown,
-        device=args.device,
+        device=str(device),
         precision=args.precision,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args, request = parse_args(argv)
+    print(f"[evaluating {args.ckpt} on {request.device}]", file=sys.stderr, flush=True)
     report = evaluate(request)
     print_report(report)
     if args.json:

@@ -40,6 +40,7 @@ import torch
 from model import GPT
 from quillgpt.errors import UserError, run_main
 from quillgpt.generate import (
+    DEVICES,
     DTYPES,
     encode_prompt,
     generate_texts,
@@ -73,14 +74,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         help="stop a sample at any of these texts (--stop A B or --stop A --stop B; \\n escapes work)",
     )
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
+    p.add_argument("--device", default="auto", help=f"{DEVICES} (default auto: cuda, else mps, else cpu)")
     p.add_argument(
         "--dtype",
         choices=DTYPES,
         default="auto",
         help="weights' dtype while sampling (default auto: bf16 on a CUDA device that has it; on the CPU the faster of "
-        "fp32 and bf16 at the decoding step's shape, measured); int8: weight-only int8 on the CPU, its activations in "
-        "the faster of them",
+        "fp32 and bf16 at one decoding row, measured, as chat.py and serve.py pick); int8: weight-only int8 on the "
+        "CPU, its activations in the faster of them",
     )
     p.add_argument(
         "--compile",
@@ -159,7 +160,8 @@ def iter_prompts(first: str) -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype, batch=args.num_samples)
+    model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype)
+    print(f"[sampling {label}]", file=sys.stderr, flush=True)
     first_prompt = args.prompt
     if args.prompt_file:
         try:
@@ -167,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             raise UserError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror}") from None
     stream = args.stream if args.stream is not None else (sys.stdout.isatty() and args.num_samples == 1)
-    generator = torch.Generator(device=args.device)  # one for the whole session: --seed fixes every prompt's samples
+    # one for the whole session: --seed fixes every prompt's samples
+    generator = torch.Generator(device=next(model.parameters()).device)
     generator.manual_seed(args.seed if args.seed is not None else torch.seed())
     if not args.interactive:
         sample_prompt(model, tokenizer, first_prompt, args, generator, stream, label)

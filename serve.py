@@ -17,7 +17,7 @@ import socket
 from pathlib import Path
 
 from quillgpt.errors import UserError, run_main
-from quillgpt.generate import DTYPES, load_for_sampling
+from quillgpt.generate import DEVICES, DTYPES, load_for_sampling
 
 try:
     import uvicorn
@@ -42,8 +42,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="require Authorization: Bearer KEY on /v1/ (default: $QUILLGPT_API_KEY, else no key)",
     )
     p.add_argument("--model-name", help="the model's id in the API (default: --ckpt's last path component, stem)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="as sample.py's")
+    p.add_argument("--device", default="auto", help=f"{DEVICES} (default auto: cuda, else mps, else cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="as sample.py's: auto picks at one decoding row, as sample.py and chat.py do, so greedy replies are "
+        "theirs; bf16 may serve a full batch faster (the start-up line says which is in use)",
+    )
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default %(default)s)")
     p.add_argument(
         "--max-queue", type=int, default=64, help="requests waiting for a slot before 503s (default %(default)s)"
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if SERVE_EXTRA_MISSING:
         raise UserError(SERVE_EXTRA_MISSING)
     sock = listen(args.host, args.port)
-    model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype, batch=args.max_batch)
+    model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype)
     name = args.model_name or Path(args.ckpt.rstrip("/")).stem
     settings = ServerSettings(
         name, model.config.block_size, args.api_key, args.max_body_kb * 1024, args.control_tokens_in_content

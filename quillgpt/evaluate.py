@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from model import GPT
@@ -24,7 +23,7 @@ from quillgpt.checkpoint import load_checkpoint
 from quillgpt.data import check_vocab_compatible, load_dataset
 from quillgpt.errors import UserError
 from quillgpt.files import atomic_write, sha256_file
-from quillgpt.generate import generate_texts
+from quillgpt.generate import generate_texts, pick_device
 from quillgpt.loading import load_model
 from quillgpt.machine import keep_freed_memory
 from quillgpt.precision import autocast as precision_autocast
@@ -64,7 +63,7 @@ class EvalRequest:
     chat_tasks: tuple[str, ...] = ()  # synthetic chat tasks to answer and grade
     chat_items: int = 100
     map_unknown: bool = False
-    device: str = "cpu"
+    device: str = "auto"  # as generate.pick_device takes it: auto is cuda, else mps, else cpu
     precision: str = "auto"
 
 
@@ -140,7 +139,7 @@ def evaluate(req: EvalRequest) -> dict:
         )
     if req.context < model.config.block_size:  # a 32k-token window's logits alone would not fit in memory
         model.crop_block_size(req.context)
-    device = torch.device(req.device)
+    device = pick_device(req.device)
     if device.type == "cpu":
         keep_freed_memory()  # batches re-allocate the same activations, which glibc would fault in again (docs/LOG.md)
     model.to(device).eval()
@@ -155,7 +154,7 @@ def evaluate(req: EvalRequest) -> dict:
         "settings": {
             "stride": req.stride or model.config.block_size // 2,
             "precision": precision,
-            "device": req.device,
+            "device": str(device),
             "limit": req.limit,
             "map_unknown": req.map_unknown,
         },

@@ -18,17 +18,39 @@ from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 DTYPES = ("auto", "fp32", "bf16", "fp16", "int8")  # what --dtype takes in sample.py, chat.py and serve.py
+DEVICES = "auto | cpu | cuda | cuda:N | mps"  # what --device takes in sample.py, chat.py, serve.py and eval.py
+# auto's precision on the CPU is decided at one decoding row, whatever the batch: sample.py (any --num-samples),
+# chat.py and serve.py (any --max-batch) decode a model in the same precision on one machine, so their greedy text
+# agrees (measured at the server's batch, bf16 can win where one row's step runs faster in fp32)
+DECODING_ROWS = 1
 
 
-def load_for_sampling(
-    source: str | Path, device: str, dtype: str = "fp32", batch: int = 1
-) -> tuple[GPT, Tokenizer, str]:
-    """A checkpoint, run directory, .safetensors file, or Hugging Face directory or hub name -> (model in `dtype`,
-    tokenizer, label: the source and the precision). dtype auto (sample.py's default): bf16 on a CUDA device that has
-    it; on the CPU the faster of fp32 and bf16 at the decoding step's shape (quillgpt.precision). int8: weight-only
-    int8 (CPU), its activations in the faster of them."""
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device} but this machine has no CUDA device")
+def pick_device(name: str) -> torch.device:
+    """--device: auto is cuda where this machine has a CUDA device, else mps where it has Apple's, else cpu; a device
+    it lacks is a UserError."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r} is not a device: {DEVICES}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name} but this machine has no CUDA device")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"--device {name} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {name} but MPS is not available here")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"--device {name}: {DEVICES}")
+    return device
+
+
+def load_for_sampling(source: str | Path, device: str = "auto", dtype: str = "fp32") -> tuple[GPT, Tokenizer, str]:
+    """A checkpoint, run directory, .safetensors file, or Hugging Face directory or hub name -> (model in `dtype` on
+    the device (pick_device), tokenizer, label: the source, the precision and the device). dtype auto (the scripts'
+    default): bf16 on a CUDA device that has it; on the CPU the faster of fp32 and bf16 at one decoding row
+    (DECODING_ROWS, quillgpt.precision). int8: weight-only int8 (CPU), its activations in the faster of them."""
+    device = pick_device(device)
     loaded = load_model(source)
     if loaded.tokenizer is None:
         raise UserError(
@@ -42,14 +64,14 @@ def load_for_sampling(
             f"{tokenizer_label(loaded.tokenizer)} tokenizer's {tokenizer.vocab_size}: sample from the "
             "checkpoint it was exported from instead"
         )
-    if dtype == "int8" and device != "cpu":
+    if dtype == "int8" and device.type != "cpu":
         raise UserError(f"--dtype int8 is for the CPU (weight-only int8 matmuls); on {device} use bf16")
     width = loaded.model.config.n_embd
-    activations, _ = inference_precision("auto" if dtype == "int8" else dtype, torch.device(device), width, batch)
+    activations, _ = inference_precision("auto" if dtype == "int8" else dtype, device, width, DECODING_ROWS)
     loaded.model.eval().to(device=device, dtype=PRECISIONS[activations])
     model = quantize_int8(loaded.model, PRECISIONS[activations]) if dtype == "int8" else loaded.model
     precision = f"int8 ({activations} activations)" if dtype == "int8" else activations
-    return model, tokenizer, f"{loaded.source}, {precision}"
+    return model, tokenizer, f"{loaded.source}, {precision} on {device}"
 
 
 def sampling_error(temperature: float, top_p: float | None) -> str | None:

@@ -13,7 +13,7 @@ import sample
 from model import GPT, GPTConfig
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.errors import UserError
-from quillgpt.generate import generate_texts, load_for_sampling, showable_length, unescape
+from quillgpt.generate import generate_texts, load_for_sampling, pick_device, showable_length, unescape
 from quillgpt.tokenizer import CharTokenizer
 
 CHARS = list("\n abcdefghijklmnopqrstuvwxyz.,:")
@@ -177,8 +177,20 @@ def test_interactive_reads_prompts_until_eof(ckpt, loaded):
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"abc{greedy(loaded, 'abc', 20)}\nxyz{greedy(loaded, 'xyz', 20)}\n"
     # the prompt with an unknown character is reported on one line and the loop goes on
-    [error] = result.stderr.splitlines()
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert error.startswith("error: prompt: character 'é'") and "not in" in error
+
+
+def test_the_device_defaults_to_auto_and_sample_py_says_which_it_picked(ckpt):
+    """auto is cuda where there is one, else mps, else cpu (this machine's); the line on stderr names the device and
+    the precision; a device the machine lacks, or no device at all, is one line and exit 2."""
+    expected = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    assert pick_device("auto").type == expected and pick_device("cpu") == torch.device("cpu")
+    result = run_sample("--ckpt", str(ckpt), "--prompt", "the", "--max-new-tokens", "3", "--dtype", "fp32")
+    assert result.returncode == 0 and result.stderr == f"[sampling {ckpt}, fp32 on {expected}]\n", result.stderr
+    for device in ["tpu"] + ([] if torch.cuda.is_available() else ["cuda:0"]):
+        result = run_sample("--ckpt", str(ckpt), "--device", device)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and device in result.stderr, result.stderr
 
 
 def test_unknown_prompt_character_is_a_one_line_user_error(ckpt):

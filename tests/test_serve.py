@@ -148,6 +148,26 @@ def test_greedy_completions_equal_sample_py(server, ckpt, loaded):
     assert cli.stdout == "king" + complete(client, "king") + "\n"
 
 
+def test_with_default_flags_serve_py_and_sample_py_pick_one_precision_and_the_same_greedy_text(ckpt):
+    """auto decides the precision at one decoding row in both (on a CPU with native bf16, a 16-row step measures bf16
+    faster where one row runs faster in fp32, and the two used to pick differently): serve.py started with no
+    --dtype or --device and sample.py with no flags but greedy decoding write the same text."""
+    prompts = [p for p in PROMPTS if p]  # sample.py --interactive reads one a line
+    with ServerProcess(ckpt, "--model-name", "tiny", api_key=KEY) as s:
+        served = [complete(s.client(), p) for p in prompts]
+    cli = subprocess.run(
+        [sys.executable, "sample.py", "--ckpt", str(ckpt), "--interactive", "--max-new-tokens", "40"]
+        + ["--temperature", "0", "--no-stream"],
+        input="".join(f"{p}\n" for p in prompts),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout == "".join(f"{p}{text}\n" for p, text in zip(prompts, served))
+
+
 def test_greedy_chat_equals_the_model_decoding_the_template_alone(server, loaded):
     client = server.client()
     reply = chat(client, CONVERSATION)
