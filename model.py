@@ -261,6 +261,7 @@ class GPT(nn.Module):
         assert config.vocab_size is not None, "vocab_size must be resolved before building the model"
         self.config = config
         self.gradient_checkpointing = False
+        self.loss_chunks = 1  # training.loss_chunks: >1 computes the training loss by chunks (chunked_loss)
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -337,15 +338,31 @@ class GPT(nn.Module):
             cache.pos += T
         if last_only:
             x = x[:, [-1], :]  # (B, 1, C)
+        if targets is not None and self.loss_chunks > 1 and self.training:
+            return None, self.chunked_loss(x, targets)
         logits = self.head(x)  # (B, T, V)
         loss = None
         if targets is not None:
             # mean over the counted targets (-1: not counted, e.g. chat's non-assistant tokens); a batch with none
             # gives 0, not 0/0, and the count stays on the device
             flat = targets.reshape(-1)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), flat, ignore_index=-1, reduction="sum")
-            loss = loss / (flat >= 0).sum().clamp(min=1)
+            loss = summed_nats(logits.view(-1, logits.size(-1)), flat) / (flat >= 0).sum().clamp(min=1)
         return logits, loss
+
+    def chunked_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss of forward(), the head and the cross-entropy run over loss_chunks slices of the rows, each
+        slice recomputed in the backward pass: the (B, T, V) fp32 logits and their gradient never exist whole (at
+        GPT-2's vocabulary they are most of a step's memory), for a second head matmul. x (B, T, C), targets (B, T)."""
+        rows, flat = x.reshape(-1, x.size(-1)), targets.reshape(-1)  # (B*T, C), (B*T,)
+        nats = [
+            checkpoint(self.summed_head_nats, r, t, use_reentrant=False)
+            for r, t in zip(rows.chunk(self.loss_chunks), flat.chunk(self.loss_chunks))
+        ]
+        return torch.stack(nats).sum() / (flat >= 0).sum().clamp(min=1)
+
+    def summed_head_nats(self, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy of the counted targets of rows (N, C) of final hidden states."""
+        return summed_nats(self.head(rows), targets)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm, output projection and soft-cap: (B, T, C) -> (B, T, V)."""
@@ -507,6 +524,11 @@ def quantize_int8(model: GPT, dtype: torch.dtype = torch.bfloat16) -> GPT:
             if isinstance(child, nn.Linear):
                 setattr(module, name, Int8Linear(child, dtype))
     return model
+
+
+def summed_nats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of logits (N, V) in fp32, summed over the counted targets (N,) (-1: not counted)."""
+    return F.cross_entropy(logits.float(), targets, ignore_index=-1, reduction="sum")
 
 
 def cache_length(needed: int, block_size: int) -> int:

@@ -79,7 +79,7 @@ def train(
     try:
         with distributed.reporting_peer_failures(dist), callers_determinism_restored():
             cfg, run_dir, ckpt = resolve_run(config, overrides, resume, force or validate_only, dist.world_size)
-            rt = setup(cfg, dist)
+            rt = setup(cfg, dist, ckpt.resolution() if ckpt else None)
             run_dir = distributed.broadcast_object(run_dir, dist)  # an unnamed run is named by each rank's clock
             dataset = find_dataset(cfg, dist)
             plan = distributed.on_every_rank(plan_model, dist, cfg, dataset, ckpt)  # the one model both paths take

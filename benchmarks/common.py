@@ -25,7 +25,7 @@ from quillgpt.errors import UserError
 from quillgpt.files import atomic_write
 from quillgpt.metrics import matmul_flops, rss_mb
 from quillgpt.precision import PRECISIONS
-from quillgpt.trainer import Trainer, build_trainer, setup, train_step
+from quillgpt.trainer import Trainer, build_trainer, setup, synchronize, train_step
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_PRESET = REPO / "configs" / "shakespeare_char" / "cpu.toml"
@@ -107,11 +107,6 @@ def reset_peak_memory(device: torch.device) -> None:
 def peak_memory_mb(device: torch.device) -> float:
     """Max allocated on CUDA, peak RSS on the CPU."""
     return torch.cuda.max_memory_allocated(device) / 1e6 if device.type == "cuda" else peak_rss_mb()
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---- timed training steps -------------------------------------------------------------------------

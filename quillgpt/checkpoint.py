@@ -62,6 +62,19 @@ class TrainState:
     wandb_run_id: str | None = field(default=None, metadata=OPTIONAL)
 
 
+@dataclass(frozen=True)
+class Resolution:
+    """What a run asked for in precision and compile, what they resolved to, and on which type of device: a resumed
+    run keeps what was resolved where the same request meets the same type of device, and resolves it again on
+    another (a run begun on a CPU, resumed on a GPU)."""
+
+    device_type: str  # "cpu", "cuda", "mps"
+    requested_precision: str  # training.precision as asked: auto, fp32, bf16, fp16
+    precision: str  # what it resolved to
+    requested_compile: bool | None  # training.compile as asked (None: on for CUDA)
+    compile: bool
+
+
 @dataclass
 class TrainingCheckpoint:
     """Everything a training checkpoint holds: trainer.save writes it, trainer.restore reads it, from_dict checks it.
@@ -78,12 +91,29 @@ class TrainingCheckpoint:
     tokenizer: dict | None = field(default=None, metadata=OPTIONAL)  # Tokenizer.to_dict() of the dataset
     world_size: int | None = field(default=None, metadata=OPTIONAL)  # ranks that wrote it
     sharded: str | None = field(default=None, metadata=OPTIONAL)  # FSDP: its sharded_stepNNNNNNN directory
+    # training.precision and training.compile as the run asked for them ({"precision": "auto", "compile": None}):
+    # config holds what they resolved to, on a device of type resolved_on ("cpu", "cuda")
+    requested: dict | None = field(default=None, metadata=OPTIONAL)
+    resolved_on: str | None = field(default=None, metadata=OPTIONAL)
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "state"}
         if self.sharded is None:
             del d["sharded"]
         return {**d, **asdict(self.state)}
+
+    def resolution(self) -> Resolution | None:
+        """How the run's precision and compile were resolved; None for a checkpoint written before runs recorded it."""
+        if self.requested is None or self.resolved_on is None:
+            return None
+        t = self.config["training"]
+        return Resolution(
+            self.resolved_on,
+            self.requested.get("precision"),
+            t["precision"],
+            self.requested.get("compile"),
+            t["compile"],
+        )
 
     @classmethod
     def from_dict(cls, ckpt: dict, path: str | Path) -> TrainingCheckpoint:
@@ -350,9 +380,17 @@ def resolve_run(
     ckpt = load_resumable(run, path)
     saved = layer_from_dict(ckpt.config)
     saved["run"].update(name=run.path.name, out_dir=str(run.path.parent))
-    if saved.get("training", {}).get("precision") == "auto" and not torch.cuda.is_available():
+    training = saved.setdefault("training", {})
+    if ckpt.requested is not None:
+        # what the run asked for; trainer.setup keeps what it resolved to where the same request meets the same type
+        # of device (ckpt.resolution()), and resolves it again on another
+        for key in ("precision", "compile"):
+            training.pop(key, None)  # asked as None: the schema's default
+            if ckpt.requested.get(key) is not None:
+                training[key] = ckpt.requested[key]
+    elif training.get("precision") == "auto" and not torch.cuda.is_available():
         # written before runs recorded what auto chose, when the CPU's auto meant fp32: the run goes on as it began
-        saved["training"]["precision"] = "fp32"
+        training["precision"] = "fp32"
     cfg = build_config(saved, overrides, source=f"{run.path}/config", world_size=world_size, stored=True)
     return cfg, run, ckpt
 

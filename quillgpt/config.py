@@ -105,7 +105,12 @@ class RunConfig:
     name: str | None = _f(None, "run name: checkpoints go to out_dir/name (None: generated from dataset and time)")
     out_dir: str = _f("checkpoints", "root directory of run directories")
     seed: int = _f(1337, "seed for weights, dropout and the data stream")
-    device: str = _f("auto", "auto | cpu | cuda | cuda:N | mps")
+    device: str = _f("auto", "auto | cpu | cuda | cuda:N | mps (under torchrun: cuda, each rank its LOCAL_RANK's GPU)")
+    deterministic: bool | None = _f(
+        None,
+        "deterministic algorithms, so the same seed repeats its losses bit for bit (None: on for the CPU, where they "
+        "cost nothing measurable; off on a GPU, where some kernels are slower; true sets CUBLAS_WORKSPACE_CONFIG)",
+    )
     init_from: str = _f(
         "scratch",
         "scratch | a checkpoint, run dir or .safetensors file | a Hugging Face model dir "
@@ -168,6 +173,19 @@ class TrainingConfig:
     )
     gradient_checkpointing: bool = _f(False, "recompute each block in backward to save activation memory")
     compile: bool | None = _f(None, "torch.compile the model (None: on for CUDA, off for CPU)")
+    compile_mode: str = _f(
+        "default",
+        "torch.compile's mode: default | reduce-overhead (CUDA graphs) | max-autotune (Triton matmul templates, "
+        "and CUDA graphs) | max-autotune-no-cudagraphs; the others are unmeasured on a GPU (bench.py --gpu measures "
+        "them)",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+    )
+    loss_chunks: int = _f(
+        1,
+        "compute the output head and the cross-entropy in this many chunks of rows, each recomputed in the backward "
+        "pass, so the (batch, block, vocab) fp32 logits never exist whole: less memory for a larger batch_size at the "
+        "cost of a second head matmul (1: off; unmeasured on a GPU)",
+    )
     eval_interval: int = _f(250, "evaluate every this many steps (0: only at the end)")
     eval_iters: int = _f(200, "batches per split in each evaluation")
     final_eval_iters: int = _f(
@@ -484,7 +502,7 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
             elif isinstance(value, float) and not math.isfinite(value):  # TOML and the command line accept nan, inf
                 errors.append(f"{section}.{f.name} = {value} must be a finite number")
     t, o, m, d = cfg.training, cfg.optimizer, cfg.model, cfg.data
-    for key in ("batch_size", "grad_accum_steps", "max_iters", "eval_iters", "max_nonfinite_steps"):
+    for key in ("batch_size", "grad_accum_steps", "max_iters", "eval_iters", "max_nonfinite_steps", "loss_chunks"):
         need(getattr(t, key) > 0, f"training.{key} = {getattr(t, key)} must be positive")
     for key in (
         "eval_interval",
@@ -564,6 +582,11 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
         or device == "cuda"
         or (device.startswith("cuda:") and device[5:].isdigit()),
         f"run.device = {device!r} must be auto | cpu | cuda | cuda:N | mps",
+    )
+    need(
+        world_size == 1 or not device.startswith("cuda:"),
+        f"run.device = {device!r} would put all {world_size} ranks on one GPU: use run.device = 'cuda' under "
+        "torchrun (each rank takes its LOCAL_RANK's GPU; CUDA_VISIBLE_DEVICES picks which GPUs)",
     )
     if t.global_batch_size is not None and t.batch_size > 0 and t.grad_accum_steps > 0:
         g = t.global_batch_size

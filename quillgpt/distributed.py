@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import itertools
 import os
 import pickle
@@ -39,10 +40,21 @@ import torch.distributed as dist
 from quillgpt.errors import EXIT_USER_ERROR, UserError, report
 from quillgpt.files import TEMP_SUFFIX, fsync_dir
 from quillgpt.machine import usable_cpus
+from quillgpt.precision import PRECISIONS
 
 T = TypeVar("T")
-# how gloo and nccl report a peer that died or a collective that timed out (gloo raises a plain RuntimeError)
-PEER_FAILURE_HINTS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "NCCL")
+# How gloo and NCCL report a peer that died, hung or became unreachable: gloo names its transport, NCCL a remote error
+# or its aborted communicator. Not every NCCL error is one: "Duplicate GPU detected" (two ranks on one GPU) is the
+# user's to fix, and is reported as it is.
+PEER_FAILURE_HINTS = (
+    "gloo/transport",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "ncclRemoteError",
+    "remote process exit",
+    "communicator was aborted",
+    "Watchdog caught collective operation timeout",
+)
 
 
 @dataclass
@@ -67,10 +79,19 @@ def from_env() -> DistInfo:
     return DistInfo(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"]))
 
 
-def init_process_group(info: DistInfo, device: torch.device, backend: str | None, timeout_s: int) -> None:
-    """timeout_s bounds every collective: a rank that hangs makes the others fail instead of waiting forever.
+# How long the other ranks wait while rank 0 alone works (on_main: preparing a dataset, which can take hours, or
+# writing a checkpoint). A rank 0 that dies closes its sockets, and the others fail within a second all the same.
+MAIN_WORK_TIMEOUT = datetime.timedelta(hours=24)
+_main_work_group: dist.ProcessGroup | None = None  # gloo, with MAIN_WORK_TIMEOUT; made with the default group
 
-    (With nccl the watchdog enforces it by aborting the process; TORCH_NCCL_ASYNC_ERROR_HANDLING is on by default.)"""
+
+def init_process_group(info: DistInfo, device: torch.device, backend: str | None, timeout_s: int) -> None:
+    """timeout_s bounds every collective: a rank that hangs makes the others fail instead of waiting forever; except
+    while rank 0 works alone (on_main), which the others wait for in a gloo group of its own, up to MAIN_WORK_TIMEOUT.
+
+    (With nccl the watchdog enforces timeout_s by aborting the process; TORCH_NCCL_ASYNC_ERROR_HANDLING is on by
+    default. The gloo group's wait is a CPU one, outside the watchdog's sight.)"""
+    global _main_work_group
     if not info.enabled or dist.is_initialized():
         return
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -78,11 +99,14 @@ def init_process_group(info: DistInfo, device: torch.device, backend: str | None
     if device.type == "cuda":
         kwargs["device_id"] = device
     dist.init_process_group(**kwargs)
+    _main_work_group = dist.new_group(backend="gloo", timeout=MAIN_WORK_TIMEOUT)
 
 
 def shutdown() -> None:
+    global _main_work_group
     if dist.is_initialized():
         dist.destroy_process_group()
+    _main_work_group = None
 
 
 class PeerFailure(Exception):
@@ -92,7 +116,12 @@ class PeerFailure(Exception):
 def is_peer_failure(e: BaseException) -> bool:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return False
-    return isinstance(e, dist.DistError) or (
+    return reads_as_peer_failure(e)
+
+
+def reads_as_peer_failure(e: BaseException) -> bool:
+    """Whether an error says another rank (or the rendezvous store) went away, rather than what went wrong here."""
+    return isinstance(e, (dist.DistNetworkError, dist.DistStoreError)) or (
         isinstance(e, RuntimeError) and any(h in str(e) for h in PEER_FAILURE_HINTS)
     )
 
@@ -116,12 +145,12 @@ def reporting_peer_failures(info: DistInfo):
 # ---- collectives ------------------------------------------------------------------------------------
 
 
-def barrier() -> None:
+def barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group)
 
 
-def settled(*tensors: torch.Tensor) -> None:
+def settled(*tensors: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """Wait (a second at most) until gloo's worker thread has let go of these tensors.
 
     gloo marks a collective done before its worker thread frees the work. If our Python tensors are
@@ -129,15 +158,15 @@ def settled(*tensors: torch.Tensor) -> None:
     a collective (every rank exiting on a UserError that train.on_every_rank gathered) it can ask during
     interpreter shutdown, which aborts the process ("terminate called without an active exception",
     exit 134). Holding the tensors until the worker has dropped them means it never needs the GIL."""
-    if dist.get_backend() != "gloo":  # nccl's watchdog keeps works longer; its threads never free Python objects
+    if dist.get_backend(group) != "gloo":  # nccl's watchdog keeps works longer; its threads never free Python objects
         return
     deadline = time.monotonic() + 1.0
     while any(t._use_count() > 1 for t in tensors) and time.monotonic() < deadline:
         time.sleep(1e-4)
 
 
-def collective_device() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+def collective_device(group: dist.ProcessGroup | None = None) -> str:
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -162,29 +191,29 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def pickled(obj: object) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(collective_device())
+def pickled(obj: object, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(collective_device(group))
 
 
 def unpickled(t: torch.Tensor) -> object:
     return pickle.loads(t.cpu().numpy().tobytes())
 
 
-def gather_objects(obj: object) -> list:
+def gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list:
     """[rank 0's obj, rank 1's obj, ...] on every rank (small picklable objects such as RNG states).
 
     Pickled as all_gather_object does, but through tensors we hold; see settled."""
     if not dist.is_initialized():
         return [obj]
-    payload = pickled(obj)
+    payload = pickled(obj, group)
     size = torch.tensor([payload.numel()], dtype=torch.long, device=payload.device)
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, size)
+    dist.all_gather(sizes, size, group=group)
     padded = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8, device=payload.device)
     padded[: payload.numel()] = payload
     gathered = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(gathered, padded)
-    settled(size, *sizes, padded, *gathered)
+    dist.all_gather(gathered, padded, group=group)
+    settled(size, *sizes, padded, *gathered, group=group)
     return [unpickled(g[: int(s.item())]) for g, s in zip(gathered, sizes)]
 
 
@@ -206,6 +235,17 @@ def on_every_rank(fn: Callable[..., T], info: DistInfo, *args, **kwargs) -> T:
     """fn(*args, **kwargs) on every rank, for steps whose outcome is the same on each (opening the data, building the
     model). A UserError on any rank is printed once, by rank 0, before any rank exits, and raised on every
     rank, so all of them exit 2 (torchrun stops the others as soon as one exits: a later message is lost)."""
+    return _on_every_rank(None, fn, info, *args, **kwargs)
+
+
+def on_main(fn: Callable[..., object], info: DistInfo, *args, **kwargs) -> None:
+    """fn(*args, **kwargs) on rank 0 while the others wait (preparing data, writing a checkpoint), for as long as it
+    takes (MAIN_WORK_TIMEOUT, not distributed.timeout_s); a UserError there is handled as on_every_rank's."""
+    _on_every_rank(_main_work_group, _main_only, info, fn, info, *args, **kwargs)
+
+
+def _on_every_rank(group: dist.ProcessGroup | None, fn: Callable[..., T], info: DistInfo, *args, **kwargs) -> T:
+    """on_every_rank, the ranks agreeing on errors in `group` (None: the default one)."""
     try:
         return_value, error = fn(*args, **kwargs), None
     except UserError as e:
@@ -213,19 +253,13 @@ def on_every_rank(fn: Callable[..., T], info: DistInfo, *args, **kwargs) -> T:
             raise
         return_value, error = None, str(e)
     if info.enabled:
-        errors = [e for e in gather_objects(error) if e is not None]
+        errors = [e for e in gather_objects(error, group) if e is not None]
         if errors:
             if info.is_main:
                 report(UserError(errors[0]))
-            barrier()  # nobody exits (and so has torchrun stop the rest) before rank 0 has printed
+            barrier(group)  # nobody exits (and so has torchrun stop the rest) before rank 0 has printed
             raise UserError(errors[0], reported_elsewhere=True)
     return return_value
-
-
-def on_main(fn: Callable[..., object], info: DistInfo, *args, **kwargs) -> None:
-    """fn(*args, **kwargs) on rank 0 while the others wait (preparing data, writing a checkpoint); a UserError there
-    is handled as on_every_rank's."""
-    on_every_rank(_main_only, info, fn, info, *args, **kwargs)
 
 
 def _main_only(fn: Callable[..., object], info: DistInfo, *args, **kwargs) -> None:
@@ -283,16 +317,33 @@ def broadcast_weights(model: torch.nn.Module) -> None:
             dist.broadcast(t, src=0)
 
 
-def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """FSDP2: one unit per transformer block, and the root for the embeddings, the (tied) head and ln_f."""
+def shard(model: torch.nn.Module, device: torch.device, precision: str) -> torch.nn.Module:
+    """FSDP2: one unit per transformer block, and the root for the embeddings, the (tied) head and ln_f.
+
+    In bf16 or fp16 the weights are gathered in that dtype, which autocast would cast them to anyway (half the
+    all-gather's bytes), and the gradients reduced in fp32 onto the fp32 shards. The root keeps its weights gathered
+    from forward to backward: fully_shard's default for the root, whose weights backward needs first."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy()
+    if precision != "fp32":
+        policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=torch.float32)
     for block in model.transformer.h:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def data_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """DDP. Buffers are not sent from rank 0 at each forward: the model's only ones are rope's tables, computed alike
+    on every rank (torch 2.13 renamed the switch forward_sync_buffers)."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    ids = [device.index] if device.type == "cuda" else None
+    if "forward_sync_buffers" in inspect.signature(ddp).parameters:
+        return ddp(model, device_ids=ids, forward_sync_buffers=False)
+    return ddp(model, device_ids=ids, broadcast_buffers=False)
 
 
 def wrap_model(
@@ -302,14 +353,17 @@ def wrap_model(
     compile: bool,
     fsdp: bool,
     gradient_checkpointing: bool,
+    precision: str = "fp32",
+    compile_mode: str = "default",
 ) -> torch.nn.Module:
-    """FSDP or DDP, and torch.compile, in the orders that work: shard then compile; compile then DDP.
+    """FSDP or DDP, and torch.compile (in compile_mode), in the orders that work: shard then compile; compile then
+    DDP. precision is the run's (FSDP gathers 16-bit weights for a 16-bit run).
 
     Under FSDP the optimizer must be built after this call (fully_shard replaces the parameters with DTensors)."""
     if fsdp and info.enabled:
         broadcast_weights(model)
-        model = shard(model, device)
-        return torch.compile(model) if compile else model
+        model = shard(model, device, precision)
+        return torch.compile(model, mode=compile_mode) if compile else model
     if compile:
         if info.enabled and gradient_checkpointing:
             # Dynamo's DDP graph splitter can't handle checkpointing's higher-order ops (pytorch#104674)
@@ -320,10 +374,9 @@ def wrap_model(
                 print(
                     "compile + DDP + gradient checkpointing: Dynamo's DDP graph splitting is off (one gradient bucket)"
                 )
-        model = torch.compile(model)
+        model = torch.compile(model, mode=compile_mode)
     if info.enabled:
-        ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        model = data_parallel(model, device)
     return model
 
 

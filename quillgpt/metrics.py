@@ -24,18 +24,27 @@ from quillgpt.files import atomic_write, atomic_write_json
 if TYPE_CHECKING:
     import torch
 
-# Dense bf16/fp16 tensor-core peaks of common accelerators (FLOP/s); fp32 is taken as 1/2 of TF32-less peak.
+# Dense bf16/fp16 tensor-core peaks of common accelerators (FLOP/s), by a part of the name torch.cuda.get_device_name
+# gives, the first match wins: the PCIe and NVL cards come before the SXM ones whose names theirs contain ("NVIDIA
+# H100 PCIe" against "NVIDIA H100 80GB HBM3"), the L40S and L40 before the L4. fp32 is taken as half.
 CUDA_PEAKS = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200 NVL": 835e12,
     "H100": 989e12,
     "H200": 989e12,
+    "GH200": 989e12,
     "A100": 312e12,
     "A10": 125e12,
+    "L40S": 362e12,
+    "L40": 181e12,
     "L4": 121e12,
     "4090": 165e12,
     "3090": 71e12,
     "V100": 125e12,
     "T4": 65e12,
 }
+CUDA_PEAK_UNKNOWN = 100e12  # a card not in the table: set logging.peak_tflops for a true MFU
 
 
 def format_duration(seconds: float) -> str:
@@ -50,8 +59,7 @@ def default_peak_flops(device: torch.device, precision: str) -> float:
     import torch  # here, so that `python -m quillgpt.metrics --plot` starts without torch
 
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = next((v for k, v in CUDA_PEAKS.items() if k in name), 100e12)
+        peak = cuda_peak_flops(torch.cuda.get_device_name(device))
         return peak if precision in ("bf16", "fp16") else peak / 2
     # CPU: cores x ~3 GHz x FLOPs per cycle. fp32: the vector FMA units (two 512-bit FMAs: 64; AVX2, or AMD Zen 4's
     # AVX-512 executed on 256-bit units: 32); bf16 dot products double it, and Intel's AMX tiles (Sapphire Rapids
@@ -64,6 +72,11 @@ def default_peak_flops(device: torch.device, precision: str) -> float:
     if precision == "bf16":
         flops_per_cycle *= 2
     return torch.get_num_threads() * 3.0e9 * flops_per_cycle
+
+
+def cuda_peak_flops(name: str) -> float:
+    """The dense bf16 peak FLOP/s of the card torch.cuda.get_device_name calls `name` (CUDA_PEAKS)."""
+    return next((peak for part, peak in CUDA_PEAKS.items() if part in name), CUDA_PEAK_UNKNOWN)
 
 
 def matmul_flops(

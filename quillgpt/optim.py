@@ -162,10 +162,9 @@ class Muon(torch.optim.Optimizer):
     def update(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor], group: dict, keep=None) -> None:
         lr, momentum = group["lr"], group["momentum"]
         bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
-        if keep is None:
-            torch._foreach_lerp_(bufs, grads, 1 - momentum)
-        else:
-            torch._foreach_lerp_(bufs, grads, (1 - momentum) * keep)
+        # keep (0-dim, on the device) goes in as one weight per tensor: as a single tensor weight, _foreach_lerp_ would
+        # read it back to the host (a sync per shape group on a GPU)
+        torch._foreach_lerp_(bufs, grads, 1 - momentum if keep is None else [(1 - momentum) * keep] * len(bufs))
         # Nesterov, written straight into the batch: stacking an (m, n) matrix with transposed (n, m) ones (to share a
         # chain) needs a transposing copy that costs more than the chain it saves (docs/LOG.md)
         update = grads[0].new_empty((len(params), *params[0].shape))  # (G, m, n)

@@ -21,7 +21,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from model import GPT
 from quillgpt import distributed
-from quillgpt.checkpoint import RunDir, TrainingCheckpoint, TrainState, rng_state, set_rng_state
+from quillgpt.checkpoint import Resolution, RunDir, TrainingCheckpoint, TrainState, rng_state, set_rng_state
 from quillgpt.config import Config, EvalConfig, TrainingConfig, resolved, summary, to_toml
 from quillgpt.data import BatchSource, Dataset, micro_batch_index
 from quillgpt.distributed import DistInfo
@@ -62,12 +62,29 @@ class Runtime:
     autocast: object  # the autocast context of the precision (a null context for fp32)
     matmul_rates: MatmulRates | None = None  # fp32 and bf16 measured at the model's shape (CPU, auto or bf16)
     requested_precision: str = ""  # training.precision as configured (auto, or what precision was forced to)
+    requested_compile: bool | None = None  # training.compile as configured (None: on for CUDA)
 
 
-def setup(cfg: Config, dist: DistInfo) -> Runtime:
-    """Resolve device, precision and compile, start the process group, configure the backends and seed torch."""
+def setup(cfg: Config, dist: DistInfo, resumed: Resolution | None = None) -> Runtime:
+    """Resolve device, precision and compile, start the process group, configure the backends and seed torch.
+
+    resumed: how the checkpoint a resumed run continues resolved precision and compile. On the same type of device,
+    for the same request, the run keeps what it resolved to (a CPU's auto is not measured again: exact resume); on
+    another type of device (begun on a CPU, resumed on a GPU) both are resolved again here, with one line saying so."""
     device = resolve_device(cfg.run.device, dist)
-    compile = cfg.training.compile if cfg.training.compile is not None else device.type == "cuda"
+    t = cfg.training
+    kept = resumed if resumed is not None and resumed.device_type == device.type else None
+    if resumed is not None and kept is None and dist.is_main:
+        print(
+            f"resuming on {device.type} a run that began on {resumed.device_type}: precision and compile are resolved "
+            f"again for {device.type} (training.precision = {t.precision}, training.compile = "
+            f"{'none' if t.compile is None else str(t.compile).lower()})",
+            flush=True,
+        )
+    if kept is not None and t.compile == kept.requested_compile:
+        compile = kept.compile
+    else:
+        compile = t.compile if t.compile is not None else device.type == "cuda"
     if compile and device.type == "cpu" and not has_cxx_compiler():
         raise UserError(
             "training.compile = true needs a C++ compiler on the CPU (inductor builds C++ kernels); "
@@ -75,20 +92,33 @@ def setup(cfg: Config, dist: DistInfo) -> Runtime:
         )
     distributed.init_process_group(dist, device, cfg.distributed.backend, cfg.distributed.timeout_s)
     rates = probe_matmuls(cfg, device, dist)
-    precision = resolve_precision(cfg.training.precision, device, rates)
+    if kept is not None and t.precision == kept.requested_precision:
+        precision = kept.precision
+    else:
+        precision = resolve_precision(t.precision, device, rates)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    deterministic = cfg.run.deterministic if cfg.run.deterministic is not None else device.type == "cpu"
+    if deterministic:
+        use_deterministic_algorithms(device)
     if device.type == "cpu":
-        # Same seed, same losses, compiled too: inductor's CPU embedding backward otherwise adds rows with
-        # atomics in thread order. No slower on the CPU preset (measured); warn_only: never an error.
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.utils.deterministic.fill_uninitialized_memory = False  # we never read torch.empty's contents
         keep_freed_memory()  # steps re-allocate the same tensors: reuse them, not fresh zeroed pages (docs/LOG.md)
     torch.manual_seed(cfg.run.seed + dist.rank)
     peak = mfu_peak(cfg, device, precision, rates) * dist.world_size
     autocast = precision_autocast(device.type, precision)
-    return Runtime(device, precision, dist, compile, peak, autocast, rates, cfg.training.precision)
+    return Runtime(device, precision, dist, compile, peak, autocast, rates, t.precision, t.compile)
+
+
+def use_deterministic_algorithms(device: torch.device) -> None:
+    """Same seed, same losses, compiled too (run.deterministic). On the CPU it costs nothing measurable on the presets,
+    and without it inductor's embedding backward adds rows with atomics in thread order. warn_only: a kernel with no
+    deterministic form (on CUDA: SDPA's flash and memory-efficient backward) warns once and runs, so a GPU run repeats
+    to within its rounding, not bit for bit. cuBLAS needs its workspace fixed before its first matmul."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # we never read torch.empty's contents
 
 
 def resolve_device(name: str, dist: DistInfo) -> torch.device:
@@ -145,7 +175,8 @@ def has_cxx_compiler() -> bool:
 
 @contextmanager
 def callers_determinism_restored() -> Iterator[None]:
-    """setup() switches on deterministic algorithms for the CPU; a Python caller gets its own setting back."""
+    """setup() switches on deterministic algorithms (run.deterministic: by default on the CPU); a Python caller gets
+    its own setting back."""
     saved = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -234,8 +265,16 @@ def build_trainer(
             "distributed.fsdp does not support optimizer.name = 'muon' (Muon orthogonalises whole "
             "matrices, FSDP shards them): use adamw, or DDP"
         )
+    raw_model.loss_chunks = cfg.training.loss_chunks
     model = distributed.wrap_model(
-        raw_model, rt.dist, rt.device, rt.compile, cfg.distributed.fsdp, cfg.training.gradient_checkpointing
+        raw_model,
+        rt.dist,
+        rt.device,
+        rt.compile,
+        cfg.distributed.fsdp,
+        cfg.training.gradient_checkpointing,
+        rt.precision,
+        cfg.training.compile_mode,
     )
     # after wrapping: FSDP swaps the parameters. Muon's Newton-Schulz matmuls run in bf16 only where the run does
     optimizers = make_optimizers(raw_model, cfg.optimizer, rt.device.type, muon_dtype(cfg, rt))
@@ -462,7 +501,8 @@ def eval_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
     n, rank, world, device = batches or tr.cfg.training.eval_iters, tr.rt.dist.rank, tr.rt.dist.world_size, tr.rt.device
     for split in ("train", "val"):
         # the sums of loss x w, correct / numel, w, nats of tokens with bytes, their bytes, where w is the share of the
-        # batch's targets that count (1 except on chat data, where the loss counts the assistant's tokens only)
+        # batch's targets that count (1 except on chat data, where the loss counts the assistant's tokens only); loss x
+        # w is the batch's nats over its numel
         sums = torch.zeros(5, device=device)
         for k in tqdm(
             range(rank, math.ceil(n / world) * world, world),
@@ -472,14 +512,14 @@ def eval_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
         ):
             x, y = tr.batches.get(split, k)
             with tr.rt.autocast:
-                logits, loss = tr.model(x, y)
+                logits, _ = tr.model(x)  # no targets: the one cross-entropy is the per-token one below
             counted = y >= 0
             w = counted.sum().float() / y.numel()
             nbytes = tr.evaluation.token_bytes[y.clamp(min=0)] * counted
             nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none", ignore_index=-1)
             sums += (k < n) * torch.stack(
                 [
-                    loss.float() * w,
+                    nats.sum() / y.numel(),
                     ((logits.argmax(-1) == y) & counted).sum().float() / y.numel(),
                     w,
                     (nats * (nbytes.flatten() > 0)).sum(),
@@ -568,6 +608,8 @@ def save(tr: Trainer, state: TrainState, kind: str, final: bool = False) -> None
         scaler=tr.scaler.state_dict() if tr.scaler.is_enabled() else None,
         tokenizer=tr.tokenizer,
         world_size=tr.rt.dist.world_size,
+        requested={"precision": tr.rt.requested_precision, "compile": tr.rt.requested_compile},
+        resolved_on=tr.rt.device.type,
     )
     if kind == "last" and distributed.is_sharded(tr.raw_model):
         directory = tr.run_dir.sharded(state.iter_num)
@@ -603,26 +645,60 @@ class StopRequest:
 
 
 class StepClock:
-    """Seconds per optimizer step: the mean over the last 20 steps, leaving out the first (it may compile) and
-    the time spent evaluating and saving (restart() after them)."""
+    """Seconds per optimizer step, timed from one moment the device has finished its queued work to the next.
 
-    def __init__(self) -> None:
-        self.steps, self.recent, self.last = 0, [], 0.0
+    On a GPU a step that reads nothing back only queues its work: a clock around it would time the queueing, and the
+    wait at the next step that reads would fall outside every window, so tok/s and MFU would read high. So the
+    window closes where the loop waits anyway (settle(), at the steps that log, evaluate or save) and opens again
+    after evaluating or saving (restart(), which leaves them out). The first step is timed alone (it may compile:
+    the one extra wait of a run); the mean covers the last 20 steps or so."""
+
+    RECENT = 20
+
+    def __init__(self, synchronize: Callable[[], None], now: Callable[[], float] = time.perf_counter) -> None:
+        self.synchronize, self.now = synchronize, now
+        self.steps = 0  # steps taken
+        self.first: float | None = None  # seconds of the first step
+        self.windows: list[tuple[float, int]] = []  # (seconds, steps) of the latest windows, RECENT steps or a few more
+        self.pending = 0  # steps queued since the window opened
         self.restart()
 
     def tick(self) -> None:
-        now = time.perf_counter()
-        self.last, self._start = now - self._start, now
+        """A step was queued."""
         self.steps += 1
-        if self.steps > 1:
-            self.recent = (self.recent + [self.last])[-20:]
+        self.pending += 1
+        if self.steps == 1:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for the device and close the window: its steps' time counts."""
+        self.synchronize()
+        now = self.now()
+        if self.pending and self.first is None:
+            self.first = now - self._start
+        elif self.pending:
+            self.windows.append((now - self._start, self.pending))
+            while sum(n for _, n in self.windows[1:]) >= self.RECENT:
+                self.windows.pop(0)
+        self._start, self.pending = now, 0
 
     def restart(self) -> None:
-        self._start = time.perf_counter()
+        """Open a window now, the device idle (after evaluating or saving, which are not steps)."""
+        self.synchronize()
+        self._start, self.pending = self.now(), 0
 
     @property
     def seconds_per_step(self) -> float:
-        return sum(self.recent) / len(self.recent) if self.recent else self.last
+        steps = sum(n for _, n in self.windows)
+        return sum(t for t, _ in self.windows) / steps if steps else self.first or 0.0
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until the device has finished the work queued on it (a no-op on the CPU, where nothing is queued)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 @dataclass
@@ -644,7 +720,7 @@ def fit(tr: Trainer, state: TrainState, log: MetricsLog | None, stop: StopReques
         return Outcome(state, None, evaluate_and_track(tr, state, log))
     reason = evaluate_and_track(tr, state, log) if state.iter_num == 0 and t.eval_interval else ""
     tr.model.train()
-    clock, last_loss, loss = StepClock(), None, None
+    clock, last_loss, loss = StepClock(lambda: synchronize(tr.rt.device)), None, None
     guard = NonfiniteGuard(tr.rt.device, state.nonfinite_streak)
     single = tr.rt.dist.world_size == 1
     while state.iter_num < t.max_iters and not reason:
@@ -655,13 +731,13 @@ def fit(tr: Trainer, state: TrainState, log: MetricsLog | None, stop: StopReques
         state.tokens_seen += tr.tokens_per_step
         clock.tick()
         if clock.steps == 1 and log and tr.rt.compile:
-            print(f"first step took {clock.last:.1f}s (torch.compile); later steps are fast", flush=True)
+            print(f"first step took {clock.first:.1f}s (torch.compile); later steps are fast", flush=True)
         done = state.iter_num >= t.max_iters
         logging = bool(t.log_interval and state.iter_num % t.log_interval == 0)
         due = done or logging or evaluation_due(state.iter_num, t, done) or save_due(state.iter_num, t, False)
         if not (due or (single and stop.requested)):
-            clock.restart()
             continue
+        clock.settle()
         reason = guard.settle(state, t.max_nonfinite_steps, tr.rt.dist.is_main)
         if logging:
             last_loss = log_step(tr, state, log, loss, lr, norm, clock)

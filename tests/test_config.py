@@ -319,3 +319,11 @@ def test_validate_refuses_what_cannot_fit(tiny_data, tmp_path, capsys):
     ]
     code, err = run_cli(argv, capsys)
     assert code == 2 and "would not fit" in err
+
+
+def test_one_gpu_named_for_several_ranks_is_refused():
+    """run.device = cuda:0 under torchrun would put every rank on GPU 0 (NCCL then fails with "Duplicate GPU")."""
+    with pytest.raises(ConfigError, match=r"run.device = 'cuda:0' would put all 2 ranks on one GPU: use run.device"):
+        build_config(None, {"run.device": "cuda:0"}, world_size=2)
+    assert build_config(None, {"run.device": "cuda:1"}, world_size=1).run.device == "cuda:1"
+    assert build_config(None, {"run.device": "cuda"}, world_size=2).run.device == "cuda"

@@ -526,3 +526,128 @@ def test_hellaswag_dealt_to_two_ranks_scores_as_one_rank(workdir, ddp_plain, tmp
     lines = [re.search(r"^eval 0: .*$", p.stdout, re.M)[0] for p in (one, two)]
     assert "bits/byte" in lines[0] and "hellaswag" in lines[0] and lines[0] == lines[1]
     assert not (tmp_path / "ev").exists()
+
+
+SLOW_PREPARE_SCRIPT = """
+import sys, time
+sys.path.insert(0, {repo!r})
+import quillgpt.data
+real_prepare = quillgpt.data.prepare_dataset
+
+
+def slow_prepare(*args, **kwargs):  # rank 0 prepares for longer than distributed.timeout_s
+    time.sleep(6)
+    return real_prepare(*args, **kwargs)
+
+
+quillgpt.data.prepare_dataset = slow_prepare
+import train
+from quillgpt.errors import run_main
+sys.argv[0] = "train.py"
+run_main(train.main)
+"""
+
+
+@pytest.mark.slow
+def test_the_other_ranks_wait_for_rank_0_to_prepare_the_dataset_however_long_it_takes(workdir, tmp_path):
+    """torchrun on a dataset not prepared yet: rank 0 prepares it (here for 6 s) while rank 1 waits, longer than
+    distributed.timeout_s (2 s), which bounds a collective's wait for a hung rank, not rank 0's work alone (it once
+    aborted every such job on a big dataset: NCCL's watchdog after 300 s)."""
+    script = tmp_path / "slow_prepare.py"
+    script.write_text(SLOW_PREPARE_SCRIPT.format(repo=str(REPO_ROOT)))
+    args = [
+        "--config",
+        config(workdir, 0.0),
+        "--run.out_dir",
+        str(tmp_path),
+        "--data.data_dir",
+        str(tmp_path / "data"),
+        "--data.input",
+        str(workdir / "input.txt"),
+        "--max-iters",
+        "2",
+        "--training.eval_interval",
+        "0",
+        "--training.eval_iters",
+        "1",
+        "--distributed.timeout_s",
+        "2",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args]
+    proc = finished(subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=180))
+    assert "finished: 2 iters" in proc.stdout
+    assert (tmp_path / "data" / "gen" / "meta.json").is_file()
+
+
+def test_only_a_peers_failure_reads_as_another_rank_failing():
+    """NCCL names itself in a user's mistake too (two ranks on one GPU): that is reported as it is, while gloo's and
+    NCCL's errors for a peer that went away read as another rank failing."""
+    import torch.distributed as dist
+
+    duplicate = dist.DistBackendError(
+        "NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage (run with NCCL_DEBUG=WARN for details), NCCL version "
+        "2.21.5\nncclInvalidUsage: This usually reflects invalid usage of NCCL library.\nLast error:\nDuplicate GPU "
+        "detected : rank 1 and rank 0 both on CUDA device 1b000"
+    )
+    assert not distributed.reads_as_peer_failure(duplicate)
+    assert not distributed.reads_as_peer_failure(RuntimeError("CUDA error: out of memory"))
+    for peer in (
+        RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5873"),
+        dist.DistBackendError(
+            "NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error, NCCL "
+            "version 2.21.5\nncclRemoteError: A call failed possibly due to a network error or a remote process "
+            "exiting prematurely."
+        ),
+        dist.DistNetworkError("failed to recv, got 0 bytes"),
+    ):
+        assert distributed.reads_as_peer_failure(peer)
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A process group of this one process over gloo, as torchrun with one process makes it (RANK set)."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("RANK", "0")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield distributed.DistInfo(0, 0, 1)
+    dist.destroy_process_group()
+
+
+def tiny_rope_model():
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=32, pos_emb="rope"))
+
+
+def test_ddp_sends_no_buffers_at_each_forward(one_rank, monkeypatch):
+    """The model's only buffers are rope's tables, the same on every rank: DDP broadcasting them from rank 0 at every
+    forward is traffic for nothing."""
+    import torch.distributed as dist
+
+    model = distributed.wrap_model(tiny_rope_model(), one_rank, torch.device("cpu"), False, False, False)
+    assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    sent = []
+    real = dist._broadcast_coalesced
+    monkeypatch.setattr(dist, "_broadcast_coalesced", lambda *a, **k: sent.append(1) or real(*a, **k))
+    x = torch.randint(0, 50, (2, 16))
+    for _ in range(2):
+        _, loss = model(x, x)
+        loss.backward()
+    assert sent == []
+
+
+def test_fsdp_gathers_16_bit_weights_and_reduces_fp32_gradients(one_rank):
+    """A bf16 run under FSDP gathers the weights in bf16 (what autocast casts them to anyway: half the all-gather's
+    bytes), and the gradients land in fp32 on the fp32 shards the optimizer steps."""
+    model = tiny_rope_model()
+    dtypes = []
+    model.transformer.h[0].mlp.c_fc.register_forward_pre_hook(lambda module, args: dtypes.append(module.weight.dtype))
+    wrapped = distributed.wrap_model(model, one_rank, torch.device("cpu"), False, True, False, "bf16")
+    x = torch.randint(0, 50, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = wrapped(x, x)
+    loss.backward()
+    assert dtypes == [torch.bfloat16]
+    assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float32}

@@ -1,15 +1,22 @@
 """A training step ready for a GPU: a step that doesn't log never makes the host wait for the device, and a non-finite
 gradient is skipped on the device without a bad update ever reaching the weights."""
 
+import shutil
+from dataclasses import replace
+
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_overrides
 from torch.overrides import TorchFunctionMode
 
+from model import GPT, GPTConfig
 from quillgpt import trainer
 from quillgpt.config import build_config
-from quillgpt.data import find_dataset
+from quillgpt.data import BatchSource, find_dataset
 from quillgpt.distributed import DistInfo
+from quillgpt.optim import make_optimizers
+from quillgpt.precision import autocast as precision_autocast
 from train import train
 
 # the calls that make the host wait for the device's queue to drain
@@ -127,3 +134,75 @@ def test_skipped_steps_are_reported_in_one_line_at_the_next_log_step(tiny_data, 
     )
     assert result.iterations == 10 and result.stop_reason == "finished"
     assert torch.isfinite(torch.tensor(result.final_loss))
+
+
+@pytest.fixture
+def fused_adamw_on_meta(monkeypatch):
+    """Fused AdamW accepts parameters of the devices in a list that has CUDA and the CPU: meta joins it here (its
+    meta kernel exists), so that the step runs as it would on CUDA."""
+    import torch.optim.optimizer as optimizer_module
+
+    supported = optimizer_module._get_fused_kernels_supported_devices()
+    monkeypatch.setattr(optimizer_module, "_get_fused_kernels_supported_devices", lambda: [*supported, "meta"])
+
+
+@pytest.mark.parametrize("optimizer,chat", [("adamw", False), ("muon", False), ("muon", True)])
+def test_a_training_step_reads_nothing_back_on_the_meta_device(
+    tiny_data, tmp_path, fused_adamw_on_meta, optimizer, chat
+):
+    """The meta device stands in for CUDA: a tensor there has no values, so any read back to the host (.item(), int(),
+    a Python bool, a tensor weight that a kernel takes as a number) raises, and so does a CPU tensor mixed in. The
+    real train_step with accumulation and the non-finite guard runs there, as the optimizers are built for CUDA."""
+    cfg = build_config(
+        None,
+        tiny_overrides(
+            tiny_data, tiny_data, **{"optimizer.name": optimizer, "training.grad_accum_steps": 2, "data.chat": False}
+        ),
+    )
+    meta = torch.device("meta")
+    dataset = find_dataset(cfg, DistInfo())
+    if chat:  # conversations of 40 tokens whose every other target counts: -1 targets, as chat rows have
+        shutil.copytree(dataset.directory, tmp_path / "chat")
+        for split, n in dataset.lengths.items():
+            (np.arange(n) % 2).astype(np.uint8).tofile(tmp_path / "chat" / f"{split}.mask.bin")
+        starts = {split: np.arange(0, n - 40, 40) for split, n in dataset.lengths.items()}
+        dataset = replace(dataset, directory=tmp_path / "chat", starts=starts)
+    model = GPT(GPTConfig.from_dict({**cfg.model_args(), "vocab_size": dataset.vocab_size})).to(meta)
+    rt = trainer.Runtime(meta, "fp32", DistInfo(), False, 1e12, precision_autocast("cpu", "fp32"))
+    batches = BatchSource(dataset, cfg.model.block_size, cfg.training.batch_size, cfg.run.seed, meta, prefetch=True)
+    evaluation = trainer.Evaluation(torch.ones(dataset.vocab_size, dtype=torch.long, device=meta), None)
+    optimizers = make_optimizers(model, cfg.optimizer, "cuda")
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    tr = trainer.Trainer(cfg, rt, dataset, model, model, optimizers, scaler, batches, None, {}, evaluation)
+    guard = trainer.NonfiniteGuard(meta, 0)
+    for it in range(2):
+        loss, norm, skipped = trainer.train_step(tr, it)
+        guard.record(skipped, it)
+    assert loss.device == norm.device == skipped.device == meta
+
+
+def test_the_step_clock_counts_the_time_the_device_takes_to_drain_its_queue():
+    """A device that queues work, as a GPU does: queueing a step takes no time, running it takes 10 ms, paid when the
+    host waits (synchronize). The clock reads 10 ms a step at every log step (every 10th), and the first step, timed
+    alone, 10 ms too; a clock around each step's queueing alone would read 0."""
+    device = {"now": 0.0, "queued": 0}
+
+    def synchronize():
+        device["now"] += 0.010 * device["queued"]
+        device["queued"] = 0
+
+    clock = trainer.StepClock(synchronize, now=lambda: device["now"])
+    for step in range(1, 41):
+        device["queued"] += 1
+        clock.tick()
+        if step % 10 == 0:
+            clock.settle()
+            assert clock.seconds_per_step == pytest.approx(0.010)
+    assert clock.first == pytest.approx(0.010)
+    device["now"] += 5.0  # an evaluation, then a window opened after it: left out
+    clock.restart()
+    device["queued"] += 3
+    for _ in range(3):
+        clock.tick()
+    clock.settle()
+    assert clock.seconds_per_step == pytest.approx(0.010)

@@ -13,7 +13,7 @@ import torch
 from conftest import REPO_ROOT, TINY_COMPILED, resume_in_subprocess, tiny_overrides, train_until_sigterm
 from make_run_fixture import DATASET, fixture_text, prepare_fixture_data
 
-from quillgpt.checkpoint import RunDir, load_checkpoint
+from quillgpt.checkpoint import RunDir, load_checkpoint, save_checkpoint
 from quillgpt.config import GPTConfig, build_config
 from train import train
 
@@ -501,3 +501,115 @@ def test_cpu_training_steps_reuse_freed_memory_instead_of_faulting_it_in_again(t
         for arm in ("glibc-default", "ours")
     }  # page faults in steps 3-11
     assert faults["glibc-default"] > 4 * faults["ours"] and faults["glibc-default"] > 2000, faults
+
+
+def test_an_evaluation_takes_one_cross_entropy_per_batch_and_reports_their_mean(tiny_data, tmp_path):
+    """Each evaluated batch costs one cross-entropy over its logits (at GPT-2's size a second one and its fp32 copy of
+    the logits were ~5 GB), and the losses are the mean per-token ones of the batches, computed here directly."""
+    from torch.overrides import TorchFunctionMode
+
+    from quillgpt import trainer
+    from quillgpt.data import find_dataset
+    from quillgpt.distributed import DistInfo
+
+    class CrossEntropies(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            CrossEntropies.calls += func is torch.nn.functional.cross_entropy
+            return func(*args, **(kwargs or {}))
+
+    cfg = build_config(None, tiny_overrides(tiny_data, tmp_path))
+    tr = trainer.build_trainer(cfg, trainer.setup(cfg, DistInfo()), find_dataset(cfg, DistInfo()))
+    with CrossEntropies():
+        metrics = trainer.eval_metrics(tr, batches=3)
+    assert CrossEntropies.calls == 2 * 3
+    tr.model.eval()
+    with torch.no_grad():
+        for split in ("train", "val"):
+            nats = [
+                torch.nn.functional.cross_entropy(tr.model(x)[0].flatten(0, 1), y.flatten())
+                for x, y in (tr.batches.get(split, k) for k in range(3))
+            ]
+            assert metrics[f"{split}_loss"] == pytest.approx(torch.stack(nats).mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H200", 989),
+        ("NVIDIA H200 NVL", 835),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA L40S", 362),
+        ("NVIDIA L4", 121),
+    ],
+)
+def test_mfu_takes_the_dense_bf16_peak_of_the_card_by_its_name(name, tflops):
+    """The H100's PCIe and NVL cards are slower than the SXM one whose name theirs contain, as the L40S is not an L4."""
+    from quillgpt.metrics import cuda_peak_flops
+
+    assert cuda_peak_flops(name) == tflops * 1e12
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_chunked_loss_has_the_loss_and_gradients_of_the_whole_one(chat):
+    """training.loss_chunks > 1: the head and cross-entropy by slices of rows, recomputed in backward, give the loss
+    and every gradient of the whole computation (chat: with uncounted targets, -1, in some slices only)."""
+    from model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, logit_softcap=15.0))
+    x, y = torch.randint(0, 50, (4, 16)), torch.randint(0, 50, (4, 16))
+    if chat:
+        y[:, :5] = -1
+    results = []
+    for chunks in (1, 3):
+        model.loss_chunks = chunks
+        model.zero_grad()
+        logits, loss = model(x, y)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        assert (logits is None) == (chunks > 1)
+    (whole, whole_grads), (chunked, chunked_grads) = results
+    torch.testing.assert_close(chunked, whole)
+    for a, b in zip(chunked_grads, whole_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_run_resumed_on_another_type_of_device_resolves_precision_and_compile_again(tiny_data, tmp_path, capsys):
+    """The checkpoint records what the run asked for (precision auto, compile unset) beside what it resolved to and
+    where. Resumed on the same type of device it keeps what it resolved to, silently; a run that began on a GPU
+    (fp16 and compiled, as a GPU without bf16 resolves them) resumed on the CPU gets the CPU's choices, with one line."""
+    over = tiny_overrides(tiny_data, tmp_path, **{"training.precision": "auto", "training.max_iters": 4})
+    del over["training.precision"]  # asked: the schema's auto
+    train(None, overrides=over)
+    path = tmp_path / "t" / "ckpt_last.pt"
+    ckpt = load_checkpoint(path)
+    assert ckpt["requested"] == {"precision": "auto", "compile": None} and ckpt["resolved_on"] == "cpu"
+    assert (
+        ckpt["config"]["training"]["precision"] in ("fp32", "bf16") and ckpt["config"]["training"]["compile"] is False
+    )
+    capsys.readouterr()
+    train(resume=str(tmp_path / "t"), overrides={"training.max_iters": 6})
+    assert "resolved again" not in capsys.readouterr().out
+
+    ckpt = load_checkpoint(path)
+    ckpt["resolved_on"] = "cuda"
+    ckpt["config"]["training"].update(precision="fp16", compile=True)
+    save_checkpoint(path, ckpt)
+    train(resume=str(tmp_path / "t"), overrides={"training.max_iters": 8})
+    out = capsys.readouterr().out
+    assert (
+        "resuming on cpu a run that began on cuda: precision and compile are resolved again for cpu "
+        "(training.precision = auto, training.compile = none)" in out
+    )
+    ckpt = load_checkpoint(path)
+    assert ckpt["iter_num"] == 8 and ckpt["resolved_on"] == "cpu"
+    assert ckpt["requested"] == {"precision": "auto", "compile": None}
+    assert (
+        ckpt["config"]["training"]["precision"] in ("fp32", "bf16") and ckpt["config"]["training"]["compile"] is False
+    )
+    assert "first step took" not in out  # not compiled
