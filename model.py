@@ -135,13 +135,15 @@ class DecodeStep(NamedTuple):
     visible: torch.Tensor | None
 
     @staticmethod
-    def at(position: torch.Tensor, length: int) -> DecodeStep:
-        """Eager, the filled prefix (everything in it visible): attention costs what has been written, not the
-        cache's length. Under torch.compile (or with a position per row) the whole cache, the unfilled part masked:
-        fixed shapes, one graph for every position."""
+    def at(position: torch.Tensor, cache: KVCache) -> DecodeStep:
+        """Eager, the filled prefix and the new position (everything in it visible): attention costs what has been
+        written, not the cache's length. Its length is the cache's count (the position being written is cache.pos),
+        never read back from the device, which would make the host wait for it every token. Under torch.compile (or
+        with a position per row) the whole cache, the unfilled part masked: fixed shapes, one graph for every
+        position, and cache.pos is not read (a graph would be specialised to it)."""
         if position.numel() == 1 and not torch.compiler.is_compiling():
-            return DecodeStep(position, int(position) + 1, None)
-        return DecodeStep(position, length, torch.arange(length, device=position.device) <= position)
+            return DecodeStep(position, cache.pos + 1, None)
+        return DecodeStep(position, cache.length, torch.arange(cache.length, device=position.device) <= position)
 
 
 class CausalSelfAttention(nn.Module):
@@ -373,17 +375,17 @@ class GPT(nn.Module):
         return logits
 
     def decode_one(self, token: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """The next-token logits (B, V) for token (B, 1) at `position` (a (1,) tensor), its k and v written into the
-        cache. Under torch.compile shapes never change with the position (the whole cache is attended over, the
-        positions after this one masked), so one compiled graph serves a whole generation (GPT.generate_stream
-        (compile=True)); eager, it attends over the filled prefix only."""
+        """The next-token logits (B, V) for token (B, 1) at `position` (a (1,) tensor on the device, which must hold
+        cache.pos), its k and v written into the cache. Under torch.compile shapes never change with the position (the
+        whole cache is attended over, the positions after this one masked), so one compiled graph serves a whole
+        generation (GPT.generate_stream(compile=True)); eager, it attends over the filled prefix only."""
         x = self.transformer.wte(token)  # (B, 1, C)
         rope = None
         if self.config.pos_emb == "learned":
             x = x + self.transformer.wpe(position)
         else:
             rope = (self.rope_cos.index_select(0, position), self.rope_sin.index_select(0, position))  # (1, hs/2)
-        step = DecodeStep.at(position, cache.length)
+        step = DecodeStep.at(position, cache)
         for block in self.transformer.h:
             x = block(x, rope, cache, step)
         return self.head(x)[:, -1, :]
@@ -547,7 +549,8 @@ def sample_next(
 
     The draw is made among the candidates only (the top-k, then the top-p of them), not over the whole vocabulary
     with the rest masked: the same distribution, but multinomial's cost grows with the tensor it is given, and over a
-    GPT-2 vocabulary it cost more than a small model's whole step."""
+    GPT-2 vocabulary it cost more than a small model's whole step. Off the CPU nothing is read back to the host:
+    there the top-p candidates are masked among the top-k, not cut out (the same distribution again)."""
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
     vocab = logits.size(-1)
@@ -560,7 +563,11 @@ def sample_next(
     if nucleus:
         probs = logits.softmax(dim=-1)
         drop = probs.cumsum(dim=-1) - probs > top_p  # keep the smallest set whose mass reaches top_p
-        keep = int((~drop).sum(dim=-1).max())  # the widest row's nucleus: the columns after it hold no candidate
-        logits, ids = logits[:, :keep].masked_fill(drop[:, :keep], -float("inf")), ids[:, :keep]
+        logits = logits.masked_fill(drop, -float("inf"))
+        if logits.device.type == "cpu":
+            # the widest row's nucleus: the columns after it hold no candidate. On the CPU its width costs nothing to
+            # read and narrows the draw; on a GPU reading it would wait for the device, so the draw keeps all k
+            keep = int((~drop).sum(dim=-1).max())
+            logits, ids = logits[:, :keep], ids[:, :keep]
     choice = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)  # (B, 1) of k
     return ids.gather(-1, choice)

@@ -52,6 +52,7 @@ class ChatSession:
         self.max_new_tokens = max_new_tokens
         self.notices = notices
         self.device = next(model.parameters()).device
+        self.positions = torch.arange(model.config.block_size, device=self.device)  # a step's position, on the device
         self.system = system
         self.messages: list[dict] = []
         self.ids: list[int] = []  # the ids whose keys and values the cache holds, in order
@@ -162,7 +163,7 @@ class ChatSession:
 
     def step(self, token: int) -> torch.Tensor:
         """Append one id to the cache; the logits (1, V) of the token after it."""
-        position = torch.tensor([self.cache.pos], device=self.device)
+        position = self.positions[self.cache.pos : self.cache.pos + 1]  # (1,)
         logits = self.model.decode_one(torch.tensor([[token]], device=self.device), position, self.cache)
         self.cache.pos += 1
         self.ids.append(token)

@@ -33,7 +33,9 @@ from model import GPT
 from quillgpt.errors import UserError
 from quillgpt.tokenizer import CharTokenizer, Tokenizer
 
-LOGITS_BUDGET = 2**22  # floats of logits per forward pass (16 MiB in fp32): fewer rows for big vocabularies
+LOGITS_BUDGET = 2**22  # floats of logits per forward pass on the CPU (16 MiB in fp32): fewer rows for big vocabularies
+GPU_MEMORY_SHARE = 8  # on a GPU a pass's logits and activations take at most this fraction of its free memory
+ACTIVATION_WIDTHS = 16  # a token's activations in a pass, in floats of the model's width (q, k, v, MLP, residual...)
 
 
 # ---- text: loss, perplexity, bits per byte ------------------------------------------------------
@@ -70,6 +72,26 @@ def document_streams(tokenizer: Tokenizer, documents: Iterable[str]) -> list[np.
     return [np.concatenate([piece for doc in encoded for piece in (eot, doc)] or [eot])]
 
 
+def rows_per_pass(model: GPT, device: torch.device) -> int:
+    """Windows of block_size tokens one forward pass scores. On the CPU as many as LOGITS_BUDGET holds the logits of
+    (cache-sized); on a CUDA device as many as fit in 1/GPU_MEMORY_SHARE of its free memory with their activations,
+    so that GPT-2's 1,024 x 50,304 logits go several windows to a pass, not one."""
+    cfg = model.config
+    if device.type != "cuda":
+        return max(1, LOGITS_BUDGET // (cfg.block_size * cfg.vocab_size))
+    free, _ = torch.cuda.mem_get_info(device)
+    floats = cfg.block_size * (cfg.vocab_size + ACTIVATION_WIDTHS * cfg.n_embd)  # a window's, in fp32
+    return max(1, free // GPU_MEMORY_SHARE // 4 // floats)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch built on the host, on the device: to a CUDA device from pinned memory without waiting for its queue
+    (a plain copy waits for the passes before it to finish)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def windows(n: int, block: int, stride: int) -> list[tuple[int, int, int]]:
     """(start, end, first scored target) of the windows over a stream of n tokens: inputs ids[start:end] predict
     targets start+1 .. end, and those from `first` on are scored (the earlier ones were, by the window before)."""
@@ -90,7 +112,8 @@ def score_text(
     autocast=None,
     progress: bool = False,
 ) -> TextScore:
-    """Loss, perplexity and bits per byte of token streams under the model (see the module docstring)."""
+    """Loss, perplexity and bits per byte of token streams under the model (see the module docstring). The sums stay
+    on the device until every window is scored: the host reads them once, at the end."""
     block = model.config.block_size
     stride = stride or block // 2
     if not 0 < stride <= block:
@@ -98,8 +121,10 @@ def score_text(
     device = next(model.parameters()).device
     byte_table = torch.as_tensor(token_bytes, device=device)
     jobs = [(s, start, end, first) for s in streams for start, end, first in windows(len(s), block, stride)]
-    rows = max(1, LOGITS_BUDGET // (block * model.config.vocab_size))
-    nats, tokens, nbytes = 0.0, 0, 0
+    rows = rows_per_pass(model, device)
+    nats = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = torch.zeros((), dtype=torch.int64, device=device)
+    nbytes = torch.zeros((), dtype=torch.int64, device=device)
     model.eval()
     for i in tqdm(range(0, len(jobs), rows), desc="text", leave=False, disable=None if progress else True):
         batch = jobs[i : i + rows]
@@ -111,17 +136,18 @@ def score_text(
             x[row, : end - start] = torch.from_numpy(stream[start:end])
             y[row, : end - start] = torch.from_numpy(stream[start + 1 : end + 1])
             scored[row, first - 1 - start : end - start] = True
-        x, y, scored = x.to(device), y.to(device), scored.to(device)
+        x, y, scored = (to_device(t, device) for t in (x, y, scored))
         with autocast or nullcontext():
             logits, _ = model(x)
         token_nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
-        counted = scored & (byte_table[y] > 0)
-        nats += float(token_nats[counted].double().sum())
-        tokens += int(counted.sum())
-        nbytes += int(byte_table[y][counted].sum())
-    if tokens == 0:
+        target_bytes = byte_table[y]
+        counted = scored & (target_bytes > 0)
+        nats += torch.where(counted, token_nats.double(), 0.0).sum()
+        tokens += counted.sum()
+        nbytes += torch.where(counted, target_bytes, 0).sum()
+    if int(tokens) == 0:
         raise UserError("the text is shorter than 2 tokens: nothing to score")
-    return TextScore(nats, tokens, nbytes)
+    return TextScore(float(nats), int(tokens), int(nbytes))
 
 
 def unknown_characters(tokenizer: Tokenizer, texts: Sequence[str]) -> list[str]:
@@ -163,10 +189,12 @@ def continuation_logprobs(
     model: GPT, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], autocast=None, rows: int | None = None
 ) -> list[Continuation]:
     """Score each (context ids, continuation ids) pair, several in one forward pass. A context and continuation
-    longer than the model's context keep their last block_size + 1 tokens."""
+    longer than the model's context keep their last block_size + 1 tokens. Each target's log-probability and
+    whether it is the argmax are picked on the device: the host reads those (rows, T), never the (rows, T, V)
+    log-probabilities."""
     block = model.config.block_size
-    rows = rows or max(1, LOGITS_BUDGET // (block * model.config.vocab_size))
     device = next(model.parameters()).device
+    rows = rows or rows_per_pass(model, device)
     out = []
     model.eval()
     for i in range(0, len(pairs), rows):
@@ -179,14 +207,16 @@ def continuation_logprobs(
             x[row, : len(s) - 1] = torch.tensor(s[:-1])
             y[row, : len(s) - 1] = torch.tensor(s[1:])
         with autocast or nullcontext():
-            logits, _ = model(x.to(device))
-        logprobs = F.log_softmax(logits.float(), dim=-1).cpu()
+            logits, _ = model(to_device(x, device))
+        logprobs = F.log_softmax(logits.float(), dim=-1)  # (rows, T, V)
+        targets = to_device(y, device)[..., None]  # (rows, T, 1)
+        picked = logprobs.gather(-1, targets)[..., 0]  # (rows, T)
+        hits = (logprobs.argmax(-1, keepdim=True) == targets)[..., 0]  # (rows, T)
+        picked, hits = torch.stack((picked, hits.float())).cpu()  # the batch's one read
         for row, (s, n) in enumerate(zip(seqs, lengths)):
             positions = slice(len(s) - 1 - n, len(s) - 1)
-            target = y[row, positions]
-            picked = logprobs[row, positions].gather(-1, target[:, None])[:, 0]
-            greedy = bool((logprobs[row, positions].argmax(-1) == target).all())
-            out.append(Continuation(float(picked.double().sum()), n, greedy))
+            greedy = bool(hits[row, positions].all())
+            out.append(Continuation(float(picked[row, positions].double().sum()), n, greedy))
     return out
 
 

@@ -1,14 +1,21 @@
 """Decoding: the eager one-token step (the filled prefix of the cache), the compiled step (the whole cache, masked) and
 the uncached forward pass give the same greedy tokens on a model loaded as sample.py loads it; sampling draws from
-the top-k / top-p distribution; a row's text decoded as it grows equals the whole row decoded."""
+the top-k / top-p distribution; a row's text decoded as it grows equals the whole row decoded; and on a GPU the host
+never waits for the device in a decoding step, but to read its new tokens (on the meta device, and counted on the
+CPU)."""
+
+import asyncio
 
 import pytest
 import torch
 from conftest import gpt2_encoding_error, needs_gpt2_encoding  # noqa: F401 (the skipif string)
 from test_sample import write_char_checkpoint
+from test_step_sync import SYNCING
+from torch.overrides import TorchFunctionMode
 
-from model import DecodeStep, sample_next
+from model import GPT, DecodeStep, GPTConfig, sample_next
 from quillgpt.generate import RowText, generate_texts, load_for_sampling
+from quillgpt.serve.batcher import Batcher, GenRequest
 from quillgpt.tokenizer import tokenizer_from_dict
 
 GPT2_STYLE = dict(block_size=64, n_layer=2, n_head=4, n_embd=64)  # learned positions, LayerNorm, GELU
@@ -58,10 +65,12 @@ def test_the_eager_step_reads_the_filled_prefix_and_matches_the_masked_whole_cac
                 cache.pos += 1
         return out
 
-    assert DecodeStep.at(torch.tensor([5]), 32).span == 6 and DecodeStep.at(torch.tensor([5]), 32).visible is None
+    cache = model.new_cache(1, 32)
+    cache.pos = 5  # the position being written: the eager span is read from the cache's count, not the device
+    assert DecodeStep.at(torch.tensor([5]), cache).span == 6 and DecodeStep.at(torch.tensor([5]), cache).visible is None
     eager = step_logits()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    masked = DecodeStep.at(torch.tensor([5]), 32)
+    masked = DecodeStep.at(torch.tensor([5]), cache)
     assert masked.span == 32 and masked.visible.tolist() == [True] * 6 + [False] * 26
     for a, b in zip(eager, step_logits(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -110,3 +119,51 @@ def test_appending_several_tokens_to_a_filled_cache_gives_the_logits_of_one_whol
         first, _ = model(ids[:, :10], cache=cache)
         rest, _ = model(ids[:, 10:], cache=cache)
     torch.testing.assert_close(torch.cat([first, rest], dim=1), whole, rtol=1e-5, atol=1e-5)
+
+
+# ---- no host reads: what a GPU would wait on ----------------------------------------------------------
+
+
+class HostReads(TorchFunctionMode):
+    """Records each call that reads a tensor back to the host (on a GPU: waits for the device's queue to drain), as
+    (name, the tensor's number of elements)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[tuple[str, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in SYNCING:
+            self.reads.append((name, args[0].numel() if args and isinstance(args[0], torch.Tensor) else -1))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("switches", [GPT2_STYLE, MODERN], ids=["gpt2-style", "modern-gqa"])
+def test_cached_decoding_reads_nothing_back_on_the_meta_device(switches):
+    """The meta device stands in for a GPU: its tensors have no values, so any read back to the host (int(), .item(),
+    .tolist()) raises there. The eager KV-cache steps run on it, greedy, top-k and top-p (sample.py's decoding)."""
+    model = GPT(GPTConfig(vocab_size=40, **switches)).to("meta").eval()
+    prompt = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    for kw in ({"temperature": 0}, {"top_k": 20}, {"top_k": 20, "top_p": 0.9}, {"top_p": 0.5}):
+        tokens = list(model.generate_stream(prompt, 6, **{"temperature": 0.8, **kw}))
+        assert len(tokens) == 6 and tokens[-1].shape == (2, 1) and tokens[-1].device.type == "meta"
+
+
+def test_a_serving_step_reads_the_device_once_for_every_request_in_it(loaded):
+    """serve.py's batcher decodes a greedy and two sampling requests together: each step makes one read (the new
+    tokens, .tolist()); the furthest position is known on the host and every row samples on the device. (On the CPU
+    top-p reads its nucleus's width, which costs nothing there: the meta test above covers it.)"""
+    model, tokenizer = loaded
+    batcher = Batcher(model, tokenizer, max_batch=4)
+    loop = asyncio.new_event_loop()
+    for temperature, seed in ((0.0, None), (1.0, 1), (0.7, 2)):
+        batcher.submit(GenRequest(tokenizer.encode("the king "), 20, temperature=temperature, seed=seed), loop)
+    batcher.admit()
+    assert len(batcher.active) == 3
+    mode = HostReads()
+    with mode:
+        for _ in range(6):
+            batcher.step()
+    loop.close()
+    assert [name for name, _ in mode.reads] == ["tolist"] * 6

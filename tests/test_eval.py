@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT, gpt2_encoding_error, needs_gpt2_encoding, save_hf_gpt2, tiny_overrides  # noqa: F401
 
+from quillgpt import scoring
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.loading import load_model
 from quillgpt.scoring import (
@@ -21,6 +22,7 @@ from quillgpt.scoring import (
     document_streams,
     hellaswag_pairs,
     load_hellaswag,
+    rows_per_pass,
     score_hellaswag,
     score_text,
     windows,
@@ -134,6 +136,53 @@ def test_char_model_bits_per_byte_is_its_loss_over_ln2_on_ascii(tiny_data, tmp_p
     score = score_text(loaded.model, document_streams(tok, [text]), tok.token_bytes(), stride=16)
     assert score.tokens == score.bytes == len(text) - 1  # no <|endoftext|> to put first: the first char is context
     assert score.bpb == pytest.approx(score.loss / math.log(2))
+
+
+def test_scoring_reads_the_device_once_a_pass_and_never_the_vocabulary_wide_log_probabilities(monkeypatch):
+    """On a GPU a read back to the host waits for the device: bits per byte keeps its sums on the device and reads
+    them once at the end, however many passes it makes; continuation log-probabilities read one (2, rows, T) tensor a
+    pass (each target's log-probability and whether it is the argmax), never the (rows, T, V) log-probabilities.
+    Reads counted on the CPU (tests/test_decoding.py's HostReads), the figures unchanged by the pass size."""
+    from test_decoding import HostReads
+
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).eval()
+    streams = [np.random.default_rng(0).integers(0, 50, 300)]
+    token_bytes = np.ones(50, dtype=np.int64)
+    whole = score_text(model, streams, token_bytes, stride=16)  # every window in one pass
+    monkeypatch.setattr(scoring, "LOGITS_BUDGET", 2 * 32 * 50)  # two windows a pass
+    mode = HostReads()
+    with mode:
+        score = score_text(model, streams, token_bytes, stride=16)
+    assert len(windows(300, 32, 16)) > 8 and rows_per_pass(model, torch.device("cpu")) == 2
+    assert [name for name, _ in mode.reads] == ["__int__", "__float__", "__int__", "__int__"]  # at the end, once
+    assert (score.tokens, score.bytes) == (whole.tokens, whole.bytes) == (299, 299)
+    assert score.nats == pytest.approx(whole.nats, rel=1e-6)
+
+    pairs = [(list(range(i, i + 10)), list(range(20, 20 + i % 4 + 1))) for i in range(8)]
+    with HostReads() as mode:
+        scored = continuation_logprobs(model, pairs, rows=2)
+    device_reads = [numel for name, numel in mode.reads if name == "cpu"]
+    assert device_reads == [2 * 2 * 11, 2 * 2 * 13] * 2  # (2, rows, T): 4 passes of 2 rows, 11 or 13 inputs wide
+    assert all(numel <= 2 * 2 * 13 for _, numel in mode.reads)  # nothing vocabulary-wide
+    once = continuation_logprobs(model, pairs, rows=8)
+    assert [(c.tokens, c.greedy) for c in scored] == [(c.tokens, c.greedy) for c in once]
+    assert [c.logprob for c in scored] == pytest.approx([c.logprob for c in once], abs=1e-5)
+
+
+def test_a_gpu_scores_many_gpt2_windows_a_pass_where_the_cpu_budget_allows_one(monkeypatch):
+    """The CPU's budget is sized for its caches: one 1,024-token window of GPT-2's vocabulary a pass. On a CUDA device
+    the windows a pass are as many as fit in an eighth of its free memory, logits and activations counted."""
+    from model import GPT
+
+    model = GPT.__new__(GPT)  # only the config is read
+    model.config = type("Config", (), {"block_size": 1024, "vocab_size": 50304, "n_embd": 768})()
+    assert rows_per_pass(model, torch.device("cpu")) == 1
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * 2**30, 80 * 2**30))  # an idle 80 GB GPU
+    rows = rows_per_pass(model, torch.device("cuda"))
+    assert rows == 80 * 2**30 // 8 // 4 // (1024 * (50304 + 16 * 768)) and rows > 30
 
 
 @needs_gpt2_encoding

@@ -209,27 +209,29 @@ class Batcher:
         self.advance(slot, self.pick(logits[:, -1, :], [slot])[0])
 
     def step(self) -> None:
-        """One token for every active request."""
+        """One token for every active request. The host reads the device once (pick's new tokens): the positions and
+        the furthest of them are known here, not read back."""
         tokens = torch.tensor([[s.next_token] for s in self.active], device=self.device)  # (B, 1)
         positions = torch.tensor([s.position for s in self.active], device=self.device)  # (B,)
-        self.cache.length = int(positions.max()) + 1
+        self.cache.length = max(s.position for s in self.active) + 1
         logits = self.model.decode_rows(tokens, positions, self.cache)
         for slot, token in zip(list(self.active), self.pick(logits, self.active)):
             slot.position += 1
             self.advance(slot, token)
 
     def pick(self, logits: torch.Tensor, slots: list[Slot]) -> list[int]:
-        """Each row's next token (B, V) -> B ids: argmax for the greedy rows together, sample_next for each other
-        row with its own generator (so a seed gives the same reply whatever else is in the batch)."""
+        """Each row's next token (B, V) -> B ids, read back in one go: argmax for every row, and over each sampling
+        row's, sample_next with its own generator (so a seed gives the same reply whatever else is in the batch),
+        all on the device."""
         logits = logits.float()
         if self.tokenizer.vocab_size < logits.size(-1):  # a vocabulary padded for speed: ids with no text
             logits[:, self.tokenizer.vocab_size :] = -float("inf")
-        chosen = logits.argmax(dim=-1).tolist()
+        chosen = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
         for i, slot in enumerate(slots):
             r = slot.handle.request
             if r.temperature > 0:
-                chosen[i] = int(sample_next(logits[i : i + 1], r.temperature, None, r.top_p, slot.generator))
-        return chosen
+                chosen[i] = sample_next(logits[i : i + 1], r.temperature, None, r.top_p, slot.generator)[0]
+        return chosen[:, 0].tolist()
 
     def advance(self, slot: Slot, token: int) -> None:
         """Take one sampled token: end the reply, or add its text and send what is safe to show."""
