@@ -20,6 +20,7 @@ A mode flag picks another benchmark, one at a time:
     python bench.py --probe              # the CPU path: capability, oneDNN's ISA, fp32 vs bf16 matmul rates
     python bench.py --vs-transformers    # batch-1 greedy decoding, load included: sample.py's default vs HF generate
     python bench.py --serve              # serve.py: aggregate tokens/s of 1, 8 and 16 concurrent greedy clients
+    python bench.py --gpu --part 1 --nanogpt DIR --data.input input.txt   # the GPU check (docs/benchmarks.md)
 Each mode is a module of benchmarks/ with its own flags and defaults (`python bench.py --sample --help`); any
 other --section.key value pair overrides the config. --isa avx2, with any mode, runs it on this CPU's AVX2-only path
 (oneDNN, MKL and ATen capped at AVX2: bf16 matmuls are emulated there, as on most laptops).
@@ -36,6 +37,7 @@ from benchmarks import (
     chat_rows,
     decoding,
     finetune,
+    gpu_check,
     hellaswag,
     kernel_times,
     memory,
@@ -69,6 +71,7 @@ MODES = [
         probe,
         vs_transformers,
         serving_load,
+        gpu_check,
     )
 ]
 

@@ -17,13 +17,17 @@ bench.py's modes, one module each; bench.py parses the command line, picks the m
     probe             --probe: the CPU path (capability, oneDNN's ISA) and fp32 against bf16 matmul rates
     vs_transformers   --vs-transformers: batch-1 greedy decoding, sample.py's default against HF generate
     serving_load      --serve: serve.py's aggregate tokens/s with 1, 8 and 16 concurrent clients
+    gpu_check         --gpu: the GPU check (pytest -m cuda, 124M and tiny Shakespeare against nanoGPT, decoding,
+                      serving), in two parts of ~8 minutes; --tiny --device cpu runs its code on a CPU
 
 Each mode module declares MODE: its flag, its own flags with their defaults, and its run(). Beside them:
 
     common            what several modes share: the Mode each declares, timed training steps, the matmul ceiling,
                       child processes, tables
     conditions        what a measurement runs under: the AVX2-only CPU path (--isa avx2), the load line, tiny
-                      Shakespeare's location
+                      Shakespeare's and a nanoGPT checkout's location
+    trainer_runs      trainers run as users run them, timed from outside by the lines they print (our train.py,
+                      nanoGPT's); random local tokens for any vocabulary
 
 and the measurements that run on their own, from the repository root:
 

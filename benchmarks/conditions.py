@@ -18,6 +18,10 @@ SHAKESPEARE = Path(
     or Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 )
 
+# A nanoGPT checkout for the measurements against it (bench.py --gpu, benchmarks/vs_nanogpt.py), never committed:
+# where QUILLGPT_NANOGPT says, else in the clone's ignored .gpu_inputs/ (docs/benchmarks.md, "On a GPU").
+NANOGPT = Path(os.environ.get("QUILLGPT_NANOGPT") or Path(__file__).resolve().parents[1] / ".gpu_inputs" / "nanoGPT")
+
 # Environment caps under which this CPU runs the code paths of an AVX2-only one: oneDNN's (bf16) and MKL's (fp32)
 # matmuls, ATen's own kernels and the code inductor generates (it follows ATen's capability). They are read when
 # torch loads its kernels, so they must be set before the process starts. The capped

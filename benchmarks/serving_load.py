@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -89,6 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=3, help="requests per client (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (default %(default)s)")
     p.add_argument("--dtype", default="fp32", help="serve.py's --dtype (default %(default)s)")
+    p.add_argument("--device", default="cpu", help="serve.py's --device (default %(default)s)")
 
 
 def bench_checkpoint(config: str, cli: list[str], directory: Path) -> Path:
@@ -126,33 +128,55 @@ def load(server: ServerProcess, model: str, clients: int, requests: int, max_tok
     return sum(tokens for tokens, _ in results) / seconds, [text for _, text in results]
 
 
+@dataclass
+class Level:
+    """One concurrency level's aggregate tokens/s, and whether every client's reply equals its prompt's reply alone."""
+
+    clients: int
+    tokens_per_s: float
+    same_text: bool
+
+
+def measure(
+    ckpt: str | Path, levels: list[int], requests: int, max_tokens: int, dtype: str, device: str = "cpu"
+) -> list[Level]:
+    """serve.py on ckpt, warmed up, then each level of concurrent greedy clients in turn."""
+    with ServerProcess(ckpt, "--dtype", dtype, "--device", device, "--max-batch", str(max(levels))) as server:
+        model = server.client().models.list().data[0].id
+        load(server, model, 1, 1, 8)  # warm-up: first-call costs out of the timings
+        client = server.client(timeout=600)
+        alone = [  # each prompt's reply with the server to itself
+            client.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0).choices[0].text
+            for p in prompts(max(levels))
+        ]
+        rows = []
+        for clients in levels:
+            rate, texts = load(server, model, clients, requests, max_tokens)
+            rows.append(Level(clients, rate, texts == alone[:clients]))
+    return rows
+
+
+def print_levels(rows: list[Level]) -> None:
+    base = rows[0].tokens_per_s
+    print_table(
+        ["clients", "tokens/s", "vs first row", "greedy text = 1 client's"],
+        [
+            [str(r.clients), f"{r.tokens_per_s:,.0f}", f"{r.tokens_per_s / base:.2f}x", "yes" if r.same_text else "NO"]
+            for r in rows
+        ],
+    )
+
+
 def run(args: argparse.Namespace, cli: list[str]) -> None:
     levels = [int(c) for c in args.clients.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.ckpt or bench_checkpoint(args.config, cli, Path(tmp))
-        with ServerProcess(ckpt, "--dtype", args.dtype, "--max-batch", str(max(levels))) as server:
-            model = server.client().models.list().data[0].id
-            load(server, model, 1, 1, 8)  # warm-up: first-call costs out of the timings
-            client = server.client(timeout=600)
-            alone = [  # each prompt's reply with the server to itself
-                client.completions.create(model=model, prompt=p, max_tokens=args.max_tokens, temperature=0)
-                .choices[0]
-                .text
-                for p in prompts(max(levels))
-            ]
-            rows = []
-            for clients in levels:
-                rate, texts = load(server, model, clients, args.requests, args.max_tokens)
-                rows.append((clients, rate, texts == alone[:clients]))
-    base = rows[0][1]
+        rows = measure(ckpt, levels, args.requests, args.max_tokens, args.dtype, args.device)
     print(
-        f"serve.py --dtype {args.dtype}: {args.requests} requests per client, {args.max_tokens} tokens each, greedy; "
-        f"{load_average()}"
+        f"serve.py --dtype {args.dtype} --device {args.device}: {args.requests} requests per client, "
+        f"{args.max_tokens} tokens each, greedy; {load_average()}"
     )
-    print_table(
-        ["clients", "tokens/s", "vs first row", "greedy text = 1 client's"],
-        [[str(c), f"{r:,.0f}", f"{r / base:.2f}x", "yes" if s else "NO"] for c, r, s in rows],
-    )
+    print_levels(rows)
 
 
 MODE = Mode(

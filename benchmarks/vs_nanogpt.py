@@ -82,11 +82,13 @@ def iteration_ms(output: str, pattern: re.Pattern, skip: int) -> float:
     return statistics.median(times)
 
 
-def nanogpt_workdir(nanogpt: Path, dataset: Dataset, root: Path) -> Path:
-    """nanoGPT reads its configurator, config/ and data/<dataset>/ from the working directory: a scratch one."""
-    for name in ("configurator.py", "config"):
-        (root / name).symlink_to(nanogpt / name)
-    data = root / "data" / "shakespeare_char"
+def nanogpt_workdir(nanogpt: Path, dataset: Dataset, root: Path, name: str = "shakespeare_char") -> Path:
+    """nanoGPT reads its configurator, config/ and data/<name>/ (the dataset its config names) from the working
+    directory: a scratch one, whose data/<name>/ links our dataset's train.bin and val.bin."""
+    root.mkdir(parents=True, exist_ok=True)
+    for entry in ("configurator.py", "config"):
+        (root / entry).symlink_to(nanogpt / entry)
+    data = root / "data" / name
     data.mkdir(parents=True)
     for split in ("train", "val"):
         (data / f"{split}.bin").symlink_to(dataset.path(split).resolve())

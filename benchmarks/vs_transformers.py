@@ -1,8 +1,9 @@
 """--vs-transformers: batch-1 greedy decoding of the same exported model by sample.py and by transformers' `generate`,
 each a fresh process, so that start-up, loading and any compile count as a user pays them. Our side is
-`python sample.py --ckpt DIR --prompt TEXT --temperature 0 --max-new-tokens N` (everything else sample.py's default:
-dtype auto, no --compile); theirs a Python process that imports transformers, loads the directory with
-AutoModelForCausalLM and calls generate on the prompt's ids (no tokenizer: its load would cost transformers more).
+`python sample.py --ckpt DIR --prompt TEXT --temperature 0 --max-new-tokens N --device D` (everything else sample.py's
+default: dtype auto, no --compile); theirs a Python process that imports transformers, loads the directory with
+AutoModelForCausalLM onto D (in bf16 on a CUDA device, as sample.py's auto; else fp32) and calls generate on the
+prompt's ids (no tokenizer: its load would cost transformers more).
 The sides alternate --repeats times in ABBA order (the machine's drift hits both alike); the table gives each side's
 best process wall time and best generation tokens/s (as each process measures its own generation), and whether the
 greedy tokens are equal. The model is the config's (default: the GPU preset's char model with a 512-token context,
@@ -26,7 +27,7 @@ import torch
 
 from benchmarks.common import GPU_PRESET, PROMPT_TOKENS, REPO, Mode, add_config, decoding_model_args, print_table
 from benchmarks.conditions import load_average
-from model import GPT
+from model import GPT, GPTConfig
 from quillgpt.errors import UserError
 from quillgpt.hf import export_hf
 from quillgpt.loading import load_model
@@ -41,14 +42,14 @@ OUR_RATE = re.compile(r"\[\d+ tokens in [\d.]+s: ([\d,]+) tokens/s, .*, (\w+)[^,
 THEIRS = """
 import json, sys, time
 import torch, transformers
-directory, new_tokens, prompt = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+directory, new_tokens, prompt, device, dtype = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), *sys.argv[4:6]
+model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).to(device).eval()
 t0 = time.perf_counter()
-ids = torch.tensor([prompt])
+ids = torch.tensor([prompt], device=device)
 with torch.no_grad():  # an explicit mask: generate would take the pad id (0, a real character here) for padding
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0  # generate returns its tokens on the host's side of a sync: all were made
 print(json.dumps({"ids": out[0, len(prompt):].tolist(), "seconds": seconds}))
 """
 
@@ -74,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per side; the best is reported (default %(default)s)")
     p.add_argument("--with-compile", action="store_true", help="also time sample.py --compile")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where both sides decode (default %(default)s); on CUDA transformers runs in bf16 as sample.py's auto does",
+    )
 
 
 def run_child(cmd: list[str]) -> tuple[float, str, str]:
@@ -86,10 +92,10 @@ def run_child(cmd: list[str]) -> tuple[float, str, str]:
     return wall, done.stdout, done.stderr
 
 
-def run_ours(side: Side, directory: str, new_tokens: int, compile: bool) -> None:
+def run_ours(side: Side, directory: str, new_tokens: int, compile: bool, device: str) -> None:
     cmd = [sys.executable, "sample.py", "--ckpt", directory, "--prompt", PROMPT, "--temperature", "0"]
-    cmd += ["--max-new-tokens", str(new_tokens), "--no-stream", "--verbose", *(["--compile"] if compile else [])]
-    wall, output, log = run_child(cmd)
+    cmd += ["--max-new-tokens", str(new_tokens), "--no-stream", "--verbose", "--device", device]
+    wall, output, log = run_child([*cmd, *(["--compile"] if compile else [])])
     stats = OUR_RATE.findall(log)
     if not stats:
         raise UserError(f"sample.py printed no tokens/s line: {log[-300:]}")
@@ -98,21 +104,64 @@ def run_ours(side: Side, directory: str, new_tokens: int, compile: bool) -> None
     side.record(wall, new_tokens / float(rate.replace(",", "")), text)
 
 
-def run_theirs(side: Side, directory: str, new_tokens: int, prompt_ids: list[int], tokenizer) -> None:
-    wall, output, _ = run_child([sys.executable, "-c", THEIRS, directory, str(new_tokens), json.dumps(prompt_ids)])
+def their_dtype(device: str) -> str:
+    """transformers' dtype: bf16 on a CUDA device that has it (sample.py's auto there), else fp32 (the CPU's)."""
+    if (
+        device.startswith("cuda")
+        and torch.cuda.is_available()
+        and torch.cuda.is_bf16_supported(including_emulation=False)
+    ):
+        return "bfloat16"
+    return "float32"
+
+
+def run_theirs(side: Side, directory: str, new_tokens: int, prompt_ids: list[int], tokenizer, device: str) -> None:
+    cmd = [
+        sys.executable,
+        "-c",
+        THEIRS,
+        directory,
+        str(new_tokens),
+        json.dumps(prompt_ids),
+        device,
+        their_dtype(device),
+    ]
+    wall, output, _ = run_child(cmd)
     result = json.loads(output.strip().splitlines()[-1])
     side.record(wall, result["seconds"], tokenizer.decode(result["ids"]))
 
 
-def run(args: argparse.Namespace, cli: list[str]) -> None:
+@dataclass
+class Comparison:
+    """Both decoders' runs on one exported model."""
+
+    margs: GPTConfig
+    new_tokens: int
+    repeats: int
+    device: str
+    sides: list[Side]  # ours (and compiled), then transformers'
+
+    @property
+    def theirs(self) -> Side:
+        return self.sides[-1]
+
+    @property
+    def same_text(self) -> bool:
+        return all(s.text == self.theirs.text for s in self.sides)
+
+
+def compare(config: str, cli: list[str], new_tokens: int, repeats: int, with_compile: bool, device: str) -> Comparison:
+    """sample.py (and sample.py --compile) against transformers' generate on the config's model with random weights,
+    exported as export.py --hf writes it: --repeats fresh processes a side, in ABBA order (the machine's drift hits
+    both alike)."""
     try:
         import transformers  # noqa: F401
     except ImportError:
         raise UserError("--vs-transformers needs transformers: pip install -e '.[hf]'") from None
-    margs = decoding_model_args(args.config, ["--model.block_size", str(CONTEXT), *cli])
-    if PROMPT_TOKENS + args.new_tokens > margs.block_size:
+    margs = decoding_model_args(config, ["--model.block_size", str(CONTEXT), *cli])
+    if PROMPT_TOKENS + new_tokens > margs.block_size:
         raise UserError(
-            f"--new-tokens {args.new_tokens} + a {PROMPT_TOKENS}-token prompt exceed the context {margs.block_size}"
+            f"--new-tokens {new_tokens} + a {PROMPT_TOKENS}-token prompt exceed the context {margs.block_size}"
         )
     if margs.vocab_size != len(SHAKESPEARE_CHARS):  # transformers would draw ids the tokenizer has not
         raise UserError(
@@ -121,26 +170,29 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
         )
     ours = Side("sample.py's default (KV cache, eager step)")
     compiled = Side("sample.py --compile")
-    theirs = Side("transformers generate (fp32)")
+    theirs = Side(f"transformers generate ({their_dtype(device).replace('float', 'fp').replace('bfloat', 'bf')})")
     with tempfile.TemporaryDirectory(prefix="vs_transformers_") as directory:
         torch.manual_seed(0)
         export_hf(GPT(margs), CharTokenizer(list(SHAKESPEARE_CHARS)).to_dict(), directory)
         tokenizer = tokenizer_from_dict(load_model(directory).tokenizer)
         prompt_ids = tokenizer.encode(PROMPT)
-        runs = [lambda: run_ours(ours, directory, args.new_tokens, compile=False)]
-        if args.with_compile:
-            runs.append(lambda: run_ours(compiled, directory, args.new_tokens, compile=True))
-        runs.append(lambda: run_theirs(theirs, directory, args.new_tokens, prompt_ids, tokenizer))
-        for i in range(args.repeats):  # alternating, in ABBA order, so that drift hits every side alike
+        runs = [lambda: run_ours(ours, directory, new_tokens, False, device)]
+        if with_compile:
+            runs.append(lambda: run_ours(compiled, directory, new_tokens, True, device))
+        runs.append(lambda: run_theirs(theirs, directory, new_tokens, prompt_ids, tokenizer, device))
+        for i in range(repeats):  # alternating, in ABBA order, so that drift hits every side alike
             for run_side in runs if i % 2 == 0 else runs[::-1]:
                 run_side()
-    n = args.new_tokens
+    return Comparison(margs, new_tokens, repeats, device, [ours, *([compiled] if with_compile else []), theirs])
+
+
+def print_comparison(c: Comparison) -> None:
+    m, n, theirs = c.margs, c.new_tokens, c.theirs
+    threads = f", {torch.get_num_threads()} threads" if c.device == "cpu" else ""
     print(
-        f"{margs.n_layer} layers, n_embd {margs.n_embd}, context {margs.block_size}, {n} new tokens after a "
-        f"{PROMPT_TOKENS}-token prompt, batch 1, greedy, {torch.get_num_threads()} threads; a fresh process per run, "
-        f"best of {args.repeats}"
+        f"{m.n_layer} layers, n_embd {m.n_embd}, context {m.block_size}, {n} new tokens after a {PROMPT_TOKENS}-token "
+        f"prompt, batch 1, greedy, on {c.device}{threads}; a fresh process per run, best of {c.repeats}"
     )
-    sides = [ours, *([compiled] if args.with_compile else []), theirs]
     print_table(
         ["decoder", "process wall (s)", "vs transformers", "generation tokens/s", "vs transformers"],
         [
@@ -151,13 +203,19 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
                 f"{n / s.generation:,.0f}",
                 f"{theirs.generation / s.generation:.2f}x",
             ]
-            for s in sides
+            for s in c.sides
         ],
         left=1,
     )
-    same = all(s.text == theirs.text for s in sides)
-    dtypes = {s.note for s in sides if s.note}
-    print(f"greedy tokens equal: {same}" + ("" if same or dtypes <= {"fp32"} else f" (ours ran in {dtypes})"))
+    dtypes = {s.note for s in c.sides if s.note}
+    print(
+        f"greedy tokens equal: {c.same_text}"
+        + ("" if c.same_text or dtypes <= {"fp32"} else f" (ours ran in {dtypes})")
+    )
+
+
+def run(args: argparse.Namespace, cli: list[str]) -> None:
+    print_comparison(compare(args.config, cli, args.new_tokens, args.repeats, args.with_compile, args.device))
     print(load_average())
 
 

@@ -211,7 +211,7 @@ def test_ddp_and_fsdp_train_over_nccl_at_world_size_1(tiny_data, tmp_path, fsdp)
         env=ENV,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "device: cuda:0, bf16" in proc.stdout and "finished: 6 iters" in proc.stdout
@@ -246,7 +246,7 @@ def gpu_run(tiny_data, tmp_path_factory) -> Path:
     return out / "t"
 
 
-def script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def script(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, *args], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
     )
