@@ -92,7 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "directory or hub name), with the chat template added when it has none",
     )
     p.add_argument(
-        "--vocab-size", type=positive_int, help="bpe vocabulary size (default 4096); an upper bound for char"
+        "--vocab-size",
+        type=positive_int,
+        help="bpe vocabulary size (default: the existing dataset's, else 4096); an upper bound for char",
     )
     p.add_argument(
         "--split",

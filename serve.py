@@ -104,4 +104,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, exit_at_once=True)  # Ctrl-C ends the server at once, however busy the machine (errors.run_main)

@@ -76,6 +76,7 @@ def train(
     validate_only: train nothing; the dict of what --validate checked (the model's arguments and parameters, the
     memory estimate, the measured step time)."""
     dist = distributed.from_env()
+    peer_failed = False
     try:
         with distributed.reporting_peer_failures(dist), callers_determinism_restored():
             cfg, run_dir, ckpt = resolve_run(config, overrides, resume, force or validate_only, dist.world_size)
@@ -89,11 +90,15 @@ def train(
                 return report_feasibility(tr, checked)
             state = restore(tr, ckpt) if ckpt else TrainState()
             log = start_run(tr, state, resumed=ckpt is not None)
-            with StopRequest() as stop:
+            with StopRequest() as stop, distributed.reporting_peer_failures(dist):  # reported while signals are ours
                 outcome = fit(tr, state, log, stop)
             return report(tr, outcome, log)
+    except distributed.PeerFailure:
+        peer_failed = True  # the process group is broken: destroying it waits on, or aborts with, the dead peer
+        raise
     finally:
-        distributed.shutdown()
+        if not peer_failed:
+            distributed.shutdown()
 
 
 def report(tr: Trainer, outcome: Outcome, log: MetricsLog | None) -> TrainResult:
@@ -154,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         return distributed.relaunch_with_torchrun(args.nproc_per_node, argv, script=os.path.abspath(__file__))
     try:
         train(args.config, overrides=rest, resume=args.resume, force=args.force, validate_only=args.validate)
-    except distributed.PeerFailure as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except distributed.PeerFailure:  # its line is printed: leave now, not through the broken group's teardown
+        sys.stderr.flush()
+        os._exit(1)
     return 0
 
 

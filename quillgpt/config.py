@@ -134,7 +134,10 @@ class DataConfig:
     tokenizer: str = _f(
         "char", "char | bpe | a tiktoken encoding name such as gpt2 | hf:DIR (a Hugging Face tokenizer.json)"
     )
-    bpe_vocab_size: int = _f(DEFAULT_BPE_VOCAB_SIZE, "vocabulary size the bpe tokenizer is trained to")
+    bpe_vocab_size: int | None = _f(
+        None,
+        f"vocabulary size the bpe tokenizer is trained to (none: an existing dataset's own, else {DEFAULT_BPE_VOCAB_SIZE})",
+    )
     data_dir: str = _f("data", "root directory of prepared datasets")
     processed_dir: str | None = _f(
         None,
@@ -566,7 +569,7 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     need(m.rope_theta > 0, f"model.rope_theta = {m.rope_theta} must be positive")
     need(0 < d.val_fraction < 1, f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
     need(
-        d.bpe_vocab_size >= MIN_BPE_VOCAB_SIZE,
+        d.bpe_vocab_size is None or d.bpe_vocab_size >= MIN_BPE_VOCAB_SIZE,
         f"data.bpe_vocab_size = {d.bpe_vocab_size} must be >= {MIN_BPE_VOCAB_SIZE} (256 bytes and <|endoftext|>)",
     )
     need(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes = {d.max_bytes} must be positive")

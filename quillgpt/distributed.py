@@ -128,7 +128,9 @@ def reads_as_peer_failure(e: BaseException) -> bool:
 
 @contextlib.contextmanager
 def reporting_peer_failures(info: DistInfo):
-    """Turn a collective's failure into a one-line PeerFailure instead of a traceback on every surviving rank."""
+    """Turn a collective's failure into a PeerFailure instead of a traceback on every surviving rank, its one line
+    printed at once: torchrun's SIGTERM follows a peer's death, and once the training loop's handler is gone it ends
+    the process, so a line printed any later could be lost (the killed-rank test saw it lost)."""
     try:
         yield
     except RuntimeError as e:
@@ -136,10 +138,12 @@ def reporting_peer_failures(info: DistInfo):
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         cause = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]  # gloo: "[file.cc:553] what. hint"
-        raise PeerFailure(
+        failure = PeerFailure(
             f"rank {info.rank} stopped: another rank failed, hung for longer than distributed.timeout_s "
             f"or became unreachable ({cause[:120]}); checkpoints written so far are intact"
-        ) from None
+        )
+        print(f"error: {failure}", file=sys.stderr, flush=True)
+        raise failure from None
 
 
 # ---- collectives ------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ A user's mistake (bad config, missing data, corrupt checkpoint) raises UserError
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -32,17 +33,28 @@ def report(e: UserError) -> None:
         print(f"error: {line}", file=sys.stderr, flush=True)
 
 
-def run_main(main: Callable[[], int | None]) -> None:
-    """Run an entry point; turn UserError and Ctrl-C into a one-line message and an exit code."""
+def run_main(main: Callable[[], int | None], exit_at_once: bool = False) -> None:
+    """Run an entry point; turn UserError and Ctrl-C into a one-line message and an exit code.
+
+    exit_at_once: once main has ended and its output is flushed, leave without the interpreter's teardown (for a
+    process with nothing left to write, such as serve.py: tearing down torch's and the web stack's objects took
+    seconds of CPU on a busy machine, between a user's Ctrl-C and the process ending)."""
     try:
-        code = main()
+        code = main() or 0
     except UserError as e:
         if not e.reported_elsewhere:
             report(e)
-        sys.exit(EXIT_USER_ERROR)
+        code = EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        code = 130
     except BrokenPipeError:  # e.g. `python sample.py ... | head`
-        sys.exit(0)
-    sys.exit(code or 0)
+        code = 0
+    if exit_at_once:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (BrokenPipeError, ValueError):  # a reader that has gone, or a closed stream: nothing to flush to
+                pass
+        os._exit(code)
+    sys.exit(code)

@@ -378,9 +378,9 @@ def test_killed_rank_ends_the_job_quickly_and_leaves_a_loadable_checkpoint(workd
     output, elapsed = ended(launcher, timeout=60)
     assert launcher.returncode == 128 + signal.SIGKILL, output[-3000:]
     assert elapsed < 20, f"the job took {elapsed:.0f}s to end:\n{output[-3000:]}"  # the output shows where it waited
-    assert "error: rank 1" in output and "was killed by SIGKILL" in output
-    assert "rank 0 stopped: another rank failed" in output
-    assert "Traceback" not in output
+    assert "error: rank 1" in output and "was killed by SIGKILL" in output, output[-3000:]
+    assert "rank 0 stopped: another rank failed" in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
     assert load_checkpoint(out / "run" / "ckpt_last.pt")["iter_num"] % 5 == 0
 
 

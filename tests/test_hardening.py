@@ -232,6 +232,7 @@ def test_every_torch_load_is_weights_only():
 
 KILL_TRIALS = 12
 KILL_WINDOW_S = 0.6  # kill after a seeded random delay in [0, KILL_WINDOW_S) once a new checkpoint exists
+MID_WRITE_EVERY = 3  # every third trial kills inside a write for certain (stop_inside_a_write), whatever the load
 
 
 def wait_for_new_checkpoint(run: RunDir, old_inode: int | None, proc: subprocess.Popen, timeout: float = 90) -> None:
@@ -248,9 +249,26 @@ def wait_for_new_checkpoint(run: RunDir, old_inode: int | None, proc: subprocess
     raise AssertionError("no new checkpoint in time")
 
 
+def stop_inside_a_write(run: RunDir, proc: subprocess.Popen, timeout: float = 90) -> None:
+    """SIGSTOP the run at a moment its checkpoint's temp file exists (a write under way), so that the SIGKILL that
+    follows lands inside the write whatever the machine's load: a stop that came just after the write had ended is
+    undone (SIGCONT) and the next write is waited for."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"train.py exited with {proc.returncode}"
+        if temp_files(run.path):
+            proc.send_signal(signal.SIGSTOP)
+            if temp_files(run.path):
+                return
+            proc.send_signal(signal.SIGCONT)
+        time.sleep(0.001)
+    raise AssertionError("no write caught under way in time")
+
+
 def kill_chain(chain: int, trials: int, data_dir: Path, out_dir: Path) -> dict:
     """SIGKILL a run `trials` times; each restart is `--resume`, so every trial after the first also proves that
-    the previous kill left a checkpoint --resume continues from (the "resuming ... at iter N" line)."""
+    the previous kill left a checkpoint --resume continues from (the "resuming ... at iter N" line). Most kills
+    come at a random moment after a new checkpoint; every MID_WRITE_EVERY-th lands inside a write for certain."""
     rng = random.Random(7000 + chain)
     over = tiny_overrides(
         data_dir,
@@ -278,7 +296,10 @@ def kill_chain(chain: int, trials: int, data_dir: Path, out_dir: Path) -> dict:
             )
             try:
                 wait_for_new_checkpoint(run, run.last.stat().st_ino if run.last.exists() else None, proc)
-                time.sleep(rng.uniform(0, KILL_WINDOW_S))
+                if trial % MID_WRITE_EVERY == MID_WRITE_EVERY - 1:
+                    stop_inside_a_write(run, proc)
+                else:
+                    time.sleep(rng.uniform(0, KILL_WINDOW_S))
             finally:
                 proc.kill()
                 proc.wait()
@@ -303,7 +324,7 @@ def test_sigkill_at_random_moments_always_leaves_a_resumable_checkpoint(tiny_dat
         f"resumed from the killed run's checkpoint: {sum(c['resumed'] for c in chains)}"
     )
     assert sum(c["trials"] for c in chains) == KILL_TRIALS
-    assert sum(c["mid_write"] for c in chains) >= 3  # the kills really land inside writes (expected: ~8)
+    assert sum(c["mid_write"] for c in chains) >= KILL_TRIALS // MID_WRITE_EVERY  # the kills land inside writes
     # the final check: resume for two more iterations and finish cleanly
     run = RunDir(tmp_path / "chain0")
     left_at = chains[0]["left_at"]

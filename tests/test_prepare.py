@@ -166,6 +166,72 @@ def test_a_prepared_dataset_is_reused_and_another_request_needs_reset(tmp_path, 
         prepare_dataset("mytext", tokenizer="bpe", vocab_size=300, input_path=str(other), data_dir=tmp_path)
 
 
+def test_a_bpe_dataset_prepared_at_one_size_is_reused_by_a_run_that_names_no_size(tmp_path, text_file):
+    """prepare.py --tokenizer bpe --vocab-size 512, then train.py with the README's --data.tokenizer bpe and no size:
+    the run trains on the dataset as prepared (the 4096 default was never asked for). A size that differs is still
+    a conflict, named as one."""
+    data = tmp_path / "data"
+    made = run_cli(
+        "--dataset",
+        "mytext",
+        "--input",
+        str(text_file),
+        "--tokenizer",
+        "bpe",
+        "--vocab-size",
+        "512",
+        "--data-dir",
+        str(data),
+        cwd=tmp_path,
+    )
+    assert made.returncode == 0, made.stderr
+    stamps = {p.name: p.stat().st_mtime_ns for p in (data / "mytext").iterdir()}
+    common = [
+        "--data.dataset",
+        "mytext",
+        "--data.tokenizer",
+        "bpe",
+        "--data.data_dir",
+        str(data),
+        "--run.out_dir",
+        str(tmp_path / "runs"),
+        "--run.name",
+        "t",
+        "--max-iters",
+        "2",
+        "--device",
+        "cpu",
+        "--model.n_layer",
+        "1",
+        "--model.n_head",
+        "2",
+        "--model.n_embd",
+        "32",
+        "--model.block_size",
+        "32",
+        "--training.batch_size",
+        "2",
+        "--training.eval_interval",
+        "0",
+        "--logging.plot",
+        "false",
+    ]
+    trained = subprocess.run(
+        [sys.executable, "train.py", *common], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert trained.returncode == 0, trained.stderr
+    assert f"reusing {data / 'mytext'} (bpe tokenizer, vocab 512" in trained.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in (data / "mytext").iterdir()} == stamps
+    conflict = subprocess.run(
+        [sys.executable, "train.py", *common, "--data.bpe_vocab_size", "1024", "--force"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert_one_line_error(conflict, "prepared with the bpe tokenizer (vocab 512)", "(vocab 1024)")
+
+
 def test_a_crash_leaves_only_work_to_continue(tmp_path, text_file, monkeypatch):
     def explode(self, text):
         raise RuntimeError("simulated crash")

@@ -27,7 +27,7 @@ from quillgpt.errors import UserError
 from quillgpt.prepare.nanogpt_layout import prepare_txt_dir
 from quillgpt.prepare.pipeline import encode_dataset
 from quillgpt.prepare.request import Request, Settings, resolve
-from quillgpt.prepare.reuse import reusable
+from quillgpt.prepare.reuse import reusable, with_prepared_vocab_size
 from quillgpt.prepare.workdir import WORK_DIR, describe
 
 __all__ = ["prepare_dataset", "prepare_txt_dir", "WORK_DIR"]
@@ -45,8 +45,10 @@ def prepare_dataset(dataset: str, *, data_dir: str | Path = "data", reset: bool 
     if not dataset or dataset in (".", "..") or "/" in dataset or os.sep in dataset:
         raise UserError(f"dataset name must be a plain folder name, got {dataset!r}")
     asked, settings = request_and_settings(options)
-    request = resolve(dataset, asked)
     out_dir = Path(data_dir) / dataset
+    if not reset:
+        asked = with_prepared_vocab_size(out_dir, asked)
+    request = resolve(dataset, asked)
     if (out_dir / "meta.json").exists() and not reset:
         meta = reusable(out_dir, dataset, request)
         if meta is not None:

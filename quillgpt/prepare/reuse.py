@@ -7,7 +7,7 @@ line naming the difference, and --reset re-prepares it. meta.json may be hand-ed
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from quillgpt.errors import UserError
@@ -15,6 +15,7 @@ from quillgpt.files import read_json
 from quillgpt.prepare.recipes import KNOWN_DATASETS
 from quillgpt.prepare.request import Request
 from quillgpt.prepare.workdir import FORMAT_VERSION
+from quillgpt.tokenizer import canonical_spec
 
 META_FIELDS = {"tokenizer": dict, "vocab_size": int, "train_tokens": int, "val_tokens": int}
 # request fields added since datasets were first made: an older meta.json's request lacks them, meaning these
@@ -108,3 +109,22 @@ def check_same_inputs(out_dir: Path, meta: dict, request: Request) -> None:
         raise UserError(
             f"{request.inputs[0]} changed since {out_dir} was prepared from it; pass --reset to re-prepare it"
         )
+
+
+def with_prepared_vocab_size(out_dir: Path, asked: Request) -> Request:
+    """The request with, where it gives no vocabulary size, the one out_dir's dataset was prepared with: `prepare.py
+    --tokenizer bpe --vocab-size 2048` once, then `train.py --data.tokenizer bpe` (no size) reuses that dataset
+    rather than asking for the 4096 bpe defaults to. Only a real conflict (another size given) is refused."""
+    if asked.vocab_size is not None or not (out_dir / "meta.json").is_file():
+        return asked
+    try:
+        old = read_json(out_dir / "meta.json", "dataset metadata").get("request")
+    except UserError:
+        return asked  # reusable() reports what is wrong with it
+    if not isinstance(old, dict) or not isinstance(old.get("vocab_size"), int) or isinstance(old["vocab_size"], bool):
+        return asked
+    if old.get("tokenizer") != "bpe":
+        return asked  # the size is bpe's; for the others it is only an upper bound
+    if asked.tokenizer is not None and canonical_spec(asked.tokenizer) != old.get("tokenizer"):
+        return asked  # another tokenizer: reusable() refuses it, naming both
+    return replace(asked, vocab_size=old["vocab_size"])
