@@ -42,7 +42,7 @@ from quillgpt.files import atomic_write_text
 from quillgpt.machine import keep_freed_memory
 from quillgpt.metrics import MetricsLog, default_peak_flops, rss_mb
 from quillgpt.optim import lr_multiplier, make_optimizers, set_lr
-from quillgpt.precision import PRECISIONS, MatmulRates, emulation_warning, measure_cpu_rates
+from quillgpt.precision import PRECISIONS, MatmulRates, cuda_has_native_bf16, emulation_warning, measure_cpu_rates
 from quillgpt.precision import autocast as precision_autocast
 from quillgpt.run_model import ModelPlan, build_model, plan_model
 from quillgpt.scoring import HellaSwagItem, hellaswag_items, score_hellaswag
@@ -159,10 +159,11 @@ def mfu_peak(cfg: Config, device: torch.device, precision: str, rates: MatmulRat
 
 
 def resolve_precision(requested: str, device: torch.device, rates: MatmulRates | None = None) -> str:
-    """auto: bf16 (or fp16 without it) on CUDA; on the CPU whichever of fp32 and bf16 the probe measured faster."""
+    """auto: bf16 on a CUDA device that runs it in hardware, else fp16 (with a GradScaler: on a pre-Ampere card
+    emulated bf16 is slower); on the CPU whichever of fp32 and bf16 the probe measured faster."""
     if requested == "auto":
         if device.type == "cuda":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+            return "bf16" if cuda_has_native_bf16() else "fp16"
         return rates.faster if rates else "fp32"
     if requested == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError("training.precision = 'bf16' but this GPU has no bf16 support: use fp16 or auto")
@@ -411,7 +412,12 @@ def device_line(rt: Runtime) -> str:
     if rt.device.type == "cpu":
         line += f" ({torch.get_num_threads()} threads"
         if rt.matmul_rates:
-            chosen = "auto picked the faster" if rt.requested_precision == "auto" else "as configured"
+            settled = bool(rt.matmul_rates.settled_by)  # a busy machine: describe() says what decided instead
+            chosen = (
+                ("auto picked" if settled else "auto picked the faster")
+                if rt.requested_precision == "auto"
+                else "as configured"
+            )
             line += f"; {chosen}: {rt.matmul_rates.describe()}"
         line += ")"
     return line

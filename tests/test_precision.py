@@ -204,3 +204,20 @@ def test_cpu_mfu_is_measured_against_the_matmul_rate_of_the_precision_in_use(tin
         assert rt.matmul_rates and rt.peak_flops == rt.matmul_rates.rate(precision)
     cfg = build_config(None, tiny_overrides(tiny_data, tmp_path, **{"logging.peak_tflops": 2.0}))
     assert trainer.setup(cfg, DistInfo()).peak_flops == 2e12
+
+
+def test_a_gpu_that_only_emulates_bf16_trains_in_fp16_and_samples_in_fp32(monkeypatch):
+    """torch.cuda.is_bf16_supported() counts emulation, which on a pre-Ampere card (a T4, a V100) is slower than
+    fp16 with a GradScaler: auto asks for bf16 in hardware. The card's answer is simulated (no GPU here); the rule
+    is what is tested."""
+    import torch
+
+    from quillgpt import precision, trainer
+
+    cuda = torch.device("cuda")
+    for hardware, training, sampling in ((False, "fp16", "fp32"), (True, "bf16", "bf16")):
+        monkeypatch.setattr(
+            torch.cuda, "is_bf16_supported", lambda including_emulation=True, h=hardware: h or including_emulation
+        )
+        assert trainer.resolve_precision("auto", cuda) == training
+        assert precision.inference_precision("auto", cuda, 64, 1)[0] == sampling
