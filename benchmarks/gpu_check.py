@@ -491,6 +491,7 @@ def our_step(check: Check, data: Path, arm: str, overrides: list[str]) -> StepRo
         ]
         cmd += ["--training.batch_size", str(attempt), "--training.grad_accum_steps", str(row.grad_accum)]
         cmd += ["--run.device", check.device, *(["--training.compile", "false"] if check.on_cpu else [])]
+        cmd += ["--model.vocab_size", str(check.scale.gpt2_vocab)]  # nanoGPT's: its meta.pkl's
         try:
             done = subprocess.run(
                 [*cmd, *check.scale.gpt2, *overrides], cwd=REPO, capture_output=True, text=True, timeout=STEP_LIMIT_S
