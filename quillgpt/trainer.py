@@ -1,6 +1,6 @@
 """The training loop: from a config to a trained model, each stage a small function.
 
-    rt = setup(cfg, dist)                             # device, precision, compile, process group, seed, MFU peak
+    rt = setup(cfg, dist, ckpt and ckpt.resolution())   # device, precision, compile, process group, seed, MFU peak
     dataset = find_dataset(cfg, dist)                 # data.py: located (or prepared) and checked
     tr = build_trainer(cfg, rt, dataset, run_dir, ckpt)       # model, wrapping, optimizers, scaler, batches
     state = restore(tr, ckpt) if ckpt else TrainState()
