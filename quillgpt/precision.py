@@ -55,8 +55,9 @@ class MatmulRates:
 
     @property
     def bf16_slowdown(self) -> float:
-        """How many times slower bf16 runs than fp32, by the readings a busy machine misleads least."""
-        fp32, bf16 = self.one_thread or (self.fp32, self.bf16)
+        """How many times slower bf16 runs than fp32: by the rates shown, or where a busy machine misled them (the
+        readings were not of one mind) by the one-thread readings."""
+        fp32, bf16 = self.one_thread if self.settled_by and self.one_thread else (self.fp32, self.bf16)
         return fp32 / bf16
 
     def describe(self) -> str:
@@ -74,26 +75,21 @@ def measure_cpu_rates(width: int, rows: int) -> MatmulRates:
     """fp32 and bf16 rates of (rows, width) @ (width, 4 * width), a model's MLP shape (rows capped: the probe stays
     well under a second), and the precision auto takes by them.
 
-    Two readings on all threads (read_rates: each keeps its best calls). Where they agree with each other and with
-    what the CPU's class says (cpu_bf16_class: native bf16 matmuls or not, from its flags and the libraries' caps),
-    they decide. Otherwise the machine may have been too busy to tell: on a contended 2-core box, threads waiting
-    for each other read a matmul at a hundredth of its speed (8 GFLOP/s, or an AVX2 path's fp32 below its emulated
-    bf16). Then two readings on one thread, which a busy machine only slows between calls, decide where they agree
-    (a library path the flags don't show), else the class does; the rates (for MFU) stay the all-thread ones, and
-    the text says what decided (settle)."""
+    Two readings on all threads give the rates (MFU's ceiling), two on one thread the choice (read_rates: each keeps
+    its best calls): on a busy machine threads that wait for each other read a matmul at a hundredth of its speed (a
+    contended 2-core box read 8 GFLOP/s, an AVX2 path's fp32 below its emulated bf16), while one thread is only
+    slowed between calls, so the same config picks the same precision however busy the machine. Where the one-thread
+    readings disagree too (near parity, BF16_MARGIN), the CPU's class decides (cpu_bf16_class: native bf16 matmuls
+    or not, from its flags and the libraries' caps); the text says so wherever the readings were not of one mind."""
     rows = max(1, min(rows, PROBE_MAX_ROWS))
-    cpu_class = cpu_bf16_class()
     readings = [read_rates(width, rows) for _ in range(2)]
-    votes = {measured_faster(*r) for r in readings}
-    if len(votes) == 1 and (cpu_class is None or votes == {cpu_class[0]}):
-        return MatmulRates(max(r[0] for r in readings), max(r[1] for r in readings), (rows, width, 4 * width))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         single = [read_rates(width, rows) for _ in range(2)]
     finally:
         torch.set_num_threads(threads)
-    return settle(readings, single, (rows, width, 4 * width), cpu_class)
+    return settle(readings, single, (rows, width, 4 * width), cpu_bf16_class())
 
 
 def settle(
@@ -102,23 +98,24 @@ def settle(
     shape: tuple[int, int, int],
     cpu_class: tuple[str, str] | None,
 ) -> MatmulRates:
-    """MatmulRates from all-thread readings that disagreed (with each other or with the CPU's class) and one-thread
-    readings: each precision's best all-thread rate; the precision the one-thread readings agree on, else the
-    CPU class's (their majority's, the first's on a tie, where the class is unknown); the reason in settled_by."""
+    """MatmulRates from all-thread and one-thread (fp32, bf16) readings: each precision's best all-thread rate; the
+    precision the one-thread readings agree on, else the CPU class's (their majority's, the first's on a tie, where
+    the class is unknown); in settled_by, why, wherever the readings were not all of one mind."""
     fp32, bf16 = max(r[0] for r in readings), max(r[1] for r in readings)
+    one_thread = (max(r[0] for r in single), max(r[1] for r in single))
     votes = [measured_faster(*r) for r in single]
 
     def shown(rs: list[tuple[float, float]]) -> str:
         return ", ".join(f"{a / 1e9:,.0f}/{b / 1e9:,.0f}" for a, b in rs)
 
-    doubt = "disagreed" if len({measured_faster(*r) for r in readings}) > 1 else f"contradicted {cpu_class[1]}"
     if len(set(votes)) == 1:
         choice, why = votes[0], f"the 1-thread readings ({shown(single)}), which a busy machine does not mislead"
+        if {measured_faster(*r) for r in readings} == {choice}:
+            return MatmulRates(fp32, bf16, shape, choice=choice, one_thread=one_thread)
     else:
         choice, why = cpu_class or (max(votes, key=votes.count), "the 1-thread readings' majority")
         why = f"{why} (1 thread read {shown(single)})"
-    settled = f"the readings (fp32/bf16 GFLOP/s: {shown(readings)}) {doubt}: {choice} by {why}"
-    one_thread = (max(r[0] for r in single), max(r[1] for r in single))
+    settled = f"the readings (fp32/bf16 GFLOP/s: {shown(readings)}) were not of one mind: {choice} by {why}"
     return MatmulRates(fp32, bf16, shape, settled_by=settled, choice=choice, one_thread=one_thread)
 
 

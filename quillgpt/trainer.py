@@ -63,6 +63,7 @@ class Runtime:
     matmul_rates: MatmulRates | None = None  # fp32 and bf16 measured at the model's shape (CPU, auto or bf16)
     requested_precision: str = ""  # training.precision as configured (auto, or what precision was forced to)
     requested_compile: bool | None = None  # training.compile as configured (None: on for CUDA)
+    precision_kept: bool = False  # resumed on the device type it began on: the precision it resolved to then
 
 
 def setup(cfg: Config, dist: DistInfo, resumed: Resolution | None = None) -> Runtime:
@@ -92,7 +93,8 @@ def setup(cfg: Config, dist: DistInfo, resumed: Resolution | None = None) -> Run
         )
     distributed.init_process_group(dist, device, cfg.distributed.backend, cfg.distributed.timeout_s)
     rates = probe_matmuls(cfg, device, dist)
-    if kept is not None and t.precision == kept.requested_precision:
+    precision_kept = kept is not None and t.precision == kept.requested_precision
+    if precision_kept:
         precision = kept.precision
     else:
         precision = resolve_precision(t.precision, device, rates)
@@ -107,7 +109,7 @@ def setup(cfg: Config, dist: DistInfo, resumed: Resolution | None = None) -> Run
     torch.manual_seed(cfg.run.seed + dist.rank)
     peak = mfu_peak(cfg, device, precision, rates) * dist.world_size
     autocast = precision_autocast(device.type, precision)
-    return Runtime(device, precision, dist, compile, peak, autocast, rates, t.precision, t.compile)
+    return Runtime(device, precision, dist, compile, peak, autocast, rates, t.precision, t.compile, precision_kept)
 
 
 def use_deterministic_algorithms(device: torch.device) -> None:
@@ -413,11 +415,12 @@ def device_line(rt: Runtime) -> str:
         line += f" ({torch.get_num_threads()} threads"
         if rt.matmul_rates:
             settled = bool(rt.matmul_rates.settled_by)  # a busy machine: describe() says what decided instead
-            chosen = (
-                ("auto picked" if settled else "auto picked the faster")
-                if rt.requested_precision == "auto"
-                else "as configured"
-            )
+            if rt.precision_kept:
+                chosen = "as the run began (the checkpoint's), not measured again"
+            elif rt.requested_precision == "auto":
+                chosen = "auto picked" if settled else "auto picked the faster"
+            else:
+                chosen = "as configured"
             line += f"; {chosen}: {rt.matmul_rates.describe()}"
         line += ")"
     return line

@@ -54,6 +54,7 @@ n_head = 2
 n_embd = 32
 dropout = {dropout}
 [training]
+precision = "fp32"  # the runs compared must not hang on auto's probe
 batch_size = 8
 max_iters = {iters}
 eval_interval = {stop}
