@@ -412,7 +412,9 @@ def test_todays_checkpoint_samples_and_resumes_exactly(tmp_path, capsys):
         text=True,
         timeout=120,
     )
-    assert sampled.returncode == 0 and sampled.stderr == "", sampled.stderr
+    assert sampled.returncode == 0, sampled.stderr
+    said = sampled.stderr.splitlines()  # one line: what it loaded, in which precision, on which device
+    assert len(said) == 1 and said[0].startswith(f"[sampling {run / 'ckpt_last.pt'}, ") and said[0].endswith(" on cpu]")
     text = sampled.stdout.removesuffix("\n")
     assert text.startswith("to be") and len(text) == len("to be") + 30 and set(text) <= set(fixture_text())
     capsys.readouterr()
