@@ -146,6 +146,43 @@ class DecodeStep(NamedTuple):
         return DecodeStep(position, cache.length, torch.arange(cache.length, device=position.device) <= position)
 
 
+class DocumentMask:
+    """Attention confined to each document of packed rows (data.py's Batch.positions: 0 at each document's first
+    token), built once per forward for every layer: a token sees the tokens up to itself in its own document only.
+    FlexAttention's block mask where torch trains with it fused (CUDA, under torch.compile, without attention
+    dropout: the blocks of the (T, T) scores that no document reaches are skipped), else a (B, 1, T, T) boolean mask
+    for SDPA: torch has no FlexAttention backward on the CPU, and eager FlexAttention materialises the scores anyway
+    (docs/chat.md has the choice and its measurements)."""
+
+    def __init__(self, positions: torch.Tensor, flex: bool):
+        B, T = positions.shape
+        documents = (positions == 0).cumsum(-1)  # (B, T): which document of its row each token is in
+        self.block_mask = self.visible = None
+        if flex:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def same_document(b, h, q, k):
+                return (q >= k) & (documents[b, q] == documents[b, k])
+
+            self.block_mask = create_block_mask(same_document, B, None, T, T, device=positions.device)
+        else:
+            causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
+            self.visible = (causal & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)  # (B, 1, T, T)
+
+    @staticmethod
+    def flex_trains_here(positions: torch.Tensor, dropout: float) -> bool:
+        return positions.is_cuda and torch.compiler.is_compiling() and not dropout
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+        """q (B, nh, T, hs), k and v (B, nkv, T, hs) -> (B, nh, T, hs)."""
+        grouped = k.size(1) != q.size(1)
+        if self.block_mask is not None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            return flex_attention(q, k, v, block_mask=self.block_mask, enable_gqa=grouped)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.visible, dropout_p=dropout, enable_gqa=grouped)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
@@ -167,8 +204,10 @@ class CausalSelfAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         cache: KVCache | None,
         step: DecodeStep | None = None,
+        documents: DocumentMask | None = None,
     ) -> torch.Tensor:
-        """With a step, decodes one token against the cache (GPT.decode_one)."""
+        """With a step, decodes one token against the cache (GPT.decode_one); with documents, each attends only
+        within itself (packed rows, no cache)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.widths, dim=2)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
@@ -184,6 +223,8 @@ class CausalSelfAttention(nn.Module):
             y = self.attend_cache(q, k, v, step.visible)
         elif cache is not None and cache.pos > 0 and T > 1:
             y = self.attend_appended(q, *(t.to(q.dtype) for t in cache.update(self.layer, k, v)))
+        elif documents is not None:
+            y = documents.attend(q, k, v, self.dropout if self.training else 0.0)
         else:
             # with a cache, a single new query attends to every cached key: no mask needed
             if cache is not None:
@@ -251,8 +292,10 @@ class Block(nn.Module):
         self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None, step=None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, cache, step)
+    def forward(
+        self, x: torch.Tensor, rope=None, cache: KVCache | None = None, step=None, documents=None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, cache, step, documents)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -314,28 +357,40 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
         last_only: bool = False,
+        positions: torch.Tensor | None = None,
     ):
         """idx (B, T) token ids -> (logits, loss). loss is None without targets.
 
-        last_only returns logits for the final position only (generation)."""
+        last_only returns logits for the final position only (generation). positions (B, T), each token's position
+        in its document, 0 at each document's first token (packed rows, data.py's Batch): each document then attends
+        only within itself, at the positions it would have alone (learned or rotary); not with a cache."""
         B, T = idx.size()
         start = cache.pos if cache is not None else 0
         assert start + T <= self.config.block_size, (
             f"sequence of {start + T} exceeds block_size {self.config.block_size}"
         )
         x = self.transformer.wte(idx)  # (B, T, C)
-        rope = None
+        rope = documents = None
+        if positions is not None:
+            assert cache is None, "positions are for packed rows, not for decoding with a KV cache"
+            documents = DocumentMask(
+                positions, DocumentMask.flex_trains_here(positions, self.training * self.config.dropout)
+            )
         if self.config.pos_emb == "learned":
-            pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-            x = x + self.transformer.wpe(pos)
-        else:
+            pos = (
+                torch.arange(start, start + T, dtype=torch.long, device=idx.device) if positions is None else positions
+            )
+            x = x + self.transformer.wpe(pos)  # (T, C) or (B, T, C)
+        elif positions is None:
             rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, hs/2)
+        else:
+            rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))  # (B, 1, T, hs/2)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
             if self.gradient_checkpointing and self.training:
-                x = checkpoint(block, x, rope, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, None, documents, use_reentrant=False)
             else:
-                x = block(x, rope, cache)
+                x = block(x, rope, cache, documents=documents)
         if cache is not None:
             cache.pos += T
         if last_only:

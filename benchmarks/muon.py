@@ -44,7 +44,7 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
     if not isinstance(ours, Muon):
         raise UserError("--muon needs optimizer.name = 'muon' (the default config is the speedrun preset)")
     (step,), _ = time_training({"training step": bench}, args.warmup, args.iters, args.repeats)
-    x, y = tr.batches.get("train", 0)
+    x, y, _ = tr.batches.get("train", 0)
     with tr.rt.autocast:
         _, loss = tr.model(x, y)
     loss.backward()

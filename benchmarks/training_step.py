@@ -40,7 +40,7 @@ from benchmarks.common import (
 )
 from benchmarks.conditions import load_average, with_shakespeare_input
 from quillgpt.config import parse_overrides
-from quillgpt.data import BatchSource
+from quillgpt.data import Batch, BatchSource
 from quillgpt.files import atomic_write
 from quillgpt.trainer import Trainer
 
@@ -102,13 +102,13 @@ class LoopBatchSource(BatchSource):
 
     The same start offsets as BatchSource, so the same batches; only the gathering differs."""
 
-    def _load(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _load(self, split: str, index: int) -> Batch:
         data = np.memmap(self.dataset.path(split), dtype=self.dataset.dtype, mode="r")
         T = self.block_size
         starts = self.starts(split, index)
         x = torch.stack([torch.from_numpy(data[i : i + T].astype(np.int64)) for i in starts])
         y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + T].astype(np.int64)) for i in starts])
-        return x, y
+        return Batch(x, y, None)
 
 
 def baseline_bench(config: str, overrides: list[tuple[str, object]]) -> Bench:

@@ -160,8 +160,14 @@ class DataConfig:
     chat_rows: str = _f(
         "padded",
         "chat data: rows start at a conversation and count its targets only (padded), or go on into the following "
-        "ones (packed; docs/chat.md has the measurement that chose padded)",
+        "ones, each conversation attending only within itself, its positions from 0 (packed; docs/chat.md has the "
+        "measurements)",
         choices=("packed", "padded"),
+    )
+    document_mask: bool = _f(
+        False,
+        "text data: each document of a row (as prepared: ending with the end-of-text token) attends only within "
+        "itself, its positions from 0, as modded-nanogpt trains (docs/data.md); needs a dataset of documents",
     )
 
 
@@ -487,6 +493,11 @@ def load_config(path: str | Path | None, cli_args: list[str] | None = None, worl
 # ---- validation ---------------------------------------------------------------------------------
 
 
+DOCUMENT_MASK_ON_CHAT = (
+    "data.document_mask is for text datasets: on chat data, data.chat_rows = 'packed' keeps the conversations apart"
+)
+
+
 def validate(cfg: Config, world_size: int = 1) -> list[str]:
     """Every rule that can be checked from the config alone; the rules that need the data are data.py's
     (find_dataset, check_fits), those that need the device trainer.setup's."""
@@ -573,6 +584,7 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
         f"data.bpe_vocab_size = {d.bpe_vocab_size} must be >= {MIN_BPE_VOCAB_SIZE} (256 bytes and <|endoftext|>)",
     )
     need(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes = {d.max_bytes} must be positive")
+    need(not (d.chat and d.document_mask), DOCUMENT_MASK_ON_CHAT)
     need(cfg.distributed.timeout_s > 0, f"distributed.timeout_s = {cfg.distributed.timeout_s} must be positive")
     need(
         cfg.distributed.backend in (None, "nccl", "gloo"),

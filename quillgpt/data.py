@@ -12,11 +12,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from quillgpt.config import Config
+from quillgpt.config import DOCUMENT_MASK_ON_CHAT, Config
 from quillgpt.distributed import DistInfo, on_every_rank, on_main
 from quillgpt.errors import UserError
 from quillgpt.files import read_json
@@ -97,7 +98,21 @@ def find_dataset(cfg: Config, dist: DistInfo) -> Dataset:
             f"data.chat = true but {directory} holds text, not conversations: prepare it with prepare.py --chat "
             "(--reset), or name another data.dataset"
         )
+    if d.document_mask:
+        check_documents(dataset)
     return dataset
+
+
+def check_documents(dataset: Dataset) -> None:
+    """data.document_mask needs text made of documents, each ending with <|endoftext|> (meta.json's eot_id)."""
+    if dataset.chat:
+        raise UserError(DOCUMENT_MASK_ON_CHAT)
+    if dataset.meta.get("eot_id") is None:
+        raise UserError(
+            f"data.document_mask = true but {dataset.directory} is one text, not documents ending with "
+            "<|endoftext|>: prepare it from a corpus of documents (a folder, .jsonl or .parquet records), or leave "
+            "data.document_mask off"
+        )
 
 
 def load_dataset(directory: str | Path, expect_tokenizer: str | None = None) -> Dataset:
@@ -262,12 +277,31 @@ def gather_rows(path: Path, dtype: np.dtype, starts: np.ndarray, block_size: int
     return rows.astype(np.int64)
 
 
+class Batch(NamedTuple):
+    """One micro-batch: inputs x and targets y (B, T) each (a target of -1 is not counted), and positions, each
+    token's position in its document (B, T), 0 at a document's first token, when a row holds several documents kept
+    apart: the model then confines attention to each document and restarts its positions with it (GPT.forward).
+    None: a row is one sequence, its positions 0..T-1."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    positions: torch.Tensor | None
+
+
+def positions_from_starts(first: np.ndarray) -> np.ndarray:
+    """(B, T) bool, True where a document starts (the row's first token always starts one) -> (B, T) int64, each
+    token's position in its document."""
+    t = np.arange(first.shape[1])
+    return t - np.maximum.accumulate(np.where(first, t, 0), axis=1)
+
+
 class BatchSource:
     """Reproducible batches for training and evaluation, optionally prefetched on a thread.
 
     On chat data every row starts at a conversation (drawn at random) and the targets the mask leaves out are -1,
     which the loss ignores: rows "padded" count the first conversation's targets only, rows "packed" go on into the
-    conversations that follow (docs/chat.md has the measurement that chose padded)."""
+    conversations that follow, each conversation attending only within itself (docs/chat.md has the measurements).
+    On text data, document_mask keeps the documents of a row apart the same way (each ends with <|endoftext|>)."""
 
     def __init__(
         self,
@@ -278,9 +312,12 @@ class BatchSource:
         device: torch.device,
         prefetch: bool | None = None,
         chat_rows: str = "padded",
+        document_mask: bool = False,
     ):
         self.dataset, self.block_size, self.batch_size, self.seed = dataset, block_size, batch_size, seed
         self.chat_rows = chat_rows
+        # rows of several documents, each attending only within itself: packed conversations, or masked documents
+        self.isolated = chat_rows == "packed" if dataset.chat else document_mask
         self.device = device
         self.pin = device.type == "cuda"
         # By default only for accelerators, whose host thread would otherwise wait: on the CPU the
@@ -298,16 +335,28 @@ class BatchSource:
         """Chat data: the conversation each row of the batch starts with."""
         return batch_rng(self.seed, split, index).integers(0, len(self.dataset.starts[split]), size=self.batch_size)
 
-    def _load(self, split: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _load(self, split: str, index: int) -> Batch:
         if self.dataset.chat:
             inputs, targets = self.chat_rows_of(split, index)
         else:
             rows = gather_rows(self.dataset.path(split), self.dataset.dtype, self.starts(split, index), self.block_size)
             inputs, targets = rows[:, :-1], rows[:, 1:]
-        x, y = (torch.from_numpy(np.ascontiguousarray(r)) for r in (inputs, targets))  # (B, T) each
+        arrays = (inputs, targets, self.positions_of(split, index, inputs)) if self.isolated else (inputs, targets)
+        tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]  # (B, T) each
         if self.pin:
-            x, y = x.pin_memory(), y.pin_memory()
-        return x, y
+            tensors = [t.pin_memory() for t in tensors]
+        return Batch(*tensors, *([None] * (3 - len(tensors))))
+
+    def positions_of(self, split: str, index: int, inputs: np.ndarray) -> np.ndarray:
+        """Each input token's position in its document (B, T): in its conversation (chat data), or in its document as
+        prepare.py wrote it, [BOS] tokens <|endoftext|>, so a new one starts after each <|endoftext|> (text)."""
+        if self.dataset.chat:
+            starts = self.dataset.starts[split]
+            offsets = self.starts(split, index)[:, None] + np.arange(inputs.shape[1])  # (B, T) offsets in the split
+            return offsets - starts[np.searchsorted(starts, offsets, side="right") - 1]
+        first = np.zeros(inputs.shape, dtype=bool)
+        first[:, 1:] = inputs[:, :-1] == self.dataset.meta["eot_id"]
+        return positions_from_starts(first)
 
     def chat_rows_of(self, split: str, index: int) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets), (B, block_size) each, of rows read from conversation starts; a target the loss does not
@@ -321,19 +370,19 @@ class BatchSource:
             counted[np.arange(self.block_size + 1)[None, :] >= length[:, None]] = 0
         return rows[:, :-1], np.where(counted[:, 1:] == 1, rows[:, 1:], -1)
 
-    def get(self, split: str, index: int, next_index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, split: str, index: int, next_index: int | None = None) -> Batch:
         """The batch for (split, index); with next_index, start loading that one in the background."""
         key = (split, index)
         if self._next is not None and self._next[0] == key:
             _, thread, box = self._next
             thread.join()
-            x, y = box[0]
+            batch = box[0]
         else:
-            x, y = self._load(split, index)
+            batch = self._load(split, index)
         self._next = None
         if self.prefetch and next_index is not None:
             box: list = []
             thread = threading.Thread(target=lambda: box.append(self._load(split, next_index)), daemon=True)
             thread.start()
             self._next = ((split, next_index), thread, box)
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return Batch(*(None if t is None else t.to(self.device, non_blocking=True) for t in batch))

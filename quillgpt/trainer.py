@@ -289,6 +289,7 @@ def build_trainer(
         cfg.run.seed,
         rt.device,
         chat_rows=cfg.data.chat_rows,
+        document_mask=cfg.data.document_mask,
     )
     evaluation = Evaluation.load(cfg.eval, dataset, rt.device)
     return Trainer(
@@ -383,6 +384,8 @@ def print_startup(tr: Trainer, state: TrainState) -> None:
     )
     if dataset.chat:
         print(chat_line(dataset, model.config.block_size, tr.cfg.data.chat_rows))
+    elif tr.cfg.data.document_mask:
+        print("documents: each attends only within itself, its positions from 0 (data.document_mask)")
     print(f"model: {model.num_params() / 1e6:.2f}M parameters | {model.flops_per_token() / 1e6:.1f} MFLOPs/token")
     print(
         f"batch: {t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks = "
@@ -396,6 +399,9 @@ def print_startup(tr: Trainer, state: TrainState) -> None:
     print(f"run: {tr.run_dir.path} | rss {rss_mb():.0f} MB", flush=True)
 
 
+ISOLATED = ", each conversation attending only within itself"
+
+
 def chat_line(dataset: Dataset, block_size: int, rows: str) -> str:
     """What chat training counts: the assistant's tokens, their share, and the conversations rows cut short."""
     starts = dataset.starts["train"]
@@ -403,7 +409,8 @@ def chat_line(dataset: Dataset, block_size: int, rows: str) -> str:
     share = dataset.meta.get("train_assistant_tokens", 0) / dataset.lengths["train"]
     return (
         f"chat: losses, accuracy and the best checkpoint count the assistant's tokens only ({share:.1%} of train "
-        f"tokens) | rows {rows}, each from a conversation start | {longer:,} of {len(starts):,} train conversations "
+        f"tokens) | rows {rows}, each from a conversation start{ISOLATED if rows == 'packed' else ''} | {longer:,} of "
+        f"{len(starts):,} train conversations "
         f"are longer than block_size + 1 = {block_size + 1}: rows cut them there"
     )
 
@@ -442,10 +449,10 @@ def train_step(tr: Trainer, it: int) -> tuple[torch.Tensor, torch.Tensor, torch.
             if micro + 1 < accum
             else micro_batch_index(it + 1, rank, 0, accum, world)
         )
-        x, y = tr.batches.get("train", index, next_index=upcoming)
+        x, y, positions = tr.batches.get("train", index, next_index=upcoming)
         with distributed.no_sync(tr.model, last=micro == accum - 1):
             with tr.rt.autocast:
-                _, loss = tr.model(x, y)
+                _, loss = tr.model(x, y, positions=positions)
                 loss = loss / accum
             tr.scaler.scale(loss).backward()
         total_loss += loss.detach()
@@ -519,9 +526,11 @@ def eval_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
             leave=False,
             disable=None if tr.rt.dist.is_main else True,
         ):
-            x, y = tr.batches.get(split, k)
+            x, y, positions = tr.batches.get(split, k)
             with tr.rt.autocast:
-                logits, _ = tr.model(x)  # no targets: the one cross-entropy is the per-token one below
+                logits, _ = tr.model(
+                    x, positions=positions
+                )  # no targets: the one cross-entropy is the per-token one below
             counted = y >= 0
             w = counted.sum().float() / y.numel()
             nbytes = tr.evaluation.token_bytes[y.clamp(min=0)] * counted

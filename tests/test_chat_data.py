@@ -217,7 +217,7 @@ def test_batches_target_only_assistant_tokens_and_the_loss_is_their_mean(chat_da
     data_dir, _ = chat_data
     dataset = load_dataset(data_dir / "sums")
     batches = BatchSource(dataset, 48, 8, 1337, torch.device("cpu"), chat_rows="packed")
-    x, y = batches.get("train", 3)
+    x, y, _ = batches.get("train", 3)
     starts = batches.starts("train", 3)
     tokens = np.fromfile(dataset.path("train"), dtype=dataset.dtype).astype(np.int64)
     mask = np.fromfile(dataset.mask_path("train"), dtype=np.uint8)
@@ -244,7 +244,7 @@ def test_padded_rows_count_the_first_conversation_only(chat_data):
     dataset = load_dataset(data_dir / "sums")
     packed = BatchSource(dataset, 200, 8, 1, torch.device("cpu"), chat_rows="packed")
     padded = BatchSource(dataset, 200, 8, 1, torch.device("cpu"), chat_rows="padded")
-    (xa, ya), (xb, yb) = packed.get("train", 0), padded.get("train", 0)
+    (xa, ya, _), (xb, yb, _) = packed.get("train", 0), padded.get("train", 0)
     assert torch.equal(xa, xb)
     ends = dataset.conversation_ends("train")[padded.conversations("train", 0)] - padded.starts("train", 0)
     for row, length in enumerate(ends):
@@ -321,10 +321,12 @@ def test_init_from_a_model_without_chat_tokens_grows_its_vocabulary_and_samples(
 
 @pytest.mark.slow
 def test_two_ranks_on_chat_data_equal_one_rank_with_accumulation(chat_data, tmp_path):
-    """The mask is drawn with the tokens: 2 DDP ranks x accumulation 1 see exactly the micro-batches of 1 rank x
-    accumulation 2, so their assistant-token losses and evaluations agree."""
+    """The mask and the positions are drawn with the tokens: 2 DDP ranks x accumulation 1 see exactly the
+    micro-batches of 1 rank x accumulation 2, so their assistant-token losses and evaluations agree (packed rows:
+    every conversation of a row counts, each attending within itself)."""
     data_dir, _ = chat_data
     common = {
+        "data.chat_rows": "packed",
         "model.dropout": 0.0,
         "training.max_iters": 6,
         "optimizer.lr_decay_iters": 6,

@@ -311,7 +311,7 @@ def test_outputs_beyond_2_to_the_31_tokens_are_addressed_with_64_bit_offsets(tmp
     source = BatchSource(dataset, 8, 64, seed=0, device=torch.device("cpu"))
     starts = np.concatenate([source.starts("train", i) for i in range(4)])
     assert starts.dtype == np.int64 and (starts > 2**31).any() and starts.max() < n - 8  # 15 of 256 expected
-    x, y = source.get("train", 0)
+    x, y, _ = source.get("train", 0)
     assert x.shape == (64, 8) and x.dtype == torch.int64
 
 

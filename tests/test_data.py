@@ -17,8 +17,8 @@ def test_batches_are_a_pure_function_of_seed_split_index(tiny_data):
     ds = load_dataset(tiny_data / "tiny")
     a = BatchSource(ds, 16, 4, seed=1, device=torch.device("cpu"), prefetch=True)
     b = BatchSource(ds, 16, 4, seed=1, device=torch.device("cpu"), prefetch=False)
-    x1, y1 = a.get("train", 7, next_index=8)
-    x2, y2 = b.get("train", 7)
+    x1, y1, _ = a.get("train", 7, next_index=8)
+    x2, y2, _ = b.get("train", 7)
     assert torch.equal(x1, x2) and torch.equal(y1, y2)
     assert torch.equal(a.get("train", 8)[0], b.get("train", 8)[0])  # the prefetched batch is the right one
     assert not torch.equal(a.get("train", 9)[0], x1)

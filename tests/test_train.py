@@ -531,7 +531,7 @@ def test_an_evaluation_takes_one_cross_entropy_per_batch_and_reports_their_mean(
         for split in ("train", "val"):
             nats = [
                 torch.nn.functional.cross_entropy(tr.model(x)[0].flatten(0, 1), y.flatten())
-                for x, y in (tr.batches.get(split, k) for k in range(3))
+                for x, y, _ in (tr.batches.get(split, k) for k in range(3))
             ]
             assert metrics[f"{split}_loss"] == pytest.approx(torch.stack(nats).mean().item(), rel=1e-5)
 
