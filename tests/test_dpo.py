@@ -472,3 +472,49 @@ def test_dpo_mistakes_are_one_line(dpo_data, tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2 and "data.preference = true tunes a model with DPO" in proc.stderr
+
+
+def test_bench_dpo_tunes_the_chat_model_and_measures_it_before_and_after(tmp_path, capsys):
+    import bench
+
+    ckpt = save_model(tmp_path / "chat.pt", random_model(0, block_size=64))
+    bench.main(
+        ["--dpo", "--pairs", "40", "--items", "2", "--held-out-pairs", "8", "--json", str(tmp_path / "dpo.json")]
+        + ["--run.init_from", str(ckpt), "--run.device", "cpu", "--training.precision", "fp32"]
+        + ["--training.max_iters", "2", "--training.eval_interval", "2", "--training.eval_iters", "1"]
+    )
+    out = capsys.readouterr().out
+    assert "| held-out pairs: chosen preferred |" in out and "| reverse, greedy | 0/2 (0%) |" in out
+    report = json.loads((tmp_path / "dpo.json").read_text())
+    assert report["before"]["source"] == str(ckpt) and "/runs/dpo/ckpt_" in report["after"]["source"]
+    assert set(report["after"]["tasks"]) == {"arithmetic", "reverse", "count"}
+
+
+@pytest.mark.slow
+def test_two_ranks_of_dpo_equal_one_rank_with_accumulation(dpo_data, tmp_path):
+    """Rank 0 computes and stores the reference log-probs while the other waits; 2 DDP ranks x accumulation 1 then
+    draw exactly the pairs of 1 rank x accumulation 2, so their DPO losses and evaluations agree."""
+    data_dir, ckpt = dpo_data
+    common = {"training.max_iters": 6, "optimizer.lr_decay_iters": 6, "training.eval_interval": 3}
+    data = tmp_path / "data"  # a copy of the dataset without stored reference log-probs: the ranks make them
+    data.mkdir()
+    for name in [*PAIR_FILES, "meta.json", "tokenizer.json"]:
+        (data / "prefs").mkdir(exist_ok=True)
+        (data / "prefs" / name).write_bytes((data_dir / "prefs" / name).read_bytes())
+    two = dpo_overrides(data, ckpt, tmp_path / "two", **common)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+        + [f"--{key}={value}" for key, value in two.items()],
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reference log-probs of run.init_from's model computed" in proc.stdout
+    one = dpo_overrides(data, ckpt, tmp_path / "one", **common, **{"training.grad_accum_steps": 2})
+    train(None, overrides=one)
+    one, ddp = history(tmp_path / "one" / "t"), history(tmp_path / "two" / "t")
+    assert one.keys() == ddp.keys() and len(one) > 6
+    assert max(abs(one[k] - ddp[k]) for k in one) < 1e-5
