@@ -280,6 +280,12 @@ class DPOConfig:
         "loss_type = robust: the probability that a pair's preference is flipped, in [0, 0.5) (TRL's "
         "label_smoothing; the sigmoid loss has none)",
     )
+    sft_weight: float = _f(
+        0.0,
+        "add this times an SFT loss on the chosen replies (their tokens' mean negative log-likelihood) to the DPO "
+        "loss, so that the chosen replies stay likely (TRL: loss_type = [sigmoid, sft], loss_weights = [1, this]; "
+        "RPO); 0: off",
+    )
     reference: str = _f(
         "precomputed",
         "the reference model's log-probs (run.init_from's model): precomputed once and stored beside the data "
@@ -607,6 +613,7 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     )
     need(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes = {d.max_bytes} must be positive")
     need(cfg.dpo.beta > 0, f"dpo.beta = {cfg.dpo.beta} must be positive")
+    need(cfg.dpo.sft_weight >= 0, f"dpo.sft_weight = {cfg.dpo.sft_weight} must be >= 0 (0: off)")
     need(
         0 <= cfg.dpo.label_smoothing < 0.5,
         f"dpo.label_smoothing = {cfg.dpo.label_smoothing} must be in [0, 0.5) (the probability a label is flipped)",

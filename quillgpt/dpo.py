@@ -12,8 +12,9 @@ each read from its conversation's start as a padded chat row: its targets outsid
 is the sum of its reply tokens' log-probs (TRL's, without length normalisation). With
     delta = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected))
 the per-pair loss is -log sigmoid(beta delta) (sigmoid), or rDPO's (robust: labels flipped with probability
-e = label_smoothing) (-(1 - e) log sigmoid(beta delta) + e log sigmoid(-beta delta)) / (1 - 2e); the rewards TRL logs
-are beta x (log pi - log ref) of each side.
+e = label_smoothing) (-(1 - e) log sigmoid(beta delta) + e log sigmoid(-beta delta)) / (1 - 2e); the micro-batch's
+loss is their mean, plus sft_weight x the chosen replies' mean per-token NLL when set (TRL's loss_type [sigmoid, sft]).
+The rewards TRL logs are beta x (log pi - log ref) of each side.
 
 The reference is run.init_from's model (eval mode, the run's precision). dpo.reference = "precomputed" computes its
 log-probs of every conversation once and stores them beside the data, in data/<dataset>/reference/<key>/ (key: a hash
@@ -67,6 +68,12 @@ def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, settings: DPOConfi
     return (-(1 - e) * F.logsigmoid(beta * delta) + e * F.logsigmoid(-beta * delta)) / (1 - 2 * e)
 
 
+def chosen_nll(policy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The chosen replies' mean negative log-likelihood per token over the micro-batch (TRL's sft loss)."""
+    chosen_targets = y.chunk(2)[0]  # (B, T)
+    return -policy.chunk(2)[0].sum() / (chosen_targets >= 0).sum().clamp(min=1)
+
+
 def log_ratios(policy: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) log pi - log ref, (B,) each."""
     ratio = policy - reference  # (2B,)
@@ -89,15 +96,19 @@ class DPO:
             return sequence_logps(self.reference_model, x, y)
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, stored: torch.Tensor | None) -> torch.Tensor:
-        """The micro-batch's DPO loss: the mean of its pairs' losses."""
-        return dpo_losses(sequence_logps(model, x, y), self.reference_logps(x, y, stored), self.settings).mean()
+        """The micro-batch's DPO loss: the mean of its pairs' losses (and sft_weight x the chosen replies' NLL)."""
+        policy = sequence_logps(model, x, y)
+        loss = dpo_losses(policy, self.reference_logps(x, y, stored), self.settings).mean()
+        return loss + self.settings.sft_weight * chosen_nll(policy, y) if self.settings.sft_weight else loss
 
     def sums(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, stored: torch.Tensor | None) -> torch.Tensor:
-        """(6,) sums over the micro-batch's pairs of the loss, a right preference (the chosen reward above the
-        rejected), the reward margin and each side's reward (SUMS), and the number of pairs."""
+        """(6,) sums over the micro-batch's pairs of the loss (loss() per pair), a right preference (the chosen reward
+        above the rejected), the reward margin and each side's reward (SUMS), and the number of pairs."""
         policy, reference = sequence_logps(model, x, y), self.reference_logps(x, y, stored)
         chosen, rejected = (self.settings.beta * r for r in log_ratios(policy, reference))
         losses = dpo_losses(policy, reference, self.settings)
+        if self.settings.sft_weight:
+            losses = losses + self.settings.sft_weight * chosen_nll(policy, y)
         count = torch.tensor(float(len(losses)), device=losses.device)
         return torch.stack(
             [
@@ -314,5 +325,6 @@ def build_dpo(
         dpo = DPO(cfg.dpo, None)
     s = cfg.dpo
     loss = s.loss_type + (f", label_smoothing {s.label_smoothing}" if s.loss_type == "robust" else "")
+    loss += f" + {s.sft_weight} x the chosen replies' NLL" if s.sft_weight else ""
     dpo.description = f"dpo: beta {s.beta}, {loss} loss | {batches.describe()} | {how}"
     return dpo, batches
