@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=DPO_PRESET, help="the DPO config run (default %(default)s)")
     p.add_argument("--pairs", type=int, default=20_000, help="training pairs (default %(default)s)")
     p.add_argument("--turns", type=int, default=1, help="at most this many turns in a pair's prompt (default 1)")
-    p.add_argument("--items", type=int, default=200, help="held-out items per task (default %(default)s)")
+    p.add_argument("--chat-items", type=int, default=200, help="held-out items per task (default %(default)s)")
     p.add_argument("--held-out-pairs", type=int, default=600, help="held-out pairs (default %(default)s)")
     p.add_argument("--keep", type=Path, help="a directory for the pairs, the dataset and the run (default: temporary)")
     p.add_argument("--json", type=Path, help="also write the figures to this file")
@@ -116,12 +116,12 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
             "--run.init_from"
         )
     held_out = preference_pairs(list(TASKS), "test", args.held_out_pairs, 0)
-    before = measure(start, held_out, args.items)
+    before = measure(start, held_out, args.chat_items)
     with tempfile.TemporaryDirectory(prefix="bench_dpo_") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         run_dir, seconds = train_dpo(config, work, args.pairs, args.turns, cli)
-        after = measure(run_dir, held_out, args.items)
+        after = measure(run_dir, held_out, args.chat_items)
     print(f"DPO: {config.relative_to(REPO)} from {start}, {args.pairs:,} pairs; train.py took {seconds:.0f}s")
     rows = [
         ["held-out pairs: chosen preferred", f"{before['preference_acc']:.1%}", f"{after['preference_acc']:.1%}"],

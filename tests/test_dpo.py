@@ -486,7 +486,7 @@ def test_bench_dpo_tunes_the_chat_model_and_measures_it_before_and_after(tmp_pat
 
     ckpt = save_model(tmp_path / "chat.pt", random_model(0, block_size=64))
     bench.main(
-        ["--dpo", "--pairs", "40", "--items", "2", "--held-out-pairs", "8", "--json", str(tmp_path / "dpo.json")]
+        ["--dpo", "--pairs", "40", "--chat-items", "2", "--held-out-pairs", "8", "--json", str(tmp_path / "dpo.json")]
         + ["--run.init_from", str(ckpt), "--run.device", "cpu", "--training.precision", "fp32"]
         + ["--training.max_iters", "2", "--training.eval_interval", "2", "--training.eval_iters", "1"]
     )
