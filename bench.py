@@ -14,6 +14,7 @@ A mode flag picks another benchmark, one at a time:
     python bench.py --memory             # training RSS on a 1 GB train.bin vs tiny Shakespeare's
     python bench.py --precision-curves --training.batch_size 8   # val loss of fp32 vs bf16 training, 300 iters
     python bench.py --chat --rows 120    # chat: masked vs unmasked loss step time; packed vs padded rows, 120 s each
+    python bench.py --dpo                # DPO on the chat demo's model: held-out accuracy and margin, before and after
     python bench.py --muon               # Muon's step: a Newton-Schulz chain per matrix vs one per shape
     python bench.py --finetune           # SmolLM2-135M's shape (random): fine-tuning tokens/s and RSS vs --validate
 
@@ -36,6 +37,7 @@ from benchmarks import (
     against,
     chat_rows,
     decoding,
+    dpo,
     finetune,
     gpu_check,
     hellaswag,
@@ -68,6 +70,7 @@ MODES = [
         muon,
         finetune,
         chat_rows,
+        dpo,
         probe,
         vs_transformers,
         serving_load,

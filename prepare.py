@@ -9,6 +9,7 @@
     python prepare.py --dataset tales --hf-dataset roneneldan/TinyStories --tokenizer gpt2
     python prepare.py --dataset openwebtext               # named recipes: openwebtext, fineweb-edu-10B, tinystories
     python prepare.py --dataset chat --chat --input talks.jsonl --tokenizer-from checkpoints/base   # conversations
+    python prepare.py --dataset prefs --preference --input pairs.jsonl --tokenizer-from checkpoints/base-chat  # DPO
 
 Several inputs (--input a b, or --input a --input b) are read in that order into one dataset. A dataset made for the
 same arguments is reused; other arguments need --reset. A killed prepare, run again, continues where it stopped.
@@ -69,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="records are conversations (a list of {role, content} messages), rendered with the chat template; "
         "the loss counts the assistant's tokens only (docs/chat.md)",
+    )
+    source.add_argument(
+        "--preference",
+        action="store_true",
+        help="records are preference pairs: prompt (or messages), chosen and rejected, TRL's forms, each side "
+        "rendered with the chat template; train.py then runs DPO (docs/chat.md)",
     )
     source.add_argument(
         "--skip-bad-records",
@@ -136,6 +143,7 @@ def main() -> None:
         glob=args.glob,
         text_field=args.text_field,
         chat=args.chat,
+        preference=args.preference,
         tokenizer_from=args.tokenizer_from,
         hf_dataset=args.hf_dataset,
         hf_config=args.hf_config,

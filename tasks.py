@@ -4,8 +4,10 @@ CPU chat demo (docs/chat.md).
     python tasks.py --out data/chat_tasks.jsonl                        # 20,000 training conversations
     python tasks.py --out data/chat_test.jsonl --split test --n 300    # held-out items
     python tasks.py --out data/sums.jsonl --tasks arithmetic --turns 2 --seed 1
+    python tasks.py --out data/chat_prefs.jsonl --preference --seed 1   # DPO pairs: the answer chosen, a near miss rejected
 
-Each line is {"messages": [...]}, the form prepare.py --chat reads. Held-out items (--split test) are never in the
+Each line is {"messages": [...]}, the form prepare.py --chat reads; with --preference {"prompt": [...], "chosen":
+[...], "rejected": [...]}, TRL's conversational preference form that prepare.py --preference reads. Held-out items (--split test) are never in the
 train split in any phrasing; eval.py --chat-task grades a model on them.
 """
 
@@ -17,7 +19,7 @@ import sys
 
 from quillgpt.errors import run_main
 from quillgpt.files import atomic_write
-from quillgpt.tasks import TASKS, conversations, parse_tasks
+from quillgpt.tasks import TASKS, conversations, parse_tasks, preference_pairs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -28,6 +30,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--split", choices=("train", "test"), default="train")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated (default {','.join(TASKS)})")
     p.add_argument("--turns", type=int, default=1, help="at most this many question-answer turns a conversation")
+    p.add_argument(
+        "--preference",
+        action="store_true",
+        help="write preference pairs for DPO: the last question's answer chosen, a near miss rejected",
+    )
     args = p.parse_args(argv)
     if args.n < 1 or args.turns < 1:
         p.error("--n and --turns must be at least 1")
@@ -37,11 +44,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tasks = parse_tasks(args.tasks)
-    rows = conversations(tasks, args.split, args.n, args.seed, args.turns)
+    if args.preference:
+        rows, kind = preference_pairs(tasks, args.split, args.n, args.seed, args.turns), "preference pairs"
+    else:
+        rows, kind = (
+            [{"messages": m} for m in conversations(tasks, args.split, args.n, args.seed, args.turns)],
+            "conversations",
+        )
     with atomic_write(args.out, "w") as f:
-        for messages in rows:
-            f.write(json.dumps({"messages": messages}) + "\n")
-    print(f"wrote {len(rows):,} conversations ({', '.join(tasks)}; {args.split} split) to {args.out}", file=sys.stderr)
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {len(rows):,} {kind} ({', '.join(tasks)}; {args.split} split) to {args.out}", file=sys.stderr)
     return 0
 
 

@@ -169,6 +169,11 @@ class DataConfig:
         "text data: each document of a row (as prepared: ending with the end-of-text token) attends only within "
         "itself, its positions from 0, as modded-nanogpt trains (docs/data.md); needs a dataset of documents",
     )
+    preference: bool = _f(
+        False,
+        "data.input holds preference pairs (records with prompt or messages, chosen and rejected: TRL's forms), "
+        "prepared with the chat template of run.init_from's model; training is then DPO ([dpo]; docs/chat.md)",
+    )
 
 
 @dataclass
@@ -263,6 +268,39 @@ class DistributedConfig:
 
 
 @dataclass
+class DPOConfig:
+    """DPO on preference data (data.preference): TRL's DPOTrainer loss, with its names."""
+
+    beta: float = _f(
+        0.1,
+        "how far the tuned model may move from the reference: the loss is -log sigmoid(beta x the chosen reply's "
+        "log-prob gain over the reference minus the rejected one's); higher stays closer (TRL's beta)",
+    )
+    loss_type: str = _f(
+        "sigmoid",
+        "sigmoid (DPO) | robust (rDPO, for labels flipped with probability label_smoothing), as TRL's loss_type",
+        choices=("sigmoid", "robust"),
+    )
+    label_smoothing: float = _f(
+        0.0,
+        "loss_type = robust: the probability that a pair's preference is flipped, in [0, 0.5) (TRL's "
+        "label_smoothing; the sigmoid loss has none)",
+    )
+    sft_weight: float = _f(
+        0.0,
+        "add this times an SFT loss on the chosen replies (their tokens' mean negative log-likelihood) to the DPO "
+        "loss, so that the chosen replies stay likely (TRL: loss_type = [sigmoid, sft], loss_weights = [1, this]; "
+        "RPO); 0: off",
+    )
+    reference: str = _f(
+        "precomputed",
+        "the reference model's log-probs (run.init_from's model): precomputed once and stored beside the data "
+        "(data/<dataset>/reference/) | on_the_fly (the reference kept in memory, one more forward per step)",
+        choices=("precomputed", "on_the_fly"),
+    )
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -272,6 +310,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -585,6 +624,21 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     )
     need(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes = {d.max_bytes} must be positive")
     need(not (d.chat and d.document_mask), DOCUMENT_MASK_ON_CHAT)
+    need(cfg.dpo.beta > 0, f"dpo.beta = {cfg.dpo.beta} must be positive")
+    need(cfg.dpo.sft_weight >= 0, f"dpo.sft_weight = {cfg.dpo.sft_weight} must be >= 0 (0: off)")
+    need(
+        0 <= cfg.dpo.label_smoothing < 0.5,
+        f"dpo.label_smoothing = {cfg.dpo.label_smoothing} must be in [0, 0.5) (the probability a label is flipped)",
+    )
+    need(
+        cfg.dpo.label_smoothing == 0 or cfg.dpo.loss_type == "robust",
+        f"dpo.label_smoothing = {cfg.dpo.label_smoothing} needs dpo.loss_type = 'robust' (TRL's sigmoid loss has no "
+        "label smoothing)",
+    )
+    need(
+        not d.preference or cfg.run.init_from != "scratch",
+        "data.preference = true tunes a model with DPO: set run.init_from to it (its weights are also the reference)",
+    )
     need(cfg.distributed.timeout_s > 0, f"distributed.timeout_s = {cfg.distributed.timeout_s} must be positive")
     need(
         cfg.distributed.backend in (None, "nccl", "gloo"),

@@ -485,8 +485,8 @@ def hub_chunks(source: Source, how: Reading, budget: Budget, state: dict | None)
         if text is None:
             skipped += 1
             continue
-        whole = not isinstance(text, str)  # a conversation is read whole or not at all
-        allowed = budget.take(len(text) if not whole else sum(len(m["content"]) for m in text))
+        whole = not isinstance(text, str)  # a conversation (or a preference pair) is read whole or not at all
+        allowed = budget.take(content_chars(text))
         texts.append(text[:allowed] if not whole else text)
         size += allowed
         if size >= how.chunk_bytes or budget.spent:
@@ -496,6 +496,16 @@ def hub_chunks(source: Source, how: Reading, budget: Budget, state: dict | None)
                 return
     if texts or skipped:
         yield Texts(texts, skipped), stream.state_dict()
+
+
+def content_chars(value: str | dict | list | tuple) -> int:
+    """The characters of a record's text: a string's, a message's content, or those of a conversation's messages (a
+    preference pair's conversations)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return len(value["content"])
+    return sum(content_chars(v) for v in value)
 
 
 def open_hub_stream(source: Source):

@@ -46,6 +46,12 @@ class Dataset:
         """Conversations with a loss mask (prepare.py --chat): the loss counts the assistant's tokens only."""
         return self.starts is not None
 
+    @property
+    def preference(self) -> bool:
+        """Preference pairs (prepare.py --preference): chat data whose conversations 2k and 2k + 1 are pair k's chosen
+        and rejected sides, masked on their replies; training is DPO (dpo.py)."""
+        return self.chat and bool(self.meta.get("preference"))
+
     def path(self, split: str) -> Path:
         return self.directory / f"{split}.bin"
 
@@ -77,7 +83,7 @@ def find_dataset(cfg: Config, dist: DistInfo) -> Dataset:
             raise UserError(f"no train.bin in data.processed_dir = {d.processed_dir} (or its parent)")
     else:
         # chat data for a model fine-tuned from run.init_from takes that model's tokenizer (and chat template)
-        model_tokenizer = d.chat and cfg.run.init_from != "scratch"
+        model_tokenizer = (d.chat or d.preference) and cfg.run.init_from != "scratch"
         on_main(
             prepare_dataset,
             dist,
@@ -86,6 +92,7 @@ def find_dataset(cfg: Config, dist: DistInfo) -> Dataset:
             tokenizer=None if model_tokenizer else d.tokenizer,
             tokenizer_from=cfg.run.init_from if model_tokenizer else None,
             chat=d.chat,
+            preference=d.preference,
             vocab_size=None if model_tokenizer else vocab_size,
             val_fraction=d.val_fraction,
             data_dir=d.data_dir,
@@ -100,6 +107,16 @@ def find_dataset(cfg: Config, dist: DistInfo) -> Dataset:
         )
     if d.document_mask:
         check_documents(dataset)
+    if dataset.preference and cfg.run.init_from == "scratch":
+        raise UserError(
+            f"{directory} holds preference pairs: DPO tunes a model, set run.init_from to it (its weights are also the "
+            "reference)"
+        )
+    if d.preference and not dataset.preference:
+        raise UserError(
+            f"data.preference = true but {directory} holds no preference pairs: prepare it with prepare.py "
+            "--preference (--reset), or name another data.dataset"
+        )
     return dataset
 
 

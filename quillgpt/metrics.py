@@ -147,10 +147,12 @@ class MetricsLog:
         plot: bool = True,
         history: list[dict] | None = None,
         assistant_only: bool = False,
+        dpo: bool = False,
     ):
         self.run_dir = run_dir
         self.json_log, self.plot = json_log, plot
         self.assistant_only = assistant_only  # chat data: every loss counts the assistant's tokens only
+        self.dpo = dpo  # preference pairs: the loss is DPO's, the evaluations its reward figures
         self.history: list[dict] = history or []
         self.wandb = None
         self._plotter: subprocess.Popen | None = None
@@ -201,7 +203,7 @@ class MetricsLog:
                 tokens_per_s,
                 mfu,
                 (max_iters - it) * seconds_per_step,
-                "assistant loss" if self.assistant_only else "loss",
+                "dpo loss" if self.dpo else "assistant loss" if self.assistant_only else "loss",
             ),
             flush=True,
         )
@@ -222,9 +224,7 @@ class MetricsLog:
     def evaluation(self, it: int, metrics: dict[str, float], improved: bool, tokens: int) -> None:
         hellaswag = f" | hellaswag {metrics['hellaswag_acc_norm']:.4f}" if "hellaswag_acc_norm" in metrics else ""
         print(
-            f"eval {it}{' (assistant tokens)' if self.assistant_only else ''}: train {metrics['train_loss']:.4f} | "
-            f"val {metrics['val_loss']:.4f} "
-            f"(ppl {metrics['val_ppl']:.2f}, acc {metrics['val_acc']:.3f}, {metrics['val_bpb']:.4f} bits/byte)"
+            (dpo_evaluation_line(it, metrics) if self.dpo else evaluation_line(it, metrics, self.assistant_only))
             + hellaswag
             + (" *best" if improved else ""),
             flush=True,
@@ -278,6 +278,24 @@ class MetricsLog:
             self.wandb.finish()
 
 
+def evaluation_line(it: int, metrics: dict[str, float], assistant_only: bool) -> str:
+    return (
+        f"eval {it}{' (assistant tokens)' if assistant_only else ''}: train {metrics['train_loss']:.4f} | "
+        f"val {metrics['val_loss']:.4f} "
+        f"(ppl {metrics['val_ppl']:.2f}, acc {metrics['val_acc']:.3f}, {metrics['val_bpb']:.4f} bits/byte)"
+    )
+
+
+def dpo_evaluation_line(it: int, metrics: dict[str, float]) -> str:
+    """An evaluation on preference pairs: the DPO losses, and val's rewards (beta x each side's log-prob gain over
+    the reference): how often the chosen one's is higher, the mean margin, each side's mean."""
+    return (
+        f"eval {it} (DPO pairs): train {metrics['train_loss']:.4f} | val {metrics['val_loss']:.4f} (reward acc "
+        f"{metrics['val_reward_acc']:.3f}, margin {metrics['val_reward_margin']:.4f}; chosen "
+        f"{metrics['val_chosen_reward']:+.4f}, rejected {metrics['val_rejected_reward']:+.4f})"
+    )
+
+
 def render_loss_curve(history: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -288,7 +306,11 @@ def render_loss_curve(history: list[dict], path: Path, title: str) -> None:
     evals = [p for p in history if p["kind"] == "eval"]
     scores = [
         (key, label)
-        for key, label in (("val_bpb", "val bits per byte"), ("hellaswag_acc_norm", "HellaSwag acc_norm"))
+        for key, label in (
+            ("val_bpb", "val bits per byte"),
+            ("val_reward_acc", "val reward accuracy (DPO)"),
+            ("hellaswag_acc_norm", "HellaSwag acc_norm"),
+        )
         if any(key in p for p in evals)
     ]
     fig, axes = plt.subplots(1, 1 + bool(scores), figsize=(7 + 5 * bool(scores), 4), dpi=100, squeeze=False)

@@ -156,6 +156,11 @@ def sample_items(task: str, split: str, n: int, seed: int, distinct: bool = Fals
 
 def conversations(tasks: list[str], split: str, n: int, seed: int, turns: int = 1) -> list[list[dict]]:
     """n conversations of 1 to `turns` question-answer turns, the tasks in equal shares, in a seeded order."""
+    return [[m for item in group for m in item.messages()] for group in item_groups(tasks, split, n, seed, turns)]
+
+
+def item_groups(tasks: list[str], split: str, n: int, seed: int, turns: int = 1) -> list[list[Item]]:
+    """n groups of 1 to `turns` items, the tasks in equal shares, in a seeded order: a conversation's questions."""
     rng = random.Random(f"conversations:{split}:{seed}")
     lengths = [rng.randint(1, turns) for _ in range(n)]
     per_task = -(-sum(lengths) // len(tasks))
@@ -164,9 +169,39 @@ def conversations(tasks: list[str], split: str, n: int, seed: int, turns: int = 
     rng.shuffle(items)
     out, at = [], 0
     for length in lengths:
-        out.append([m for item in items[at : at + length] for m in item.messages()])
+        out.append(items[at : at + length])
         at += length
     return out
+
+
+def preference_pairs(tasks: list[str], split: str, n: int, seed: int, turns: int = 1) -> list[dict]:
+    """n preference records in TRL's conversational form: the conversation so far (earlier turns answered right)
+    and the last question as the prompt, its answer chosen and a near miss rejected."""
+    rng = random.Random(f"preference:{split}:{seed}")
+    records = []
+    for group in item_groups(tasks, split, n, seed, turns):
+        *before, last = group
+        prompt = [m for item in before for m in item.messages()] + [{"role": "user", "content": last.question}]
+        records.append(
+            {
+                "prompt": prompt,
+                "chosen": [{"role": "assistant", "content": last.answer}],
+                "rejected": [{"role": "assistant", "content": near_miss(last, rng)}],
+            }
+        )
+    return records
+
+
+def near_miss(item: Item, rng: random.Random) -> str:
+    """A wrong answer close to the right one: a number off by a little (never negative), a reversed word with one
+    letter left out (the chat demo's model's most common miss)."""
+    if item.task == "reverse":
+        word = item.answer
+        i = rng.randrange(len(word))
+        return word[:i] + word[i + 1 :]
+    right = int(item.answer)
+    steps = (-10, -2, -1, 1, 2, 10) if item.task == "arithmetic" else (-1, 1)
+    return str(right + rng.choice([d for d in steps if right + d >= 0]))
 
 
 def plain_prompt(item: Item, shots: list[Item]) -> str:

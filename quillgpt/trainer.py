@@ -37,6 +37,7 @@ from quillgpt.checkpoint import Resolution, RunDir, TrainingCheckpoint, TrainSta
 from quillgpt.config import Config, EvalConfig, TrainingConfig, resolved, summary, to_toml
 from quillgpt.data import BatchSource, Dataset, micro_batch_index
 from quillgpt.distributed import DistInfo
+from quillgpt.dpo import DPO, PairBatches, build_dpo, figures
 from quillgpt.errors import UserError
 from quillgpt.files import atomic_write_text
 from quillgpt.machine import keep_freed_memory
@@ -224,14 +225,16 @@ class Trainer:
     model: nn.Module  # raw_model as the step calls it: FSDP- or DDP-wrapped and compiled as configured
     optimizers: list[torch.optim.Optimizer]
     scaler: torch.amp.GradScaler  # enabled for fp16 only
-    batches: BatchSource
+    batches: BatchSource | PairBatches
     run_dir: RunDir | None  # None: a measurement that saves nothing (bench.py)
     tokenizer: dict  # the dataset's tokenizer.to_dict(), stored in every checkpoint
     evaluation: Evaluation  # what eval_metrics() scores besides the loss
+    dpo: DPO | None = None  # preference data: the loss is DPO's, on batches of pairs (dpo.py)
 
     @property
     def tokens_per_step(self) -> int:
-        return tokens_per_step(self.cfg.training, self.rt.dist.world_size, self.raw_model.config.block_size)
+        rows = 2 if self.dpo else 1  # DPO: a pair is two rows
+        return rows * tokens_per_step(self.cfg.training, self.rt.dist.world_size, self.raw_model.config.block_size)
 
 
 def muon_dtype(cfg: Config, rt: Runtime) -> torch.dtype:
@@ -262,6 +265,12 @@ def build_trainer(
     raw_model = distributed.on_every_rank(build_model, rt.dist, plan, resume)
     raw_model.to(rt.device)
     raw_model.gradient_checkpointing = cfg.training.gradient_checkpointing
+    dpo, pairs = None, None
+    if dataset.preference:  # before wrapping: a new run's model is the reference itself
+        fresh = plan.origin == "init_from"
+        dpo, pairs = distributed.on_every_rank(
+            build_dpo, rt.dist, cfg, dataset, raw_model, fresh, rt.device, rt.precision, rt.autocast, rt.dist
+        )
     cfg = resolved(cfg, run_dir.path.name if run_dir else cfg.run.name, raw_model.config, rt.compile, rt.precision)
     if cfg.distributed.fsdp and rt.dist.enabled and cfg.optimizer.name == "muon":
         raise UserError(
@@ -282,7 +291,7 @@ def build_trainer(
     # after wrapping: FSDP swaps the parameters. Muon's Newton-Schulz matmuls run in bf16 only where the run does
     optimizers = make_optimizers(raw_model, cfg.optimizer, rt.device.type, muon_dtype(cfg, rt))
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
-    batches = BatchSource(
+    batches = pairs or BatchSource(
         dataset,
         raw_model.config.block_size,
         cfg.training.batch_size,
@@ -304,6 +313,7 @@ def build_trainer(
         run_dir,
         dataset.tokenizer.to_dict(),  # on chat data: with its chat template, so sample.py and export.py have it
         evaluation,
+        dpo,
     )
 
 
@@ -366,6 +376,7 @@ def start_run(tr: Trainer, state: TrainState, resumed: bool) -> MetricsLog | Non
         json_log=cfg.logging.json_log and not evaluating_only,
         plot=cfg.logging.plot and not evaluating_only,
         assistant_only=tr.dataset.chat,
+        dpo=tr.dpo is not None,
     )
     log = MetricsLog.resume(run_dir.path, state.iter_num, **kw) if resumed else MetricsLog(run_dir.path, **kw)
     if cfg.logging.wandb_project:
@@ -382,14 +393,17 @@ def print_startup(tr: Trainer, state: TrainState) -> None:
         f"data: {dataset.directory} | {dataset.tokenizer.kind} tokenizer, vocab {dataset.vocab_size} | "
         f"train {dataset.lengths['train']:,} / val {dataset.lengths['val']:,} tokens"
     )
-    if dataset.chat:
+    if tr.dpo:
+        print(tr.dpo.description)
+    elif dataset.chat:
         print(chat_line(dataset, model.config.block_size, tr.cfg.data.chat_rows))
     elif tr.cfg.data.document_mask:
         print("documents: each attends only within itself, its positions from 0 (data.document_mask)")
     print(f"model: {model.num_params() / 1e6:.2f}M parameters | {model.flops_per_token() / 1e6:.1f} MFLOPs/token")
     print(
         f"batch: {t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks = "
-        f"{t.batch_size * t.grad_accum_steps * rt.dist.world_size} sequences, {tr.tokens_per_step:,} tokens per optimizer step"
+        f"{t.batch_size * t.grad_accum_steps * rt.dist.world_size} {'pairs (2 rows each)' if tr.dpo else 'sequences'}, "
+        f"{tr.tokens_per_step:,} tokens per optimizer step"
     )
     print(device_line(rt))
     if rt.matmul_rates and rt.precision == "bf16" and rt.matmul_rates.faster == "fp32":
@@ -449,11 +463,10 @@ def train_step(tr: Trainer, it: int) -> tuple[torch.Tensor, torch.Tensor, torch.
             if micro + 1 < accum
             else micro_batch_index(it + 1, rank, 0, accum, world)
         )
-        x, y, positions = tr.batches.get("train", index, next_index=upcoming)
+        batch = tr.batches.get("train", index, next_index=upcoming)
         with distributed.no_sync(tr.model, last=micro == accum - 1):
             with tr.rt.autocast:
-                _, loss = tr.model(x, y, positions=positions)
-                loss = loss / accum
+                loss = micro_batch_loss(tr, batch) / accum
             tr.scaler.scale(loss).backward()
         total_loss += loss.detach()
     for opt in tr.optimizers:
@@ -463,6 +476,14 @@ def train_step(tr: Trainer, it: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     for opt in tr.optimizers:
         opt.zero_grad(set_to_none=True)
     return total_loss, norm, skipped
+
+
+def micro_batch_loss(tr: Trainer, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The model's loss on (x, y) (the mean cross-entropy of the counted targets), or on preference pairs DPO's."""
+    if tr.dpo is not None:
+        return tr.dpo.loss(tr.model, *batch)
+    x, y, positions = batch
+    return tr.model(x, y, positions=positions)[1]
 
 
 def step_unless_nonfinite(
@@ -511,7 +532,10 @@ def eval_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
     over the assistant's tokens (the targets that count), weighted by their number.
 
     The batches are dealt round-robin to the ranks, so the result does not depend on the world size.
-    Every rank runs the same number of forwards (FSDP gathers weights collectively); padding batches count zero."""
+    Every rank runs the same number of forwards (FSDP gathers weights collectively); padding batches count zero.
+    On preference pairs: dpo_metrics."""
+    if tr.dpo is not None:
+        return dpo_metrics(tr, batches)
     tr.model.eval()
     out = {}
     n, rank, world, device = batches or tr.cfg.training.eval_iters, tr.rt.dist.rank, tr.rt.dist.world_size, tr.rt.device
@@ -551,6 +575,31 @@ def eval_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
         out[f"{split}_ppl"] = math.exp(min(loss, 50))
         out[f"{split}_acc"] = (sums[1] / counted).item()
         out[f"{split}_bpb"] = (sums[3] / math.log(2) / sums[4].clamp(min=1)).item()
+    if tr.evaluation.hellaswag:
+        out.update(hellaswag(tr, tr.evaluation.hellaswag))
+    tr.model.train()
+    return out
+
+
+@torch.no_grad()
+def dpo_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
+    """eval_metrics on preference pairs: per split the DPO loss and TRL's reward figures (a side's reward is beta x
+    its log-prob gain over the reference): how often the chosen side's is the higher, their mean margin and each
+    side's mean, over eval_iters batches of pairs (the same every time), dealt to the ranks as eval_metrics's."""
+    tr.model.eval()
+    out = {}
+    n, rank, world, device = batches or tr.cfg.training.eval_iters, tr.rt.dist.rank, tr.rt.dist.world_size, tr.rt.device
+    for split in ("train", "val"):
+        sums = torch.zeros(6, device=device)
+        for k in tqdm(
+            range(rank, math.ceil(n / world) * world, world),
+            desc=f"eval {split}",
+            leave=False,
+            disable=None if tr.rt.dist.is_main else True,
+        ):
+            with tr.rt.autocast:
+                sums += (k < n) * tr.dpo.sums(tr.model, *tr.batches.get(split, k))
+        out.update(figures(distributed.all_reduce_sum(sums), split))
     if tr.evaluation.hellaswag:
         out.update(hellaswag(tr, tr.evaluation.hellaswag))
     tr.model.train()
@@ -598,9 +647,9 @@ def evaluate_and_track(tr: Trainer, state: TrainState, log: MetricsLog | None, f
 
 def best_metric_score(metrics: dict[str, float], name: str) -> float:
     """training.best_metric as a score where lower is better (HellaSwag's acc_norm is negated)."""
-    return {"val_loss": metrics["val_loss"], "bpb": metrics["val_bpb"]}.get(
-        name, -metrics.get("hellaswag_acc_norm", 0.0)
-    )
+    if name in ("val_loss", "bpb"):
+        return metrics["val_loss" if name == "val_loss" else "val_bpb"]
+    return -metrics.get("hellaswag_acc_norm", 0.0)
 
 
 def best_metric_value(score: float, name: str) -> float:

@@ -19,11 +19,13 @@ rows cut it at block_size and train.py prints how many are cut.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from quillgpt.chat_template import CHAT_TOKENS, CHATML_TEMPLATE, ChatFormat, check_messages, render
 from quillgpt.corpus import Chunk, Documents, JsonLines, ParquetRows, Texts, parquet_file
 from quillgpt.errors import UserError
+from quillgpt.prepare.preference import PAIR_FIELDS, Pair, encode_pair, pair_of
 
 SKIP_HINT = "; fix it, or pass --skip-bad-records to count and skip such conversations"
 
@@ -32,7 +34,7 @@ SKIP_HINT = "; fix it, or pass --skip-bad-records to count and skip such convers
 class Conversations:
     """A chunk's good conversations in order, each with where it came from (for an error naming the record)."""
 
-    items: list[tuple[str, list[dict]]] = field(default_factory=list)  # (where, messages)
+    items: list[tuple[str, list[dict] | Pair]] = field(default_factory=list)  # (where, messages or a Pair)
     skipped: int = 0
 
 
@@ -53,31 +55,46 @@ def record_messages(record: object, name: str, where: str, skip_bad: bool) -> li
         raise UserError(f"{e}{SKIP_HINT}") from None
 
 
-def read_conversations(chunk: Chunk) -> Conversations:
-    """The conversations of a chunk of records (in a worker process)."""
+def record_pair(record: object, name: str, where: str, skip_bad: bool) -> Pair | None:
+    """The record's checked preference pair (preference.py); None (skip it) or a UserError, as record_messages."""
+    try:
+        return pair_of(record, where)
+    except UserError as e:
+        if skip_bad:
+            return None
+        raise UserError(f"{e}{SKIP_HINT}") from None
+
+
+def record_reader(preference: bool) -> Callable:
+    """What a record becomes: a preference pair (prepare.py --preference) or a conversation (--chat)."""
+    return record_pair if preference else record_messages
+
+
+def read_conversations(chunk: Chunk, record: Callable = record_messages) -> Conversations:
+    """The conversations (or, with record_pair, preference pairs) of a chunk of records (in a worker process)."""
     if isinstance(chunk, JsonLines):
-        return json_line_conversations(chunk)
+        return json_line_conversations(chunk, record)
     if isinstance(chunk, ParquetRows):
-        return parquet_conversations(chunk)
+        return parquet_conversations(chunk, record)
     if isinstance(chunk, Texts):  # a hub stream's records, checked as they were read (corpus.hub_chunks)
         return Conversations([(f"record {i}", m) for i, m in enumerate(chunk.texts)], chunk.skipped)
     raise UserError("--chat reads records (.jsonl or .parquet files, or a hub dataset), not text files")
 
 
-def json_line_conversations(chunk: JsonLines) -> Conversations:
+def json_line_conversations(chunk: JsonLines, record: Callable = record_messages) -> Conversations:
     out = Conversations()
     for number, line in enumerate(chunk.data.split(b"\n"), chunk.first_line):
         if not line.strip():
             continue
         where = f"{chunk.path}:{number}"
         try:
-            record = json.loads(line)
+            parsed = json.loads(line)
         except (ValueError, UnicodeDecodeError) as e:
             if not chunk.skip_bad:
                 raise UserError(f"{where}: not a JSON object ({e}){SKIP_HINT}") from None
             out.skipped += 1
             continue
-        messages = record_messages(record, chunk.field, where, chunk.skip_bad)
+        messages = record(parsed, chunk.field, where, chunk.skip_bad)
         if messages is None:
             out.skipped += 1
         else:
@@ -85,16 +102,18 @@ def json_line_conversations(chunk: JsonLines) -> Conversations:
     return out
 
 
-def parquet_conversations(chunk: ParquetRows) -> Conversations:
+def parquet_conversations(chunk: ParquetRows, record: Callable = record_messages) -> Conversations:
+    """A row group's records: its conversation column (preference pairs: the columns of PAIR_FIELDS it has)."""
     pf = parquet_file(chunk.path)
     first_row = sum(pf.metadata.row_group(g).num_rows for g in range(chunk.row_group))
-    values = pf.read_row_group(chunk.row_group, columns=[chunk.field]).column(0).to_pylist()
+    names = pf.schema_arrow.names
+    columns = [c for c in PAIR_FIELDS if c in names] if record is record_pair else [chunk.field]
+    rows = pf.read_row_group(chunk.row_group, columns=columns).to_pylist()
     out = Conversations()
-    for row, value in enumerate(values, first_row):
-        where = f"{chunk.path} row {row}"
-        messages = record_messages(
-            {chunk.field: value} if value is not None else {}, chunk.field, where, chunk.skip_bad
-        )
+    for number, values in enumerate(rows, first_row):
+        where = f"{chunk.path} row {number}"
+        parsed = {name: value for name, value in values.items() if value is not None}
+        messages = record(parsed, chunk.field, where, chunk.skip_bad)
         if messages is None:
             out.skipped += 1
         else:
@@ -111,9 +130,12 @@ def conversation_text(messages: list[dict]) -> str:
     return text
 
 
-def conversation_documents(chunk: Chunk) -> Documents:
-    """A chunk's conversations as texts, for building a char or BPE vocabulary."""
-    convs = read_conversations(chunk)
+def conversation_documents(chunk: Chunk, preference: bool = False) -> Documents:
+    """A chunk's conversations (a pair: both of its conversations) as texts, for building a char or BPE vocabulary."""
+    convs = read_conversations(chunk, record_reader(preference))
+    if preference:
+        texts = [conversation_text(p.prompt + reply) for _, p in convs.items for reply in (p.chosen, p.rejected)]
+        return Documents(texts, convs.skipped)
     return Documents([conversation_text(m) for _, m in convs.items], convs.skipped)
 
 
@@ -131,4 +153,21 @@ def encode_conversations(fmt: ChatFormat, convs: Conversations, skip_bad: bool) 
             raise UserError(f"{where}: {e}{SKIP_HINT}") from None
         ids.append(i)
         masks.append(m)
+    return ids, masks, skipped
+
+
+def encode_pairs(fmt: ChatFormat, convs: Conversations, skip_bad: bool) -> tuple[list, list, int]:
+    """encode_conversations for preference pairs: two conversations a pair, the chosen then the rejected, each
+    masked on its reply (preference.encode_pair)."""
+    ids, masks, skipped = [], [], convs.skipped
+    for where, pair in convs.items:
+        try:
+            chosen, chosen_mask, rejected, rejected_mask = encode_pair(fmt, pair)
+        except UserError as e:
+            if skip_bad:
+                skipped += 1
+                continue
+            raise UserError(f"{where}: {e}{SKIP_HINT}") from None
+        ids += [chosen, rejected]
+        masks += [chosen_mask, rejected_mask]
     return ids, masks, skipped

@@ -28,7 +28,13 @@ from quillgpt.chat_template import ChatFormat, chat_format, with_chat_tokens
 from quillgpt.corpus import Chunk, Source, TextSpan
 from quillgpt.errors import UserError
 from quillgpt.files import read_json
-from quillgpt.prepare.chat import conversation_documents, encode_conversations, read_conversations
+from quillgpt.prepare.chat import (
+    conversation_documents,
+    encode_conversations,
+    encode_pairs,
+    read_conversations,
+    record_reader,
+)
 from quillgpt.prepare.pool import ordered_map
 from quillgpt.prepare.request import Request, Settings, checkpoint_tokenizer
 from quillgpt.prepare.sources import chunk_stream, resolve_sources, total_bytes
@@ -118,7 +124,7 @@ def base_tokenizer(request: Request, sources: list[Source], spans: list[Span] | 
     if kind == "char":
         sets, documents, skipped = [], 0, 0
         with progress_bar(total_bytes(sources, request, spans), "characters", settings.verbose) as bar:
-            reader = partial(chunk_codepoints, chat=request.chat)
+            reader = partial(chunk_codepoints, chat=request.chat, preference=request.preference)
             for chunk, (points, n, bad) in ordered_map(reader, chunks, settings.workers):
                 sets.append(points)
                 documents, skipped = documents + n, skipped + bad
@@ -144,7 +150,8 @@ def base_tokenizer(request: Request, sources: list[Source], spans: list[Span] | 
 def bpe_training_texts(chunks: Iterator, request: Request, workers: int, limit: int) -> list[str]:
     """The first `limit` bytes of the train split's text (whole documents, the last one cut)."""
     texts, size, index = [], 0, 0
-    for chunk, docs in ordered_map(partial(chunk_documents, chat=request.chat), chunks, workers):
+    reader = partial(chunk_documents, chat=request.chat, preference=request.preference)
+    for chunk, docs in ordered_map(reader, chunks, workers):
         if chunk.split is not None:
             train = [chunk.split == "train"] * len(docs.texts)
         else:
@@ -164,13 +171,14 @@ def bpe_training_texts(chunks: Iterator, request: Request, workers: int, limit: 
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None
-_WORKER_CHAT: tuple[ChatFormat, bool] | None = None  # chat data: the template, and whether bad records are skipped
+# chat data: the template, whether bad records are skipped, and whether records are preference pairs
+_WORKER_CHAT: tuple[ChatFormat, bool, bool] | None = None
 
 
-def start_worker(tokenizer: dict, chat: bool = False, skip_bad: bool = False) -> None:
+def start_worker(tokenizer: dict, chat: bool = False, skip_bad: bool = False, preference: bool = False) -> None:
     global _WORKER_TOKENIZER, _WORKER_CHAT
     _WORKER_TOKENIZER = tokenizer_from_dict(tokenizer)
-    _WORKER_CHAT = (chat_format(_WORKER_TOKENIZER), skip_bad) if chat else None
+    _WORKER_CHAT = (chat_format(_WORKER_TOKENIZER), skip_bad, preference) if chat else None
 
 
 @dataclass
@@ -202,28 +210,32 @@ def encode_chunk(item: tuple[Chunk, Any]) -> Encoded:
     return Encoded(tokens, lengths, docs.skipped, docs.replaced)
 
 
-def encode_chat_chunk(chunk: Chunk, fmt: ChatFormat, skip_bad: bool) -> Encoded:
-    """A chunk's conversations as tokens and assistant masks, rendered by the chat template."""
-    ids, masks, skipped = encode_conversations(fmt, read_conversations(chunk), skip_bad)
+def encode_chat_chunk(chunk: Chunk, fmt: ChatFormat, skip_bad: bool, preference: bool = False) -> Encoded:
+    """A chunk's conversations as tokens and assistant masks, rendered by the chat template (preference pairs: two
+    conversations each, masked on their replies)."""
+    encoder = encode_pairs if preference else encode_conversations
+    ids, masks, skipped = encoder(fmt, read_conversations(chunk, record_reader(preference)), skip_bad)
     lengths = np.array([len(i) for i in ids], dtype=np.int64)
     tokens = np.concatenate([np.array(i, dtype=np.uint32) for i in ids]) if ids else np.zeros(0, np.uint32)
     mask = np.concatenate([np.array(m, dtype=np.uint8) for m in masks]) if masks else np.zeros(0, np.uint8)
     return Encoded(tokens, lengths, skipped, 0, mask)
 
 
-def read_documents(chunk: Chunk, chat: bool) -> corpus.Documents:
-    return conversation_documents(chunk) if chat else corpus.read(chunk)
+def read_documents(chunk: Chunk, chat: bool, preference: bool = False) -> corpus.Documents:
+    return conversation_documents(chunk, preference) if chat else corpus.read(chunk)
 
 
-def chunk_codepoints(item: tuple[Chunk, Any], chat: bool = False) -> tuple[np.ndarray, int, int]:
+def chunk_codepoints(
+    item: tuple[Chunk, Any], chat: bool = False, preference: bool = False
+) -> tuple[np.ndarray, int, int]:
     """The distinct characters of a chunk's documents (for a char vocabulary), its documents and its skipped records."""
-    docs = read_documents(item[0], chat)
+    docs = read_documents(item[0], chat, preference)
     points = np.unique(np.concatenate([codepoints(t) for t in docs.texts] or [np.zeros(0, np.uint32)]))
     return points, len(docs.texts), docs.skipped
 
 
-def chunk_documents(item: tuple[Chunk, Any], chat: bool = False) -> corpus.Documents:
-    return read_documents(item[0], chat)
+def chunk_documents(item: tuple[Chunk, Any], chat: bool = False, preference: bool = False) -> corpus.Documents:
+    return read_documents(item[0], chat, preference)
 
 
 # ---- encoding, chunk by chunk into the work directory -------------------------------------------
@@ -257,7 +269,7 @@ def encode(
         with progress_bar(
             total_bytes(sources, request, spans), "encoding", settings.verbose, initial=progress["read_bytes"]
         ) as bar:
-            init = (tok.to_dict(), request.chat, request.skip_bad_records)
+            init = (tok.to_dict(), request.chat, request.skip_bad_records, request.preference)
             for chunk, enc in ordered_map(encode_chunk, chunks, settings.workers, start_worker, init):
                 write_chunk(bins, enc, chunk.split, request, counts, tok.vocab_size)
                 progress.update(
@@ -283,7 +295,7 @@ def write_chunk(
     bins: PartialBins, enc: Encoded, split: str | None, request: Request, counts: dict, vocab_size: int
 ) -> None:
     """Append a chunk's tokens to train.bin and val.bin: a TextSpan's to its split, each document to the split its
-    index hashes to (split None)."""
+    index hashes to (split None; a preference pair's two conversations together, by the pair's index)."""
     if enc.tokens.size and int(enc.tokens.max()) >= vocab_size:
         raise UserError(f"token id {int(enc.tokens.max())} is outside the vocabulary (size {vocab_size})")
     counts["max_token_id"] = max(counts["max_token_id"], int(enc.tokens.max()) if enc.tokens.size else -1)
@@ -293,8 +305,9 @@ def write_chunk(
         bins.append(split, enc.tokens)
         counts[f"{split}_tokens"] += enc.tokens.size
         return
-    first = counts["train_documents"] + counts["val_documents"]
-    val = in_validation(request.split_seed, first, len(enc.lengths), request.val_fraction)
+    per = 2 if request.preference else 1  # documents per unit of the split: a pair's are its two conversations
+    first = (counts["train_documents"] + counts["val_documents"]) // per
+    val = np.repeat(in_validation(request.split_seed, first, len(enc.lengths) // per, request.val_fraction), per)
     in_val = np.repeat(val, enc.lengths)
     for split, mask, docs in (("train", ~in_val, ~val), ("val", in_val, val)):
         if enc.mask is not None:  # chat: the loss mask, and where each conversation starts in the split

@@ -31,8 +31,10 @@ class Request:
     hf_split: str = "train"
     hf_revision: str | None = None
     glob: str | None = None  # in directories, the files to read
-    text_field: str | None = None  # the records' text field or column (resolved: "messages" for chat, else "text")
+    text_field: str | None = None  # the records' text field or column (resolved: "messages" for chat, else "text";
+    # preference pairs: "chosen", the one field every form has)
     chat: bool = False  # records are conversations, rendered with the chat template, with a loss mask (chat.py)
+    preference: bool = False  # records are preference pairs, two conversations each (preference.py; resolved: chat)
     tokenizer: str | None = None  # char, bpe, a tiktoken encoding or hf:DIR; None: gpt2 for shakespeare and the
     # recipes, char otherwise (resolved: the canonical name)
     tokenizer_from: str | None = None  # chat: a checkpoint whose tokenizer to use (resolved: its file; a Hugging
@@ -81,10 +83,17 @@ def resolve(dataset: str, asked: Request) -> Request:
     if dataset == "pystdlib" and not inputs and max_bytes is None:
         max_bytes = PYSTDLIB_MAX_BYTES
     default_tokenizer = recipe.tokenizer if recipe else "gpt2" if dataset == "shakespeare" else "char"
+    chat = asked.chat or asked.preference
+    if asked.preference and asked.text_field is not None:
+        raise UserError(
+            "--preference reads the fields prompt (or messages), chosen and rejected by their names: drop --text-field"
+        )
     tokenizer_from = None
     if asked.tokenizer_from is not None:
-        if not asked.chat:
-            raise UserError("--tokenizer-from takes a model's tokenizer for chat data: it goes with --chat")
+        if not chat:
+            raise UserError(
+                "--tokenizer-from takes a model's tokenizer for chat data: it goes with --chat or --preference"
+            )
         if asked.tokenizer is not None:
             raise UserError("give --tokenizer or --tokenizer-from, not both")
         default_tokenizer, tokenizer_from = tokenizer_of_model(asked.tokenizer_from)
@@ -93,7 +102,7 @@ def resolve(dataset: str, asked: Request) -> Request:
     one_text = (
         len(inputs) == 1 and not Path(inputs[0]).is_dir() and corpus.file_source(Path(inputs[0])).kind == "text"
     ) or (not inputs and asked.hf_dataset is None and dataset in SHAKESPEARES)
-    if asked.chat and (one_text or asked.split == "tail"):
+    if chat and (one_text or asked.split == "tail"):
         raise UserError(
             "--chat reads records with a list of messages (.jsonl or .parquet files, a folder of them, or a hub "
             "dataset), split by whole conversations; not a text file"
@@ -101,7 +110,8 @@ def resolve(dataset: str, asked: Request) -> Request:
     return replace(
         asked,
         inputs=[str(Path(p).resolve()) for p in inputs],
-        text_field=asked.text_field or ("messages" if asked.chat else "text"),
+        chat=chat,
+        text_field=asked.text_field or ("chosen" if asked.preference else "messages" if chat else "text"),
         tokenizer_from=tokenizer_from,
         hf_dataset=recipe.hf_dataset if recipe else asked.hf_dataset,
         hf_config=recipe.hf_config if recipe else asked.hf_config,

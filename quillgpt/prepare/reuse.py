@@ -19,7 +19,7 @@ from quillgpt.tokenizer import canonical_spec
 
 META_FIELDS = {"tokenizer": dict, "vocab_size": int, "train_tokens": int, "val_tokens": int}
 # request fields added since datasets were first made: an older meta.json's request lacks them, meaning these
-ADDED_FIELDS = {"chat": False, "tokenizer_from": None}
+ADDED_FIELDS = {"chat": False, "tokenizer_from": None, "preference": False}
 
 
 def check_meta_fields(meta: dict, path: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from quillgpt import corpus
 from quillgpt.corpus import Budget, Chunk, Source
 from quillgpt.errors import UserError
-from quillgpt.prepare.chat import record_messages
+from quillgpt.prepare.chat import record_reader
 from quillgpt.prepare.recipes import KNOWN_DATASETS, named_source
 from quillgpt.prepare.request import Request
 from quillgpt.prepare.splits import Span, given_spans, tail_spans
@@ -69,7 +69,7 @@ def chunk_stream(
         for path, lo, hi, split in spans:
             yield from ((chunk, None) for chunk in corpus.text_chunks(path, lo, hi, split, chunk_bytes))
         return
-    record = record_messages if request.chat else corpus.record_text
+    record = record_reader(request.preference) if request.chat else corpus.record_text
     how = corpus.Reading(request.text_field, request.skip_bad_records, chunk_bytes, record)
     budget = Budget(request.max_bytes)
     for source in sources:

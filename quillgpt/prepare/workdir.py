@@ -7,6 +7,7 @@ folder with meta.json last, so meta.json's presence means the dataset is complet
 - train.bin / val.bin: flat token ids without a header, dtype meta["dtype"] (uint16, or uint32 when
   vocab_size > 65535), little-endian: np.memmap(path, dtype=meta["dtype"], mode="r");
 - a chat dataset (meta["chat"]) also has <split>.mask.bin and <split>.starts.bin (CHAT_FILES; prepare/chat.py);
+  preference pairs (meta["preference"]) are such a dataset with two conversations a pair (prepare/preference.py);
 - tokenizer.json: the tokenizer, rebuilt by quillgpt.tokenizer.load_tokenizer;
 - meta.json: the tokenizer, token and document counts, the split, the sources and the request that made it.
 """
@@ -202,7 +203,7 @@ class WorkDir:
             "skipped_records": counts["skipped_records"],
             "invalid_utf8_replaced": counts["invalid_utf8_replaced"],
             "request": asdict(request),
-            **(chat_meta(counts, tok) if request.chat else {}),
+            **(chat_meta(counts, tok, request.preference) if request.chat else {}),
             **extra,
         }
         atomic_write_json(self.path / "meta.json", meta)
@@ -221,13 +222,14 @@ class WorkDir:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def chat_meta(counts: dict, tok: Tokenizer) -> dict:
+def chat_meta(counts: dict, tok: Tokenizer, preference: bool = False) -> dict:
     """What meta.json says of a chat dataset: that it is one, its conversations' files, how many tokens the loss
-    counts, and the template's end-of-turn tokens."""
+    counts, and the template's end-of-turn tokens; of preference pairs (two conversations each), that they are."""
     from quillgpt.chat_template import chat_format
 
     return {
         "chat": True,
+        **({"preference": True} if preference else {}),
         "chat_files": list(CHAT_FILES),
         "train_assistant_tokens": counts["train_assistant_tokens"],
         "val_assistant_tokens": counts["val_assistant_tokens"],
