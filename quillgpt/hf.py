@@ -137,6 +137,14 @@ def download(name: str) -> Path:
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a directory's safetensors files: model.safetensors, or the shards of its index."""
+    state = {}
+    for path in weight_files(directory):
+        state.update(read_safetensors_file(path))
+    return state
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """A directory's safetensors files: model.safetensors, or the shards its index lists (all present)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json(index, "safetensors index").get("weight_map")
@@ -157,10 +165,7 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
         )
     else:
         raise UserError(f"{directory} has config.json but no model.safetensors")
-    state = {}
-    for name in files:
-        state.update(read_safetensors_file(directory / name))
-    return state
+    return [directory / name for name in files]
 
 
 def read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
