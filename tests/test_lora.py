@@ -26,7 +26,7 @@ from conftest import (
 from test_train import losses
 
 import export
-from model import GPT
+from model import GPT, GPTConfig
 from quillgpt import distributed
 from quillgpt.checkpoint import RunDir, load_checkpoint
 from quillgpt.config import build_config
@@ -34,7 +34,7 @@ from quillgpt.data import find_dataset
 from quillgpt.errors import UserError, run_main
 from quillgpt.hf import load_hf
 from quillgpt.loading import load_model
-from quillgpt.lora import LoraLinear, QuantizedLinear, adapter_state, merged
+from quillgpt.lora import LoraLinear, LoraSettings, QuantizedLinear, adapter_state, add_adapters, merged
 from quillgpt.trainer import build_trainer, callers_determinism_restored, setup, train_step
 from train import train
 
@@ -358,3 +358,39 @@ def test_a_gelu_model_refuses_gate_proj_by_name_and_leaves_it_out_of_the_groups(
     ]
     with pytest.raises(UserError, match="gate_proj: this model's MLP \\(gelu\\) has no gate"):
         train(overrides={**lora, "run.name": "gate", "lora.targets": ["gate_proj"]})
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tokens_added_to_the_vocabulary_get_trainable_rows_that_merge(tied):
+    """Chat tokens a run adds to the base's vocabulary: rows of their own that train (the base's stay frozen), start
+    as the mean of the base's, and fold into the merged embedding and head."""
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=50, tie_embeddings=tied)
+    base = GPT(config).eval()
+    x = torch.randint(0, 50, (2, 8))
+    reference = logits(base, x)
+    model = add_adapters(base, LoraSettings(4, 8.0, ("q_proj", "v_proj")), vocab_size=53)
+    assert max_diff(logits(model, x)[..., :50], reference) == 0.0
+    rows = [n for n, p in model.named_parameters() if p.requires_grad and n.endswith(".rows")]
+    assert rows == (["transformer.wte.rows"] if tied else ["transformer.wte.rows", "lm_head.rows"])
+    assert torch.allclose(model.transformer.wte.rows[0], model.transformer.wte.base.weight.mean(0))
+    model.train()
+    y = torch.randint(48, 53, (2, 8))
+    model(torch.randint(0, 53, (2, 8)), y)[1].backward()
+    assert model.transformer.wte.rows.grad.abs().sum() > 0 and model.transformer.wte.base.weight.grad is None
+    with torch.no_grad():
+        for p in adapter_state(model).values():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randint(0, 53, (2, 8))
+    assert max_diff(logits(merged(model), x), logits(model, x)) <= 1e-5
+
+
+def test_validate_estimates_a_lora_run_from_its_adapters(llama, tmp_path):
+    full = lora_overrides(llama, tmp_path, **{"lora.enabled": False})
+    full_est = train(overrides=full, validate_only=True)["memory"]
+    lora = train(overrides=lora_overrides(llama, tmp_path), validate_only=True)
+    # 2 layers of 7 adapters: A (4 x in: 64, but down_proj's 96) and B (out x 4: q 64, k and v 32, o 64, gate and up
+    # 96, down 64)
+    adapters = 2 * 4 * ((6 * 64 + 96) + (64 + 32 + 32 + 64 + 96 + 96 + 64))
+    assert lora["memory"]["gradients"] == adapters * 4 and lora["memory"]["optimizer"] == adapters * 8
+    assert lora["memory"]["total"] < full_est["total"]
