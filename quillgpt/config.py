@@ -174,7 +174,9 @@ class TrainingConfig:
     precision: str = _f(
         "auto", "fp32 | fp16 | bf16 | auto (bf16/fp16 on CUDA, fp32 on CPU)", choices=("fp32", "fp16", "bf16", "auto")
     )
-    gradient_checkpointing: bool = _f(False, "recompute each block in backward to save activation memory")
+    gradient_checkpointing: bool = _f(
+        False, "recompute each block in backward to save activation memory (PEFT's activation checkpointing)"
+    )
     compile: bool | None = _f(None, "torch.compile the model (None: on for CUDA, off for CPU)")
     compile_mode: str = _f(
         "default",

@@ -44,13 +44,17 @@ class Loaded:
     lora: dict | None = None  # a LoRA run's record: its adapters' settings and its base (TrainingCheckpoint.lora)
 
 
-def load_model(source: str | Path, dropout: float | None = None, keep_adapters: bool = False) -> Loaded:
+def load_model(
+    source: str | Path, dropout: float | None = None, keep_adapters: bool = False, as_stored: bool = False
+) -> Loaded:
     """A checkpoint file, run directory (its best checkpoint), .safetensors file, or Hugging Face directory or hub name.
 
     dropout, when given, replaces the model's recorded dropout (fine-tuning); Hugging Face imports default to 0. A LoRA
-    run's model is its base plus its adapters, merged into a plain GPT, or kept apart with keep_adapters."""
+    run's model is its base plus its adapters, merged into a plain GPT, or kept apart with keep_adapters. as_stored: a
+    Hugging Face model's weights in the file's dtype (bf16 for most), not fp32 (a LoRA base: lora.add_adapters
+    converts them)."""
     if is_hf_source(source):
-        model, tokenizer = hf.load_hf(source, dropout or 0.0)
+        model, tokenizer = hf.load_hf(source, dropout or 0.0, None if as_stored else torch.float32)
         return Loaded(model, tokenizer, str(source))
     if Path(source).suffix == ".safetensors":
         return read_safetensors(Path(source))
@@ -220,7 +224,7 @@ def load_base(record: dict, path: str | Path, dropout: float | None = None, veri
     caller just did: verified)."""
     if not verified:
         check_base(record, path)
-    return load_model(record["source"], dropout=dropout).model
+    return load_model(record["source"], dropout=dropout, as_stored=True).model
 
 
 def lora_model(

@@ -299,7 +299,9 @@ def add_adapters(
     vocab_size: int | None = None,
     base_dtype: torch.dtype = torch.float32,
 ) -> GPT:
-    """Freeze the model and give it the settings' adapters (B = 0: it computes what it computed), in place.
+    """Freeze the model and give it the settings' adapters (B = 0: it computes what it computed), in place. The
+    model may come in its file's dtype (loading.load_model(as_stored=True)): its linear maps are converted one at a
+    time (or quantized), the rest to fp32, so that a bf16 file never exists in fp32 whole.
 
     vocab_size above the model's gives the added ids trainable rows, starting as the mean of the base's (as
     run_model.grow_vocabulary starts them in a full fine-tune). base_dtype: the precision the frozen linear weights
@@ -309,6 +311,7 @@ def add_adapters(
         p.requires_grad_(False)
     if model.config.mlp != "swiglu" and "gate_proj" in settings.targets:
         raise UserError(no_gate(model.config))
+    kept = set()  # the frozen linear maps' tensors, in base_dtype or quantized
     for block in model.transformer.h:
         untargeted = untargeted_linears(block, settings.targets)
         for path, names in linears_to_adapt(settings.targets).items():
@@ -316,11 +319,17 @@ def add_adapters(
             pieces = list(block.attn.widths) if path == "attn.c_attn" else [linear.out_features]
             adapted = {name: PARTS[name][1] or 0 for name in names}
             base = frozen_base(linear, settings.quantize, base_dtype)
+            kept.update(id(p) for p in base.parameters())
             block.set_submodule(
                 path, LoraLinear(base, pieces, adapted, settings.rank, settings.scaling, settings.dropout)
             )
         for path in untargeted:
-            block.set_submodule(path, frozen_base(block.get_submodule(path), settings.quantize, base_dtype))
+            base = frozen_base(block.get_submodule(path), settings.quantize, base_dtype)
+            kept.update(id(p) for p in base.parameters())
+            block.set_submodule(path, base)
+    for p in model.parameters():  # the rest (embeddings, norms, head) in fp32, whatever dtype the base came in
+        if id(p) not in kept and p.dtype != torch.float32:
+            p.data = p.data.float()
     if vocab_size is not None and vocab_size > model.config.vocab_size:
         add_token_rows(model, vocab_size)
     model.lora = settings
