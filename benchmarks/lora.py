@@ -13,9 +13,10 @@ bf16: the weight stored bf16, int8 or NF4 (ours, dequantized in the pass), and t
 where they are installed: the measurement behind lora.quantize's implementation (docs/finetune.md).
 
 --part demo: the CPU chat demo (configs/chat/base_chat.toml on the Quickstart's base model, trained here first when
---base is not given): the full SFT against LoRA SFTs of rank 8 and 32 (and QLoRA int8 and nf4 at rank 8) given the
-same wall time (steps = the full run's steps x its s/step / theirs, each measured by a bench.py child); held-out
-reverse, count and arithmetic accuracy (eval.py --chat-task, greedy) and the best val loss of each.
+--base is not given): the full SFT against LoRA SFTs of rank 8 and 32 given the same wall time (steps = the full
+run's steps x its s/step / theirs, each measured by a bench.py child), and QLoRA int8 and nf4 at rank 8 given the
+same steps (the same data) as LoRA's rank-8 run, whose val loss theirs is compared with; held-out reverse, count and
+arithmetic accuracy (eval.py --chat-task, greedy) and the best val loss of each.
 
 --tiny runs every part at toy sizes (seconds), to check that it works.
 """
@@ -289,11 +290,14 @@ def demo(args: argparse.Namespace, cli: list[str]) -> None:
         for kind in ("int8", "nf4"):
             runs[f"QLoRA {kind} r{first}"] = [*lora_flags(first, args.lora_lr, f"q{kind}"), "--lora.quantize", kind]
         full_steps = int(iters_of(common, tiny))
-        rows, full_step = [], None
+        rows, full_step, done = [], None, {}
         for name, flags in runs.items():
             step = step_seconds([*common, *flags], tmp)
             full_step = full_step or step
             steps = max(1, round(full_steps * full_step / step))
+            if name.startswith("QLoRA"):  # the same data as LoRA's run of its rank: val loss against val loss
+                steps = done[f"LoRA r{first}"]
+            done[name] = steps
             run_flags = [*common, *flags, "--training.max_iters", str(steps), "--optimizer.lr_decay_iters", str(steps)]
             seconds, _ = run_child(
                 [sys.executable, "train.py", "--config", str(CHAT_PRESET), *run_flags], tmp / "t.log"
