@@ -108,7 +108,7 @@ def check_memory(cfg: Config, rt: Runtime, plan: ModelPlan) -> dict:
         raise UserError(
             f"would not fit: the estimated {gb(est['total'])} exceed the {gb(free)} free on {rt.device}; "
             "lower training.batch_size (raise grad_accum_steps), enable training.gradient_checkpointing, "
-            "or use distributed.fsdp"
+            "use distributed.fsdp, or train adapters on the frozen model (lora.enabled; lora.quantize: QLoRA)"
         )
     return {"model_args": model.config.to_dict(), "parameters": model.num_params(), "memory": est}
 
