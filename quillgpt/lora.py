@@ -63,6 +63,7 @@ NF4_LEVELS = (
     0.7229568362236023,
     1.0,
 )
+BYTE_CODES = torch.stack([torch.arange(256) >> 4, torch.arange(256) & 15], dim=-1)  # a byte's two NF4 codes (256, 2)
 
 
 @dataclass(frozen=True)
@@ -241,9 +242,6 @@ def dequantize_nf4(
     w = F.embedding(codes.int(), pairs).view(codes.size(0), -1)  # (blocks, 64)
     w.mul_(scale.to(dtype)[:, None])
     return w.view(-1)[: shape[0] * shape[1]].view(shape)
-
-
-BYTE_CODES = torch.stack([torch.arange(256) >> 4, torch.arange(256) & 15], dim=-1)  # a byte's two NF4 codes
 
 
 def dense_weight(linear: nn.Module) -> torch.Tensor:
