@@ -157,8 +157,10 @@ class LoraLinear(nn.Module):
         return self.base.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):  # cast once: the base and the adapters save the same copy
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         y = self.base(x)
-        h = self.dropout(x)
+        h = self.dropout(x) if self.dropout.p else x
         if len(self.pieces) == 1:
             return y + self.adapters[next(iter(self.adapted))](h) * self.scaling
         outs = list(y.split(self.pieces, dim=-1))

@@ -59,16 +59,19 @@ def llama(transformers, tmp_path_factory) -> Path:
 
 
 def lora_overrides(base_dir: Path, tmp: Path, **extra) -> dict:
-    """A LoRA fine-tune of base_dir on word salad prepared with its tokenizer (under tmp), a few ms a step."""
-    docs = tmp / "docs.jsonl"
+    """A LoRA fine-tune of base_dir on word salad prepared with its tokenizer (beside base_dir: prepared once for all
+    the tests on that base), its runs under tmp; a few ms a step."""
+    shared = base_dir.parent / f"{base_dir.name}-ft"
+    docs = shared / "docs.jsonl"
     if not docs.exists():
+        shared.mkdir(exist_ok=True)
         docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in word_salad(40_000, seed=1).splitlines()))
     return {
         "run.init_from": str(base_dir),
         "data.dataset": "ft",
         "data.input": str(docs),
         "data.tokenizer": f"hf:{base_dir}",
-        "data.data_dir": str(tmp / "data"),
+        "data.data_dir": str(shared / "data"),
         "run.out_dir": str(tmp / "runs"),
         "run.name": "lora",
         "run.device": "cpu",
@@ -214,7 +217,7 @@ def test_sample_and_eval_load_a_lora_run_as_base_plus_adapters(llama, tmp_path):
     assert max_diff(logits(plain, X), logits(load_hf(llama)[0], X)) > 1e-3  # the adapters changed something
     for script, args in (
         ("sample.py", ["--prompt", "the king", "--max-new-tokens", "8", "--temperature", "0"]),
-        ("eval.py", ["--text", str(tmp_path / "docs.jsonl")]),
+        ("eval.py", ["--text", str(llama.parent / f"{llama.name}-ft" / "docs.jsonl")]),
     ):
         result = subprocess.run(
             [sys.executable, script, "--ckpt", str(run), *args], cwd=REPO_ROOT, capture_output=True, text=True
