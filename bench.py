@@ -17,6 +17,8 @@ A mode flag picks another benchmark, one at a time:
     python bench.py --dpo                # DPO on the chat demo's model: held-out accuracy and margin, before and after
     python bench.py --muon               # Muon's step: a Newton-Schulz chain per matrix vs one per shape
     python bench.py --finetune           # SmolLM2-135M's shape (random): fine-tuning tokens/s and RSS vs --validate
+    python bench.py --lora               # LoRA, QLoRA vs full: peak RSS, s/step (SmolLM2-135M, a 1B shape) vs --validate
+    python bench.py --lora --part demo   # the CPU chat demo: LoRA rank 8 and 32 vs the full SFT in the same wall time
 
     python bench.py --probe              # the CPU path: capability, oneDNN's ISA, fp32 vs bf16 matmul rates
     python bench.py --vs-transformers    # batch-1 greedy decoding, load included: sample.py's default vs HF generate
@@ -42,6 +44,7 @@ from benchmarks import (
     gpu_check,
     hellaswag,
     kernel_times,
+    lora,
     memory,
     muon,
     precision_curves,
@@ -69,6 +72,7 @@ MODES = [
         precision_curves,
         muon,
         finetune,
+        lora,
         chat_rows,
         dpo,
         probe,

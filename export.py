@@ -4,6 +4,8 @@
     python export.py --ckpt checkpoints/base --hf exports/base-hf                  # a run dir: its ckpt_best.pt
     python export.py --ckpt checkpoints/base/ckpt_last.pt --safetensors exports/base.safetensors
     python export.py --ckpt checkpoints/base --gguf exports/base.gguf --outtype q8_0   # and exports/base.Modelfile
+    python export.py --ckpt checkpoints/smollm2-135m-lora --peft exports/lora-adapter    # a LoRA run's adapters (PEFT)
+    python export.py --ckpt checkpoints/smollm2-135m-lora --merge --gguf exports/smollm2-lora.gguf   # folded in
 
 The Hugging Face directory loads with transformers.AutoModelForCausalLM.from_pretrained and gives
 the same logits. Its architecture follows the model's switches (hf.py): GPT-2 for learned positions,
@@ -15,7 +17,10 @@ and Hugging Face tokenizers alike). The safetensors file takes any model: the we
 model arguments and the tokenizer as JSON in its metadata (sample.py --ckpt reads it). The GGUF file
 (quillgpt/gguf_export.py) takes the Hugging Face architecture and the tokenizer as llama.cpp's byte-level BPE,
 f32, f16 (the default), bf16, q8_0 or q4_0, with its own Ollama Modelfile beside it (base.gguf: base.Modelfile, for
-ollama create NAME -f base.Modelfile); an existing file is replaced only with --force.
+ollama create NAME -f base.Modelfile); an existing file is replaced only with --force. A LoRA run (lora.enabled)
+exports its adapters as a PEFT directory (--peft: adapter_config.json + adapter_model.safetensors, which
+peft.PeftModel.from_pretrained loads onto the base's Hugging Face model), or folded into its base (--merge) for
+--hf, --safetensors and --gguf.
 
 From Python:
 
@@ -36,10 +41,11 @@ from pathlib import Path
 from safetensors.torch import save
 
 from model import GPT
-from quillgpt import gguf_export, hf
-from quillgpt.errors import run_main
+from quillgpt import gguf_export, hf, peft_io
+from quillgpt.errors import UserError, run_main
 from quillgpt.files import atomic_write
-from quillgpt.loading import load_model
+from quillgpt.loading import Loaded, load_model
+from quillgpt.lora import merged
 
 # ---- export: safetensors ----------------------------------------------------------------------------
 
@@ -78,10 +84,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the output head at q8_0)",
     )
     p.add_argument("--force", action="store_true", help="replace an existing --gguf file and its Modelfile")
+    p.add_argument(
+        "--peft",
+        metavar="OUT_DIR",
+        help="a LoRA run: write its adapters as a PEFT directory (adapter_config.json, adapter_model.safetensors)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: fold its adapters into its base for --hf, --safetensors, --gguf",
+    )
     args = p.parse_args(argv)
-    if not args.hf and not args.safetensors and not args.gguf:
-        p.error("give --hf OUT_DIR, --safetensors OUT.safetensors and/or --gguf OUT.gguf")
+    if not args.hf and not args.safetensors and not args.gguf and not args.peft:
+        p.error("give --hf OUT_DIR, --safetensors OUT.safetensors, --gguf OUT.gguf and/or --peft OUT_DIR")
     return args
+
+
+def model_to_export(loaded: Loaded, merge: bool, full: bool) -> GPT:
+    """The model --hf, --safetensors and --gguf write: a LoRA run's merged (--merge), anything else as it is. full:
+    one of them is asked for."""
+    if loaded.lora is None:
+        if merge:
+            raise UserError(f"{loaded.source} has no adapters to merge: --merge and --peft are for LoRA runs")
+        return loaded.model
+    if full and not merge:
+        raise UserError(
+            f"{loaded.source} is a LoRA run: export it with its adapters folded into its base (--merge), or the "
+            "adapters alone as a PEFT directory (--peft DIR)"
+        )
+    return merged(loaded.model) if full else loaded.model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,8 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.gguf:  # refuse before reading the model
         gguf_export.check_outtype(args.outtype)
         gguf_export.check_target(args.gguf, args.force)
-    loaded = load_model(args.ckpt)
-    model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.source
+    loaded = load_model(args.ckpt, keep_adapters=True)
+    if args.peft and loaded.lora is None:
+        raise UserError(f"{loaded.source} has no adapters: --peft and --merge are for LoRA runs (lora.enabled)")
+    if args.peft:
+        peft_io.check_family(loaded.model.config, loaded.source)
+    model = model_to_export(loaded, args.merge, bool(args.hf or args.safetensors or args.gguf))
+    tokenizer, source = loaded.tokenizer, loaded.source
     if args.hf:  # refuse before writing anything
         hf.export_family(model.config, str(source), tokenizer)
     if args.gguf:
@@ -109,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             f"wrote {args.gguf} ({hf.NAMES[plan.family]}, {args.outtype}, {size:.1f} MB) and {modelfile} "
             f"(ollama create NAME -f {modelfile})"
         )
+    if args.peft:
+        peft_io.write_peft(loaded.model, args.peft, loaded.lora["base"]["source"], source)
+        print(f"wrote {args.peft} (load it with peft.PeftModel.from_pretrained(base, {args.peft!r}))")
     return 0
 
 

@@ -95,11 +95,15 @@ class TrainingCheckpoint:
     # config holds what they resolved to, on a device of type resolved_on ("cpu", "cuda")
     requested: dict | None = field(default=None, metadata=OPTIONAL)
     resolved_on: str | None = field(default=None, metadata=OPTIONAL)
+    # a LoRA run: {"settings": LoraSettings.record(), "base": loading.base_record()}; `model` then holds the trainable
+    # tensors only (the adapters), the base being the file the record points to
+    lora: dict | None = field(default=None, metadata=OPTIONAL)
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "state"}
-        if self.sharded is None:
-            del d["sharded"]
+        for optional in ("sharded", "lora"):
+            if d[optional] is None:
+                del d[optional]
         return {**d, **asdict(self.state)}
 
     def resolution(self) -> Resolution | None:

@@ -185,7 +185,9 @@ class TrainingConfig:
     precision: str = _f(
         "auto", "fp32 | fp16 | bf16 | auto (bf16/fp16 on CUDA, fp32 on CPU)", choices=("fp32", "fp16", "bf16", "auto")
     )
-    gradient_checkpointing: bool = _f(False, "recompute each block in backward to save activation memory")
+    gradient_checkpointing: bool = _f(
+        False, "recompute each block in backward to save activation memory (PEFT's activation checkpointing)"
+    )
     compile: bool | None = _f(None, "torch.compile the model (None: on for CUDA, off for CPU)")
     compile_mode: str = _f(
         "default",
@@ -267,6 +269,42 @@ class DistributedConfig:
     timeout_s: int = _f(300, "seconds a collective may wait for a dead or stuck rank before the job fails")
 
 
+# LoRA's target modules, by the names PEFT users give them (a Llama layer's): each is one linear map of a block
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGET_GROUPS = {
+    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+    "all-linear": LORA_TARGETS,  # PEFT's name: every linear map of the blocks (not the output head)
+}
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = _f(
+        False,
+        "train low-rank adapters on the frozen model run.init_from gives, instead of every weight (LoRA, docs/finetune.md)",
+    )
+    rank: int = _f(8, "rank r of each adapter: its update B (out x r) @ A (r x in) has rank r")
+    alpha: float = _f(16.0, "an adapter's update is scaled by alpha / rank (PEFT's lora_alpha)")
+    dropout: float = _f(0.0, "dropout on the adapters' input, in [0, 1) (PEFT's lora_dropout)")
+    targets: list[str] = _f(
+        ["all-linear"],
+        "the linear maps that get adapters, by PEFT's Llama names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+        "down_proj, or the groups attention, mlp, all-linear (a GPT-2 MLP's c_fc is up_proj, its c_proj down_proj)",
+    )
+    quantize: str = _f(
+        "none",
+        "QLoRA: the frozen base's linear weights stored as int8 (one scale per row) or nf4 (4-bit NormalFloat, blocks "
+        "of 64), dequantized in the forward pass; the adapters stay in the training precision",
+        choices=("none", "int8", "nf4"),
+    )
+    adapters: str | None = _f(
+        None,
+        "start from a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) made for run.init_from: "
+        "its rank, alpha and targets replace the ones above",
+    )
+
+
 @dataclass
 class DPOConfig:
     """DPO on preference data (data.preference): TRL's DPOTrainer loss, with its names."""
@@ -311,6 +349,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -511,16 +550,19 @@ def lookup(toml: dict, overrides: list[tuple[str, Any]] | dict | None, dotted: s
     return getattr(getattr(cfg, section), key)
 
 
-def resolved(cfg: Config, run_name: str, model: GPTConfig, compile: bool, precision: str) -> Config:
+def resolved(
+    cfg: Config, run_name: str, model: GPTConfig, compile: bool, precision: str, lora: LoraConfig | None = None
+) -> Config:
     """The config a run records: cfg with what was resolved from it downstream, namely the run's name, the
     model as built (from a checkpoint or GPT-2 its architecture comes from the weights), whether it is
-    compiled and the precision auto chose (a resumed run keeps it rather than measuring again). cfg itself is
-    left as it is."""
+    compiled, the precision auto chose (a resumed run keeps it rather than measuring again) and the adapters as
+    built (lora.adapters' rank, alpha and targets). cfg itself is left as it is."""
     return dataclasses.replace(
         cfg,
         run=dataclasses.replace(cfg.run, name=run_name),
         model=dataclasses.replace(model),
         training=dataclasses.replace(cfg.training, compile=compile, precision=precision),
+        lora=dataclasses.replace(lora or cfg.lora),
     )
 
 
@@ -644,6 +686,7 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
         cfg.distributed.backend in (None, "nccl", "gloo"),
         f"distributed.backend = {cfg.distributed.backend!r} must be nccl or gloo",
     )
+    errors += validate_lora(cfg)
     device = cfg.run.device
     need(
         device == "auto"
@@ -668,6 +711,45 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
             f" x world_size {world_size} = {got}",
         )
     return errors
+
+
+def validate_lora(cfg: Config) -> list[str]:
+    """The [lora] section's rules: its values, and what a LoRA run needs of the rest of the config."""
+    lo, errors = cfg.lora, []
+    if lo.rank <= 0:
+        errors.append(f"lora.rank = {lo.rank} must be positive")
+    if lo.alpha <= 0:
+        errors.append(f"lora.alpha = {lo.alpha} must be positive")
+    if not 0 <= lo.dropout < 1:
+        errors.append(f"lora.dropout = {lo.dropout} must be in [0, 1)")
+    known = [*LORA_TARGETS, *LORA_TARGET_GROUPS]
+    for name in lo.targets:
+        if name not in known:
+            errors.append(
+                f"lora.targets: unknown target module {name!r}{_suggest(name, known)} (known: {', '.join(known)})"
+            )
+    if not lo.targets:
+        errors.append(f"lora.targets is empty: name the modules that get adapters ({', '.join(known)})")
+    if not lo.enabled:
+        if lo.adapters is not None or lo.quantize != "none":
+            errors.append("lora.adapters and lora.quantize need lora.enabled = true")
+        return errors
+    if cfg.run.init_from == "scratch":
+        errors.append("lora.enabled needs run.init_from: the model whose frozen weights the adapters train on")
+    if cfg.optimizer.name != "adamw":
+        errors.append(
+            f"lora.enabled trains with optimizer.name = 'adamw' (not {cfg.optimizer.name!r}: Muon orthogonalises "
+            "whole weight matrices, which a rank-r adapter is not)"
+        )
+    if cfg.distributed.fsdp:
+        errors.append("lora.enabled does not shard with distributed.fsdp: the frozen base is not trained; use DDP")
+    return errors
+
+
+def lora_targets(names: list[str]) -> tuple[str, ...]:
+    """lora.targets with its groups expanded, in LORA_TARGETS' order."""
+    chosen = {t for name in names for t in LORA_TARGET_GROUPS.get(name, (name,))}
+    return tuple(t for t in LORA_TARGETS if t in chosen)
 
 
 # ---- output -------------------------------------------------------------------------------------

@@ -17,19 +17,23 @@ import torch
 from model import GPT
 from quillgpt.config import Config
 from quillgpt.errors import UserError
+from quillgpt.lora import trainable_summary
 from quillgpt.metrics import format_duration, rss_mb
 from quillgpt.run_model import ModelPlan, meta_model
 from quillgpt.trainer import Runtime, Trainer, tokens_per_step, train_step
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+LINEAR_BYTES = {"int8": 1 + 4 / 64, "nf4": 0.5 + 4 / 64}  # a quantized weight, its scales counted generously
 ALLOCATOR_SLACK = 0.15
 
 
 def memory_estimate(cfg: Config, model: GPT, precision: str, world_size: int) -> dict[str, float]:
     """Bytes per rank the training step adds to the process: fp32 weights, gradients and optimizer state, the
     16-bit weight copies autocast makes, activations and the logits (rough upper bounds, checked against measured
-    peak RSS: docs/benchmarks.md, "Fine-tuning SmolLM2-135M")."""
+    peak RSS: docs/benchmarks.md, "Fine-tuning SmolLM2-135M"). A LoRA model (meta_model's) has gradients and
+    optimizer state for its adapters only, and its frozen linear weights in the bytes lora.quantize gives them."""
     n = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     c = model.config
     B, T, C, L, H, V = cfg.training.batch_size, c.block_size, c.n_embd, c.n_layer, c.n_head, c.vocab_size
     act_bytes = BYTES[precision]
@@ -44,14 +48,19 @@ def memory_estimate(cfg: Config, model: GPT, precision: str, world_size: int) ->
     # the logits: in 16-bit, their fp32 copy, log-softmax and its gradient in fp32, the 16-bit gradient
     logits = B * T * V * (12 + (2 * act_bytes if act_bytes == 2 else 0))
     opt_states = 2 if cfg.optimizer.name == "adamw" else 1.5
+    frozen_linear = [m.weight.numel() for m in model.transformer.h.modules() if isinstance(m, torch.nn.Linear)]
+    frozen_linear = frozen_linear if trainable < n else []
+    linear_bytes = LINEAR_BYTES.get(cfg.lora.quantize, act_bytes if cfg.lora.enabled else 4)
     est = {
-        "weights": n * 4.0,
-        "gradients": n * 4.0,
-        "optimizer": n * 4.0 * opt_states,
-        "autocast copies": n * 2.0 if act_bytes == 2 else 0.0,
+        "weights": (n - sum(frozen_linear)) * 4.0 + sum(frozen_linear) * linear_bytes,
+        "gradients": trainable * 4.0,
+        "optimizer": trainable * 4.0 * opt_states,
+        "autocast copies": trainable * 2.0 if act_bytes == 2 else 0.0,
         "activations": float(activations),
         "logits": float(logits),
     }
+    if cfg.lora.quantize != "none" and frozen_linear:  # one linear map's weight dequantized at a time
+        est["autocast copies"] += max(frozen_linear) * act_bytes
     if cfg.distributed.fsdp:
         for k in ("weights", "gradients", "optimizer"):
             est[k] /= max(1, world_size)
@@ -79,6 +88,9 @@ def check_memory(cfg: Config, rt: Runtime, plan: ModelPlan) -> dict:
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     block = model.config.block_size
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, block {block}, vocab {model.config.vocab_size}")
+    if plan.lora is not None:
+        quantized = f", the base's linear weights {cfg.lora.quantize}" if cfg.lora.quantize != "none" else ""
+        print(f"lora: {trainable_summary(model)} (rank {plan.lora.settings.rank}){quantized}")
     print(
         f"tokens per optimizer step: {tokens_per_step(t, world, block):,} "
         f"({t.batch_size} x {t.grad_accum_steps} accum x {world} ranks x {block})"
@@ -96,7 +108,7 @@ def check_memory(cfg: Config, rt: Runtime, plan: ModelPlan) -> dict:
         raise UserError(
             f"would not fit: the estimated {gb(est['total'])} exceed the {gb(free)} free on {rt.device}; "
             "lower training.batch_size (raise grad_accum_steps), enable training.gradient_checkpointing, "
-            "or use distributed.fsdp"
+            "use distributed.fsdp, or train adapters on the frozen model (lora.enabled; lora.quantize: QLoRA)"
         )
     return {"model_args": model.config.to_dict(), "parameters": model.num_params(), "memory": est}
 

@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from model import GPT
+from model import GPT, rope_tables
 from quillgpt.config import GPTConfig, build_config
 from quillgpt.errors import UserError
 from quillgpt.files import atomic_write, atomic_write_json, atomic_write_text, read_json
@@ -94,14 +94,25 @@ def is_hub_name(name: str) -> bool:
     return name in GPT2_NAMES or bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not Path(path.parts[0]).exists()
 
 
-def load_hf(source: str | Path, dropout: float = 0.0) -> tuple[GPT, dict | None]:
-    """A local Hugging Face directory or a hub name -> (model, tokenizer dict or None)."""
+def load_hf(
+    source: str | Path, dropout: float = 0.0, dtype: torch.dtype | None = torch.float32
+) -> tuple[GPT, dict | None]:
+    """A local Hugging Face directory or a hub name -> (model, tokenizer dict or None). The model takes the file's
+    tensors as they are (built on the meta device, then given them), converted to dtype one at a time (None: kept in
+    the file's, for a LoRA base that converts or quantizes them itself): the whole model never exists twice."""
     directory = Path(source) if Path(source).is_dir() else download(str(source))
     config, tokenizer = read_config_and_tokenizer(directory, str(source), dropout)
-    model = GPT(config)
+    with torch.device("meta"):
+        model = GPT(config)
     family = family_of(read_json(directory / "config.json", "Hugging Face config"), str(source))
-    model.load_state_dict(state_from_hf(family, model, read_weights(directory), str(source)))
-    return model, tokenizer
+    state = state_from_hf(family, model, read_weights(directory), str(source))
+    model.load_state_dict({k: v.contiguous() for k, v in state.items()}, assign=True)  # GPT-2's Conv1D: transposed
+    del state
+    if config.tie_embeddings:  # assign gives each module its own Parameter: tie them again
+        model.lm_head.weight = model.transformer.wte.weight
+    if config.pos_emb == "rope":  # non-persistent buffers, still on the meta device
+        model.rope_cos, model.rope_sin = rope_tables(config)
+    return (model if dtype is None else model.to(dtype)), tokenizer
 
 
 def read_config_and_tokenizer(directory: Path, source: str, dropout: float = 0.0) -> tuple[GPTConfig, dict | None]:
@@ -137,6 +148,14 @@ def download(name: str) -> Path:
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a directory's safetensors files: model.safetensors, or the shards of its index."""
+    state = {}
+    for path in weight_files(directory):
+        state.update(read_safetensors_file(path))
+    return state
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """A directory's safetensors files: model.safetensors, or the shards its index lists (all present)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json(index, "safetensors index").get("weight_map")
@@ -157,10 +176,7 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
         )
     else:
         raise UserError(f"{directory} has config.json but no model.safetensors")
-    state = {}
-    for name in files:
-        state.update(read_safetensors_file(directory / name))
-    return state
+    return [directory / name for name in files]
 
 
 def read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:

@@ -9,12 +9,17 @@ load through here.
     loaded = load_model("models/SmolLM2-135M")         # config.json + model.safetensors (+ tokenizer.json)
     loaded.model, loaded.tokenizer, loaded.source      # GPT, tokenizer dict (or None), what was read
 
+A LoRA run's checkpoint holds its adapters and a pointer to its base (base_record: the source, and the sha256 of
+the weights read); it loads as the base, checked against that hash, plus the adapters (lora_model), merged into a
+plain GPT unless the adapters are asked for (keep_adapters: export.py --peft).
+
 Every failure is a one-line UserError naming the file; checkpoints load with weights_only=True and
 HF weights from safetensors, so nothing loaded can run code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,6 +32,8 @@ from quillgpt import hf
 from quillgpt.checkpoint import load_checkpoint, resolve_checkpoint
 from quillgpt.config import GPTConfig, build_config
 from quillgpt.errors import UserError
+from quillgpt.files import sha256_file
+from quillgpt.lora import LoraSettings, add_adapters, is_lora, load_adapter_state, merged
 
 
 @dataclass
@@ -34,20 +41,29 @@ class Loaded:
     model: GPT
     tokenizer: dict | None  # tokenizer.to_dict() of what the model was trained with, when known
     source: str  # the file or name read
+    lora: dict | None = None  # a LoRA run's record: its adapters' settings and its base (TrainingCheckpoint.lora)
 
 
-def load_model(source: str | Path, dropout: float | None = None) -> Loaded:
+def load_model(
+    source: str | Path, dropout: float | None = None, keep_adapters: bool = False, as_stored: bool = False
+) -> Loaded:
     """A checkpoint file, run directory (its best checkpoint), .safetensors file, or Hugging Face directory or hub name.
 
-    dropout, when given, replaces the model's recorded dropout (fine-tuning); Hugging Face imports default to 0."""
+    dropout, when given, replaces the model's recorded dropout (fine-tuning); Hugging Face imports default to 0. A LoRA
+    run's model is its base plus its adapters, merged into a plain GPT, or kept apart with keep_adapters. as_stored: a
+    Hugging Face model's weights in the file's dtype (bf16 for most), not fp32 (a LoRA base: lora.add_adapters
+    converts them)."""
     if is_hf_source(source):
-        model, tokenizer = hf.load_hf(source, dropout or 0.0)
+        model, tokenizer = hf.load_hf(source, dropout or 0.0, None if as_stored else torch.float32)
         return Loaded(model, tokenizer, str(source))
     if Path(source).suffix == ".safetensors":
         return read_safetensors(Path(source))
     path = resolve_checkpoint(source, prefer="best")
     ckpt = load_checkpoint(path)
-    return Loaded(model_from_checkpoint(ckpt, path, dropout), ckpt.get("tokenizer"), str(path))
+    model = model_from_checkpoint(ckpt, path, dropout)
+    if is_lora(model) and not keep_adapters:
+        model = merged(model)
+    return Loaded(model, ckpt.get("tokenizer"), str(path), ckpt.get("lora"))
 
 
 @dataclass
@@ -92,10 +108,13 @@ def model_config_from_args(args: dict, path: str | Path = "checkpoint") -> GPTCo
 
 
 def model_from_checkpoint(ckpt: dict, path: str | Path = "checkpoint", dropout: float | None = None) -> GPT:
-    """The checkpoint's model with its weights; dropout (when given) replaces the recorded one."""
+    """The checkpoint's model with its weights; dropout (when given) replaces the recorded one. A LoRA checkpoint's
+    model has its adapters (lora.add_adapters)."""
     config = model_config_from_args(ckpt["model_args"], path)
     if dropout is not None:
         config.dropout = dropout
+    if ckpt.get("lora") is not None:
+        return lora_model(ckpt["lora"], config, ckpt["model"], path)
     model = GPT(config)
     load_model_weights(model, ckpt["model"], path)
     return model
@@ -154,3 +173,78 @@ def read_safetensors_metadata(path: Path) -> tuple[GPTConfig, dict | None]:
         )
     except (TypeError, ValueError) as e:
         raise UserError(f"{path}: malformed metadata: {e}") from None
+
+
+# ---- LoRA runs: the base they point to ----------------------------------------------------------------
+
+
+def base_record(source: str) -> dict:
+    """What a LoRA run records of its base (run.init_from): the source as given, the file or directory read, and the
+    sha256 of what was read (a checkpoint file; a Hugging Face directory's config.json and weight files)."""
+    path, files = base_files(source)
+    return {"source": str(source), "path": str(path), "sha256": files_digest(files)}
+
+
+def base_files(source: str) -> tuple[Path, list[Path]]:
+    if is_hf_source(source):
+        directory = Path(source) if Path(source).is_dir() else hf.download(str(source))
+        return directory, [directory / "config.json", *hf.weight_files(directory)]
+    if Path(source).suffix == ".safetensors":
+        if not Path(source).is_file():
+            raise UserError(f"safetensors file not found: {source}")
+        return Path(source), [Path(source)]
+    path = resolve_checkpoint(source, prefer="best")
+    return path, [path]
+
+
+def files_digest(files: list[Path]) -> str:
+    """One sha256 of several files: of their own sha256s, in order (a single file: its own)."""
+    if len(files) == 1:
+        return sha256_file(files[0])
+    return hashlib.sha256("".join(sha256_file(f) for f in files).encode()).hexdigest()
+
+
+def check_base(record: dict, path: str | Path) -> None:
+    """UserError when the base a LoRA checkpoint points to is not the one its adapters were trained on."""
+    if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("source", "path", "sha256")):
+        raise UserError(f"{path}: its LoRA record has no valid base (source, path, sha256)")
+    try:
+        now = files_digest(base_files(record["source"])[1])
+    except UserError as e:
+        raise UserError(f"{path}: the base of this LoRA run cannot be read: {e}") from None
+    if now != record["sha256"]:
+        raise UserError(
+            f"{path}: its base {record['path']} changed on disk since the adapters were trained on it (sha256 "
+            f"{record['sha256'][:12]}... then, {now[:12]}... now): restore that base, or start a new run from it"
+        )
+
+
+def load_base(record: dict, path: str | Path, dropout: float | None = None, verified: bool = False) -> GPT:
+    """The base a LoRA run points to (a LoRA run's own model merged), checked against its recorded sha256 (unless the
+    caller just did: verified)."""
+    if not verified:
+        check_base(record, path)
+    return load_model(record["source"], dropout=dropout, as_stored=True).model
+
+
+def lora_model(
+    record: dict,
+    config: GPTConfig,
+    adapters: dict,
+    path: str | Path,
+    base_dtype: torch.dtype = torch.float32,
+    verified: bool = False,
+) -> GPT:
+    """A LoRA checkpoint's model: its base (checked, unless verified), cropped to its context, with its adapters.
+    config: the model as the run built it (model_args: the vocabulary grown for chat tokens, the context cropped)."""
+    if not isinstance(record, dict) or not isinstance(record.get("settings"), dict):
+        raise UserError(f"{path}: its LoRA record is malformed (it needs settings and base)")
+    settings = LoraSettings.from_record(record["settings"], str(path))
+    model = load_base(record.get("base"), path, config.dropout, verified)
+    if config.block_size < model.config.block_size:
+        model.crop_block_size(config.block_size)
+    model = add_adapters(model, settings, config.vocab_size, base_dtype)
+    if model.config != config:
+        raise UserError(f"{path}: its base does not build the model the run trained ({record['base']['path']})")
+    load_adapter_state(model, adapters, str(path))
+    return model

@@ -8,7 +8,9 @@ model --validate checks is the one training builds.
 
 From run.init_from the architecture is the source's, with the config's dropout, its context cropped to
 model.block_size when that is shorter (fine-tuning a long-context model on shorter sequences), and its vocabulary
-grown when chat data adds the chat tokens to the source's tokenizer (grow_vocabulary).
+grown when chat data adds the chat tokens to the source's tokenizer (grow_vocabulary). With lora.enabled the plan
+also says which adapters the frozen source gets and records the source (path and sha256, loading.base_record), which a
+resumed LoRA run checks before anything else.
 """
 
 from __future__ import annotations
@@ -24,8 +26,33 @@ from quillgpt.checkpoint import TrainingCheckpoint
 from quillgpt.config import Config, GPTConfig
 from quillgpt.data import Dataset, check_fits, check_vocab_compatible
 from quillgpt.errors import UserError
-from quillgpt.loading import describe_model, load_model, load_model_weights, model_config_from_args
+from quillgpt.loading import (
+    base_record,
+    check_base,
+    describe_model,
+    load_base,
+    load_model,
+    load_model_weights,
+    lora_model,
+    model_config_from_args,
+)
+from quillgpt.lora import LoraSettings, add_adapters
+from quillgpt.peft_io import load_peft_adapters, peft_settings
 from quillgpt.tokenizer import same_tokenizer, tokenizer_from_dict
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """The adapters a LoRA run trains and the frozen base they sit on."""
+
+    settings: LoraSettings
+    base: dict  # loading.base_record: the source, the file or directory read, its sha256
+    base_config: GPTConfig  # the base as its source describes it (before the vocabulary grows, the context is cropped)
+    adapters: str | None = None  # a new run: the PEFT directory its adapters start from (lora.adapters)
+
+    def record(self) -> dict:
+        """What the run's checkpoints hold of it (TrainingCheckpoint.lora)."""
+        return {"settings": self.settings.record(), "base": self.base}
 
 
 @dataclass(frozen=True)
@@ -33,6 +60,7 @@ class ModelPlan:
     origin: str  # "resume", "init_from" or "scratch"
     config: GPTConfig  # the architecture as built: vocabulary grown, context cropped
     source: str | None = None  # init_from: what load_model reads
+    lora: LoraPlan | None = None  # lora.enabled: the adapters, on the frozen source
 
 
 def plan_model(cfg: Config, dataset: Dataset, resume: TrainingCheckpoint | None) -> ModelPlan:
@@ -46,7 +74,7 @@ def plan_model(cfg: Config, dataset: Dataset, resume: TrainingCheckpoint | None)
                 "resume with the run's own config, or fine-tune with run.init_from instead"
             )
         check_vocab_compatible(config.vocab_size, resume.tokenizer, dataset, "the checkpoint")
-        plan = ModelPlan("resume", config)
+        plan = ModelPlan("resume", config, lora=resumed_lora(cfg, resume))
     elif cfg.run.init_from != "scratch":
         described = describe_model(cfg.run.init_from, dropout=cfg.model.dropout)
         config, tokenizer = described.config, described.tokenizer
@@ -55,7 +83,8 @@ def plan_model(cfg: Config, dataset: Dataset, resume: TrainingCheckpoint | None)
             tokenizer = dataset.tokenizer.to_dict()
         check_vocab_compatible(config.vocab_size, tokenizer, dataset, described.source)
         config = replace(config, block_size=min(config.block_size, cfg.model.block_size))
-        plan = ModelPlan("init_from", config, cfg.run.init_from)
+        lora = plan_lora(cfg, described.config) if cfg.lora.enabled else None
+        plan = ModelPlan("init_from", config, cfg.run.init_from, lora)
     else:
         vocab_size = cfg.model.vocab_size or dataset.vocab_size
         plan = ModelPlan("scratch", GPTConfig.from_dict({**cfg.model_args(), "vocab_size": vocab_size}))
@@ -63,8 +92,33 @@ def plan_model(cfg: Config, dataset: Dataset, resume: TrainingCheckpoint | None)
     return plan
 
 
-def build_model(plan: ModelPlan, resume: TrainingCheckpoint | None = None) -> GPT:
-    """The planned model with its weights: the resumed checkpoint's, the init_from source's, or new ones."""
+def plan_lora(cfg: Config, base_config: GPTConfig) -> LoraPlan:
+    """A new LoRA run's adapters (lora.adapters': the PEFT directory's rank, alpha and targets) on run.init_from."""
+    settings = LoraSettings.from_config(cfg.lora, base_config)
+    if cfg.lora.adapters is not None:
+        settings = peft_settings(cfg.lora.adapters, settings)
+    return LoraPlan(settings, base_record(cfg.run.init_from), base_config, cfg.lora.adapters)
+
+
+def resumed_lora(cfg: Config, resume: TrainingCheckpoint) -> LoraPlan | None:
+    """A resumed LoRA run's adapters and base, the base checked against the sha256 its checkpoint recorded."""
+    if resume.lora is None:
+        if cfg.lora.enabled:
+            raise UserError("--resume: the checkpoint is not a LoRA run's, but the config has lora.enabled")
+        return None
+    if not cfg.lora.enabled:
+        raise UserError("--resume: the checkpoint is a LoRA run's, but the config has lora.enabled = false")
+    settings = LoraSettings.from_record(resume.lora.get("settings") or {}, "the checkpoint")
+    check_base(resume.lora.get("base"), "the checkpoint")
+    base = describe_model(resume.lora["base"]["source"])
+    return LoraPlan(settings, resume.lora["base"], base.config)
+
+
+def build_model(plan: ModelPlan, resume: TrainingCheckpoint | None = None, base_dtype=torch.float32) -> GPT:
+    """The planned model with its weights: the resumed checkpoint's, the init_from source's, or new ones. A LoRA
+    model's frozen linear weights are kept in base_dtype (the run's precision: lora.add_adapters)."""
+    if plan.lora is not None:
+        return build_lora_model(plan, resume, base_dtype)
     if plan.origin == "init_from":
         model = load_model(plan.source, dropout=plan.config.dropout).model
         grow_vocabulary(model, plan.config.vocab_size)
@@ -79,10 +133,29 @@ def build_model(plan: ModelPlan, resume: TrainingCheckpoint | None = None) -> GP
     return model
 
 
+def build_lora_model(plan: ModelPlan, resume: TrainingCheckpoint | None, base_dtype: torch.dtype) -> GPT:
+    """The frozen base with the planned adapters: a resumed run's, a PEFT directory's, or new ones (B = 0)."""
+    if resume is not None:
+        return lora_model(resume.lora, plan.config, resume.model, "the checkpoint", base_dtype, verified=True)
+    model = load_base(plan.lora.base, plan.lora.base["path"], plan.config.dropout, verified=True)
+    if plan.config.block_size < model.config.block_size:
+        model.crop_block_size(plan.config.block_size)
+    model = add_adapters(model, plan.lora.settings, plan.config.vocab_size, base_dtype)
+    if model.config != plan.config:
+        raise UserError(f"{plan.source} changed on disk since the run was planned: start the run again")
+    if plan.lora.adapters is not None:
+        load_peft_adapters(model, plan.lora.adapters, plan.lora.base_config)
+    return model
+
+
 def meta_model(plan: ModelPlan) -> GPT:
-    """The planned model on the meta device: shapes and counts without allocating memory (train.py --validate)."""
+    """The planned model on the meta device: shapes and counts without allocating memory (train.py --validate); a
+    LoRA plan's with its adapters (its base unquantized: feasibility counts the bytes a quantized base takes)."""
     with torch.device("meta"):
-        return GPT(plan.config)
+        if plan.lora is None:
+            return GPT(plan.config)
+        base = GPT(replace(plan.config, vocab_size=plan.lora.base_config.vocab_size))
+        return add_adapters(base, replace(plan.lora.settings, quantize="none"), plan.config.vocab_size)
 
 
 def adds_chat_tokens(model_tokenizer: dict | None, dataset: Dataset) -> bool:

@@ -40,6 +40,7 @@ from quillgpt.distributed import DistInfo
 from quillgpt.dpo import DPO, PairBatches, build_dpo, figures
 from quillgpt.errors import UserError
 from quillgpt.files import atomic_write_text
+from quillgpt.lora import adapter_state, trainable_summary
 from quillgpt.machine import keep_freed_memory
 from quillgpt.metrics import MetricsLog, default_peak_flops, rss_mb
 from quillgpt.optim import lr_multiplier, make_optimizers, set_lr
@@ -230,6 +231,7 @@ class Trainer:
     tokenizer: dict  # the dataset's tokenizer.to_dict(), stored in every checkpoint
     evaluation: Evaluation  # what eval_metrics() scores besides the loss
     dpo: DPO | None = None  # preference data: the loss is DPO's, on batches of pairs (dpo.py)
+    lora: dict | None = None  # a LoRA run: its adapters' settings and its base (run_model.LoraPlan.record)
 
     @property
     def tokens_per_step(self) -> int:
@@ -262,7 +264,7 @@ def build_trainer(
     DDP/FSDP and compiled as configured, its optimizers, the GradScaler and the batch source; with the config the run
     records."""
     plan = plan or distributed.on_every_rank(plan_model, rt.dist, cfg, dataset, resume)
-    raw_model = distributed.on_every_rank(build_model, rt.dist, plan, resume)
+    raw_model = distributed.on_every_rank(build_model, rt.dist, plan, resume, PRECISIONS[rt.precision])
     raw_model.to(rt.device)
     raw_model.gradient_checkpointing = cfg.training.gradient_checkpointing
     dpo, pairs = None, None
@@ -271,7 +273,9 @@ def build_trainer(
         dpo, pairs = distributed.on_every_rank(
             build_dpo, rt.dist, cfg, dataset, raw_model, fresh, rt.device, rt.precision, rt.autocast, rt.dist
         )
-    cfg = resolved(cfg, run_dir.path.name if run_dir else cfg.run.name, raw_model.config, rt.compile, rt.precision)
+    lora = plan.lora.settings.as_config() if plan.lora else None
+    name = run_dir.path.name if run_dir else cfg.run.name
+    cfg = resolved(cfg, name, raw_model.config, rt.compile, rt.precision, lora)
     if cfg.distributed.fsdp and rt.dist.enabled and cfg.optimizer.name == "muon":
         raise UserError(
             "distributed.fsdp does not support optimizer.name = 'muon' (Muon orthogonalises whole "
@@ -314,6 +318,7 @@ def build_trainer(
         dataset.tokenizer.to_dict(),  # on chat data: with its chat template, so sample.py and export.py have it
         evaluation,
         dpo,
+        plan.lora.record() if plan.lora else None,
     )
 
 
@@ -400,6 +405,8 @@ def print_startup(tr: Trainer, state: TrainState) -> None:
     elif tr.cfg.data.document_mask:
         print("documents: each attends only within itself, its positions from 0 (data.document_mask)")
     print(f"model: {model.num_params() / 1e6:.2f}M parameters | {model.flops_per_token() / 1e6:.1f} MFLOPs/token")
+    if tr.lora:
+        print(lora_line(tr))
     print(
         f"batch: {t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks = "
         f"{t.batch_size * t.grad_accum_steps * rt.dist.world_size} {'pairs (2 rows each)' if tr.dpo else 'sequences'}, "
@@ -414,6 +421,16 @@ def print_startup(tr: Trainer, state: TrainState) -> None:
 
 
 ISOLATED = ", each conversation attending only within itself"
+
+
+def lora_line(tr: Trainer) -> str:
+    """What a LoRA run trains and on what: its adapters, the share of the weights they are, the frozen base."""
+    lo, base = tr.cfg.lora, tr.lora["base"]
+    quantized = f", base stored {lo.quantize}" if lo.quantize != "none" else ""
+    return (
+        f"lora: rank {lo.rank}, alpha {lo.alpha:g} on {', '.join(lo.targets)}{quantized} | "
+        f"{trainable_summary(tr.raw_model)} | base {base['path']} (sha256 {base['sha256'][:12]})"
+    )
 
 
 def chat_line(dataset: Dataset, block_size: int, rows: str) -> str:
@@ -666,7 +683,7 @@ def save(tr: Trainer, state: TrainState, kind: str, final: bool = False) -> None
     rank writes its shards first); rank 0 writes the file (RunDir.save: a failed periodic save is a warning,
     a failed final one a UserError naming the last good checkpoint)."""
     ckpt = TrainingCheckpoint(
-        model=distributed.model_state_dict(tr.raw_model),
+        model=adapter_state(tr.raw_model) if tr.lora else distributed.model_state_dict(tr.raw_model),
         model_args=tr.raw_model.config.to_dict(),
         optimizers=[distributed.optimizer_state_dict(tr.raw_model, o) for o in tr.optimizers],
         config=tr.cfg.to_dict(),
@@ -677,6 +694,7 @@ def save(tr: Trainer, state: TrainState, kind: str, final: bool = False) -> None
         world_size=tr.rt.dist.world_size,
         requested={"precision": tr.rt.requested_precision, "compile": tr.rt.requested_compile},
         resolved_on=tr.rt.device.type,
+        lora=tr.lora,
     )
     if kind == "last" and distributed.is_sharded(tr.raw_model):
         directory = tr.run_dir.sharded(state.iter_num)

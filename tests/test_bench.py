@@ -146,6 +146,14 @@ def test_sample_mode_times_decoding_in_each_precision_with_and_without_cache(cap
     assert "bf16 matmul ceiling here" in out
 
 
+def test_lora_kernels_part_passes_a_frozen_linear_map_stored_each_way(capsys):
+    bench.main(["--lora", "--part", "kernels", "--tiny"])
+    rows = {row[0]: row for row in table_rows(capsys.readouterr().out)[1:]}  # the header row first
+    assert {"bf16 weight (LoRA)", "int8, ours", "NF4, ours"} <= set(rows)
+    error = {name: float(row[2]) for name, row in rows.items()}
+    assert error["bf16 weight (LoRA)"] < error["int8, ours"] < error["NF4, ours"] < 0.15
+
+
 def test_muon_mode_times_torch_muon_against_the_batched_muon(tiny, capsys):
     bench.main(["--muon", *tiny, "--optimizer.name", "muon", "--warmup", "1", "--iters", "2", "--repeats", "1"])
     out = capsys.readouterr().out

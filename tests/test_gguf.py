@@ -8,7 +8,8 @@ greedy-decode the same 32 tokens from an f32 file.
 
 Models: tiny random Llama, Qwen2 and Qwen3 directories saved by transformers (with a byte-level BPE tokenizer.json),
 and our own tiny models in a .safetensors file: GPT-2 with a char tokenizer and with tiktoken's gpt2, Llama with
-q/k/v biases and a char tokenizer, and the modern recipe (rope, RMSNorm, SwiGLU, QK-norm: Qwen3) with our BPE.
+q/k/v biases and a char tokenizer, and the modern recipe (rope, RMSNorm, SwiGLU, QK-norm: Qwen3) with our BPE; and a
+LoRA run on the Llama directory, exported merged (--merge).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT, gpt2_encoding_error, save_hf_family, save_hf_tokenizer, word_salad
 from safetensors.torch import load_file, save_file
+from test_lora import lora_run
 
 import export
 from model import GPT, GPTConfig
@@ -94,6 +96,7 @@ ARCHITECTURE = {
     "llama-hf": "llama",
     "qwen2-hf": "qwen2",
     "qwen3-hf": "qwen3",
+    "llama-hf-lora": "llama",  # a LoRA run on llama-hf, exported with --merge (its adapters folded in)
 }
 PRE = {"char": "gpt-2", "tiktoken": "gpt-2", "bpe": "llama-bpe", "hf": "gpt-2"}  # by tokenizer kind
 CASES = [name for name in ARCHITECTURE if name != "llama-char-48"]  # that one is for q4_0's fallbacks
@@ -157,6 +160,8 @@ def source(request, tmp_path_factory):
             directory = tmp_path_factory.mktemp(name)
             if name in OURS:
                 made[name] = our_model(name, directory)
+            elif name.endswith("-lora"):
+                made[name] = lora_run(make(name.removesuffix("-lora")), directory, **{"model.block_size": 128})
             else:
                 made[name] = hf_model(request.getfixturevalue("transformers"), name, directory)
         return made[name]
@@ -180,6 +185,7 @@ def exported(source, tmp_path_factory):
         if (name, outtype) not in made:
             out = tmp_path_factory.mktemp(f"{name}-{outtype}") / f"{name}.gguf"
             args = ["--ckpt", str(source(name)), "--gguf", str(out), "--outtype", outtype]
+            args += ["--merge"] if name.endswith("-lora") else []
             if outtype == "f32":
                 result = run_export(*args)
                 assert result.returncode == 0, result.stderr

@@ -15,6 +15,7 @@ from make_run_fixture import DATASET, fixture_text, prepare_fixture_data
 
 from quillgpt.checkpoint import RunDir, load_checkpoint, save_checkpoint
 from quillgpt.config import GPTConfig, build_config
+from quillgpt.data import Batch, find_dataset
 from train import train
 
 
@@ -186,13 +187,12 @@ class FixedBatches:
 
     def get(self, split, index, next_index=None):
         s = slice(index * self.b, (index + 1) * self.b)
-        return self.x[s], self.y[s]
+        return Batch(self.x[s], self.y[s], None)
 
 
 def test_accumulation_matches_one_big_batch(tiny_data, tmp_path):
     """4 micro-steps of B/4 update the weights exactly like one step of B (the Trainer train.py builds, with a
     plain SGD optimizer and one fixed batch)."""
-    from quillgpt.data import find_dataset
     from quillgpt.distributed import DistInfo
     from quillgpt.trainer import build_trainer, setup, train_step
 
@@ -511,7 +511,6 @@ def test_an_evaluation_takes_one_cross_entropy_per_batch_and_reports_their_mean(
     from torch.overrides import TorchFunctionMode
 
     from quillgpt import trainer
-    from quillgpt.data import find_dataset
     from quillgpt.distributed import DistInfo
 
     class CrossEntropies(TorchFunctionMode):
