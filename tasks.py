@@ -4,6 +4,7 @@ CPU chat demo (docs/chat.md).
     python tasks.py --out data/chat_tasks.jsonl                        # 20,000 training conversations
     python tasks.py --out data/chat_test.jsonl --split test --n 300    # held-out items
     python tasks.py --out data/sums.jsonl --tasks arithmetic --turns 2 --seed 1
+    python tasks.py --out data/chat_tasks.jsonl --turns 3 --tool       # arithmetic through the calculator tool
 
 Each line is {"messages": [...]}, the form prepare.py --chat reads. Held-out items (--split test) are never in the
 train split in any phrasing; eval.py --chat-task grades a model on them.
@@ -28,6 +29,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--split", choices=("train", "test"), default="train")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated (default {','.join(TASKS)})")
     p.add_argument("--turns", type=int, default=1, help="at most this many question-answer turns a conversation")
+    p.add_argument(
+        "--tool",
+        action="store_true",
+        help="answer arithmetic with the calculator tool: the reply calls it, then gives its output (docs/chat.md)",
+    )
     args = p.parse_args(argv)
     if args.n < 1 or args.turns < 1:
         p.error("--n and --turns must be at least 1")
@@ -37,11 +43,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tasks = parse_tasks(args.tasks)
-    rows = conversations(tasks, args.split, args.n, args.seed, args.turns)
+    rows = conversations(tasks, args.split, args.n, args.seed, args.turns, args.tool)
     with atomic_write(args.out, "w") as f:
         for messages in rows:
             f.write(json.dumps({"messages": messages}) + "\n")
-    print(f"wrote {len(rows):,} conversations ({', '.join(tasks)}; {args.split} split) to {args.out}", file=sys.stderr)
+    form = "; arithmetic with the calculator" if args.tool and "arithmetic" in tasks else ""
+    print(
+        f"wrote {len(rows):,} conversations ({', '.join(tasks)}; {args.split} split{form}) to {args.out}",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -15,18 +15,23 @@ from conftest import REPO_ROOT
 
 from model import GPT, GPTConfig
 from quillgpt.chat_session import ChatSession
-from quillgpt.chat_template import chat_format, with_chat_tokens
+from quillgpt.chat_template import CHAT_TOKENS, chat_format, with_chat_tokens
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.errors import UserError
 from quillgpt.generate import load_for_sampling
-from quillgpt.tokenizer import CharTokenizer
+from quillgpt.tokenizer import CharTokenizer, tokenizer_from_dict
 
 CHARS = list("\n !'+,-.0123456789:=?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 TURNS = ["What is 17 + 25?", "Spell 'night' backwards.", "How many r's are in 'strawberry'?", "Hi!"]
 
 
-def chat_tokenizer():
-    return with_chat_tokens(CharTokenizer(CHARS, eot=True))
+def chat_tokenizer(chars: list[str] = CHARS):
+    """ChatML without the calculator tool's tokens (a chat tokenizer from before them): a random model given those
+    would call the tool at random, and these tests test the cache and the turns (tests/test_tools.py the tool)."""
+    d = with_chat_tokens(CharTokenizer(chars, eot=True)).to_dict()
+    d.pop("vocab_size")
+    d["chat_tokens"] = list(CHAT_TOKENS)
+    return tokenizer_from_dict(d)
 
 
 def random_chat_model(block_size: int = 256, seed: int = 0, vocab_size: int | None = None, **switches) -> GPT:
@@ -225,7 +230,7 @@ def test_chat_cli_reads_typed_control_tokens_as_text_unless_told_otherwise(tmp_p
     the model's to those; --control-tokens-in-content gives each spelled token its id (transformers' default)."""
     from test_chat_template import FORGED_CHATML
 
-    tok = with_chat_tokens(CharTokenizer(CHARS + list("<|>_"), eot=True))  # characters to spell ChatML's tokens with
+    tok = chat_tokenizer(CHARS + list("<|>_"))  # characters to spell ChatML's tokens with
     chat_ckpt = save_chat_checkpoint(tmp_path / "ckpt.pt", random_chat_model(vocab_size=tok.vocab_size), tok)
     model, tok, _ = load_for_sampling(chat_ckpt, "cpu", "fp32")
     fmt = chat_format(tok)
