@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -226,9 +227,14 @@ class Trainer:
     run_dir: RunDir | None  # None: a measurement that saves nothing (bench.py)
     tokenizer: dict  # the dataset's tokenizer.to_dict(), stored in every checkpoint
     evaluation: Evaluation  # what eval_metrics() scores besides the loss
+    # rl.enabled: quillgpt.rl.RL (train.py sets it), whose step() fit() takes instead of train_step, and whose
+    # metrics() (held-out task accuracy) eval_metrics adds
+    rl: Any = None
 
     @property
     def tokens_per_step(self) -> int:
+        if self.rl is not None:  # the last RL step's policy-gradient pass
+            return self.rl.tokens_per_step
         return tokens_per_step(self.cfg.training, self.rt.dist.world_size, self.raw_model.config.block_size)
 
 
@@ -363,6 +369,7 @@ def start_run(tr: Trainer, state: TrainState, resumed: bool) -> MetricsLog | Non
         json_log=cfg.logging.json_log and not evaluating_only,
         plot=cfg.logging.plot and not evaluating_only,
         assistant_only=tr.dataset.chat,
+        loss_name="policy loss" if tr.rl is not None else None,
     )
     log = MetricsLog.resume(run_dir.path, state.iter_num, **kw) if resumed else MetricsLog(run_dir.path, **kw)
     if cfg.logging.wandb_project:
@@ -541,6 +548,8 @@ def eval_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
         out[f"{split}_bpb"] = (sums[3] / math.log(2) / sums[4].clamp(min=1)).item()
     if tr.evaluation.hellaswag:
         out.update(hellaswag(tr, tr.evaluation.hellaswag))
+    if tr.rl is not None:
+        out.update(tr.rl.metrics(tr))
     tr.model.train()
     return out
 
@@ -585,14 +594,16 @@ def evaluate_and_track(tr: Trainer, state: TrainState, log: MetricsLog | None, f
 
 
 def best_metric_score(metrics: dict[str, float], name: str) -> float:
-    """training.best_metric as a score where lower is better (HellaSwag's acc_norm is negated)."""
+    """training.best_metric as a score where lower is better (accuracies, HellaSwag's and RL's, are negated)."""
+    if name == "task_acc":
+        return -metrics.get("task_acc", 0.0)
     return {"val_loss": metrics["val_loss"], "bpb": metrics["val_bpb"]}.get(
         name, -metrics.get("hellaswag_acc_norm", 0.0)
     )
 
 
 def best_metric_value(score: float, name: str) -> float:
-    return -score if name == "hellaswag" else score
+    return -score if name in ("hellaswag", "task_acc") else score
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------
@@ -731,7 +742,7 @@ def fit(tr: Trainer, state: TrainState, log: MetricsLog | None, stop: StopReques
     single = tr.rt.dist.world_size == 1
     while state.iter_num < t.max_iters and not reason:
         lr = set_lr(tr.optimizers, lr_multiplier(state.iter_num, tr.cfg))
-        loss, norm, skipped = train_step(tr, state.iter_num)
+        loss, norm, skipped = (tr.rl.step if tr.rl is not None else train_step)(tr, state.iter_num)
         guard.record(skipped, state.iter_num)
         state.iter_num += 1
         state.tokens_seen += tr.tokens_per_step
@@ -834,5 +845,6 @@ def log_step(
             tokens_per_s,
             tr.raw_model.estimate_mfu(tokens_per_s, tr.rt.peak_flops),
             state.tokens_seen,
+            tr.rl.figures() if tr.rl is not None else None,
         )
     return mean_loss
