@@ -1,7 +1,7 @@
 """Reinforcement learning with verifiable rewards (GRPO): train.py with rl.enabled.
 
 Each optimizer step takes rl.prompts_per_step questions from the training split of rl.tasks (quillgpt/tasks.py),
-samples rl.group_size replies to each with the KV cache (all of a question's replies decoded together, one row each;
+samples rl.group_size replies to each with the KV cache (every reply of the step decoded together, one row each;
 calculator calls answered as in chat.py: quillgpt/tools.py), scores every reply, and takes one policy-gradient step:
 
     advantage = (reward - mean of its group) / (std of its group)       (rl.scale_advantages; without: not divided)
@@ -39,13 +39,14 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from model import GPT, cache_length, sample_next
+from model import GPT, sample_next
 from quillgpt import tasks
 from quillgpt.chat_template import ChatFormat, chat_format
 from quillgpt.config import RLConfig
 from quillgpt.errors import UserError
 from quillgpt.evaluate import run_chat_tasks
 from quillgpt.loading import load_model
+from quillgpt.serve.batcher import SlotCache
 from quillgpt.tokenizer import Tokenizer
 from quillgpt.tools import answer_text, calculator_for, reply_parts
 from quillgpt.trainer import Trainer, clip_gradients, step_unless_nonfinite
@@ -108,59 +109,67 @@ class Reply:
 
 
 @torch.no_grad()
-def sample_replies(
+def sample_groups(
     model: GPT,
     tokenizer: Tokenizer,
     fmt: ChatFormat,
-    prompt: list[int],
-    rows: int,
+    prompts: list[list[int]],
+    group_size: int,
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
     generator: torch.Generator,
-) -> list[Reply]:
-    """`rows` replies to one prompt, decoded together: the prompt is read in one pass (a row each), then each step
-    samples one token a row (or puts in the next id of a calculator output) until every row has ended or
-    max_new_tokens (cut to the context) have been taken."""
+) -> list[list[Reply]]:
+    """group_size replies to each prompt, all decoded together, a row each (serve.py's SlotCache and
+    GPT.decode_rows: each row at its own position): each prompt is read once and its keys and values copied to its
+    group's rows; then each step samples a token for every row (or puts in the next id of a calculator output)
+    until every row has ended or taken max_new_tokens (fewer where its prompt leaves less of the context)."""
     block = model.config.block_size
-    budget = min(max_new_tokens, block - len(prompt))
-    if budget < 1:
-        raise UserError(f"a prompt of {len(prompt)} tokens leaves no room for a reply in the context of {block}")
     device = next(model.parameters()).device
-    cache = model.new_cache(rows, cache_length(len(prompt) + budget, block))
-    logits, _ = model(torch.tensor([prompt] * rows, device=device), cache=cache, last_only=True)
-    logits = logits[:, -1, :]  # (rows, V)
-    positions = torch.arange(cache.length, device=device)
+    if max(map(len, prompts)) >= block:
+        raise UserError(
+            f"a prompt of {max(map(len, prompts))} tokens leaves no room for a reply in the context of {block}"
+        )
+    rows = len(prompts) * group_size
+    cache = SlotCache(model, rows)
+    first = []
+    for p, prompt in enumerate(prompts):
+        one = model.new_cache(1, len(prompt))
+        logits, _ = model(torch.tensor([prompt], device=device), cache=one, last_only=True)
+        for row in range(p * group_size, (p + 1) * group_size):
+            cache.fill(row, one.k, one.v)
+        first.append(logits[:, -1, :].expand(group_size, -1))
+    logits = torch.cat(first)  # (rows, V)
+    starts = [len(prompt) for prompt in prompts for _ in range(group_size)]
+    budgets = [min(max_new_tokens, block - start) for start in starts]
     new_calculator = calculator_for(tokenizer)
     calculators = [new_calculator() if new_calculator else None for _ in range(rows)]
     inserted: list[list[int]] = [[] for _ in range(rows)]
     replies = [Reply([], [], "") for _ in range(rows)]
     done = [False] * rows
-    for _ in range(budget):
+    while True:
         picked = sample_next(logits[:, : tokenizer.vocab_size].float(), temperature, top_k, None, generator)
-        column = []
         for i, token in enumerate(picked[:, 0].tolist()):
             if done[i]:
-                column.append(token)  # a finished row's later tokens are never read
                 continue
             forced = bool(inserted[i])
             token = inserted[i].pop(0) if forced else token
             replies[i].ids.append(token)
             replies[i].sampled.append(not forced)
-            done[i] = token in fmt.stop_ids
+            done[i] = token in fmt.stop_ids or len(replies[i].ids) >= budgets[i]
             if calculators[i] is not None and not done[i]:
                 inserted[i] += calculators[i].after(token)
-            column.append(token)
         if all(done):
             break
-        logits = model.decode_one(
-            torch.tensor(column, device=device)[:, None], positions[cache.pos : cache.pos + 1], cache
-        )
-        cache.pos += 1
+        # a finished row reads its last token again at its last position: what it computes is never used
+        tokens = torch.tensor([[r.ids[-1]] for r in replies], device=device)  # (rows, 1)
+        at = [start + len(r.ids) - 1 for start, r in zip(starts, replies)]
+        cache.length = max(at) + 1
+        logits = model.decode_rows(tokens, torch.tensor(at, device=device), cache)
     for reply in replies:
         kept = [t for t in reply.ids if t not in fmt.stop_ids]
         reply.answer = answer_text(reply_parts(tokenizer, kept) or tokenizer.decode(kept))
-    return replies
+    return [replies[p * group_size : (p + 1) * group_size] for p in range(len(prompts))]
 
 
 # ---- the step -----------------------------------------------------------------------------------------------
@@ -235,20 +244,17 @@ class RL:
         items = self.items(it)
         prompts = [self.fmt.prompt_ids([{"role": "user", "content": item.question}]) for item in items]
         with tr.rt.autocast:
-            replies = [
-                sample_replies(
-                    model,
-                    self.tokenizer,
-                    self.fmt,
-                    p,
-                    c.group_size,
-                    c.max_new_tokens,
-                    c.temperature,
-                    c.top_k or None,
-                    generator,
-                )
-                for p in prompts
-            ]
+            replies = sample_groups(
+                model,
+                self.tokenizer,
+                self.fmt,
+                prompts,
+                c.group_size,
+                c.max_new_tokens,
+                c.temperature,
+                c.top_k or None,
+                generator,
+            )
         spec = c.reward or "the task's grader"
         rewards = torch.tensor(
             [[score(self.reward, spec, item, r.answer) for r in group] for item, group in zip(items, replies)]

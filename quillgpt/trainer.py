@@ -389,10 +389,19 @@ def print_startup(tr: Trainer, state: TrainState) -> None:
     if dataset.chat:
         print(chat_line(dataset, model.config.block_size, tr.cfg.data.chat_rows))
     print(f"model: {model.num_params() / 1e6:.2f}M parameters | {model.flops_per_token() / 1e6:.1f} MFLOPs/token")
-    print(
-        f"batch: {t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks = "
-        f"{t.batch_size * t.grad_accum_steps * rt.dist.world_size} sequences, {tr.tokens_per_step:,} tokens per optimizer step"
-    )
+    if tr.rl is not None:
+        r = tr.cfg.rl
+        print(
+            f"rl: {r.prompts_per_step} questions ({', '.join(r.tasks)}) x {r.group_size} replies a step, at most "
+            f"{r.max_new_tokens} tokens each | reward: {r.reward or 'the task grader'} | kl_coef {r.kl_coef} | "
+            f"policy-gradient passes of {t.batch_size} rows"
+        )
+    else:
+        print(
+            f"batch: {t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks = "
+            f"{t.batch_size * t.grad_accum_steps * rt.dist.world_size} sequences, {tr.tokens_per_step:,} tokens per "
+            "optimizer step"
+        )
     print(device_line(rt))
     if rt.matmul_rates and rt.precision == "bf16" and rt.matmul_rates.faster == "fp32":
         print(emulation_warning(rt.matmul_rates), flush=True)

@@ -16,7 +16,7 @@ from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.config import ConfigError
 from quillgpt.errors import UserError
-from quillgpt.rl import Reply, Rollouts, load_reward, sample_replies
+from quillgpt.rl import Reply, Rollouts, load_reward, sample_groups
 from quillgpt.tasks import conversations
 from quillgpt.tokenizer import CharTokenizer
 from train import train
@@ -128,32 +128,32 @@ def test_only_sampled_reply_tokens_are_trained():
 def test_the_sampler_answers_calculator_calls_and_marks_their_output_inserted():
     from test_tools import call_ids, script_after, scripted_model
 
-    tok = tool_tok = with_chat_tokens(CharTokenizer(sorted(set(string.printable)), eot=True))
+    tok = with_chat_tokens(CharTokenizer(sorted(set(string.printable)), eot=True))
     fmt = chat_format(tok)
     prompt = fmt.prompt_ids([{"role": "user", "content": "What is 17 + 25?"}])
-    written, output = call_ids(tool_tok, "17+25", "42")
+    written, output = call_ids(tok, "17+25", "42")
     model = scripted_model(tok, script_after(prompt, written))
-    replies = sample_replies(model, tok, fmt, prompt, 3, 30, 1.0, 1, torch.Generator().manual_seed(0))
-    for reply in replies:  # top_k 1: greedy, every row the same
+    other = fmt.prompt_ids([{"role": "user", "content": "Hi"}])  # shorter: its rows decode at other positions
+    groups = sample_groups(model, tok, fmt, [prompt, other], 3, 30, 1.0, 1, torch.Generator().manual_seed(0))
+    assert [len(g) for g in groups] == [3, 3]
+    for reply in groups[0]:  # top_k 1: greedy, every row the same
         assert reply.answer == "42" and reply.ids[-1] in fmt.stop_ids
         start = reply.ids.index(output[0])
         assert reply.ids[start : start + len(output)] == output
         assert not any(reply.sampled[start : start + len(output)]) and all(reply.sampled[:start])
+    end = tok.special_tokens["<|im_end|>"]
+    assert [r.ids for r in groups[1]] == [[end]] * 3  # unscripted positions: the model ends its turn at once
 
 
 def test_the_kl_penalty_is_zero_at_the_reference_and_holds_the_policy_near_it(rl_setup, tmp_path):
+    """The same run with a negligible and with a strong penalty (both measure the KL to run.init_from's model on their
+    own samples): zero at the first step, where the policy is the reference; lower with the penalty afterwards."""
     steps = {"training.max_iters": 8, "training.eval_interval": 0}
-    train(None, overrides=rl_overrides(rl_setup, tmp_path / "free", **steps))
-    train(None, overrides=rl_overrides(rl_setup, tmp_path / "kl", **steps, **{"rl.kl_coef": 1.0}))
-    kl = [p["kl"] for p in history(tmp_path / "kl" / "rl")]
-    assert kl[0] == pytest.approx(0.0, abs=1e-6)  # the first step's policy is the reference
-
-    def drift(run: str) -> float:
-        ref = torch.load(rl_setup["ckpt"], weights_only=True)["model"]
-        now = torch.load(tmp_path / run / "rl" / "ckpt_last.pt", weights_only=True)["model"]
-        return sum((now[k].float() - ref[k].float()).norm().item() for k in ref if k in now and "wte" not in k)
-
-    assert drift("kl") < drift("free")
+    train(None, overrides=rl_overrides(rl_setup, tmp_path / "free", **steps, **{"rl.kl_coef": 1e-9}))
+    train(None, overrides=rl_overrides(rl_setup, tmp_path / "kl", **steps, **{"rl.kl_coef": 5.0}))
+    free, held = ([p["kl"] for p in history(tmp_path / run / "rl")] for run in ("free", "kl"))
+    assert free[0] == held[0] == pytest.approx(0.0, abs=1e-6)
+    assert sum(held[-4:]) < 0.5 * sum(free[-4:])
 
 
 def test_rl_mistakes_are_one_line(rl_setup, tmp_path):
