@@ -11,27 +11,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, chatml_without_tool
 
 from model import GPT, GPTConfig
 from quillgpt.chat_session import ChatSession
-from quillgpt.chat_template import CHAT_TOKENS, chat_format, with_chat_tokens
+from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.errors import UserError
 from quillgpt.generate import load_for_sampling
-from quillgpt.tokenizer import CharTokenizer, tokenizer_from_dict
+from quillgpt.tokenizer import CharTokenizer
 
 CHARS = list("\n !'+,-.0123456789:=?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 TURNS = ["What is 17 + 25?", "Spell 'night' backwards.", "How many r's are in 'strawberry'?", "Hi!"]
 
 
 def chat_tokenizer(chars: list[str] = CHARS):
-    """ChatML without the calculator tool's tokens (a chat tokenizer from before them): a random model given those
-    would call the tool at random, and these tests test the cache and the turns (tests/test_tools.py the tool)."""
-    d = with_chat_tokens(CharTokenizer(chars, eot=True)).to_dict()
-    d.pop("vocab_size")
-    d["chat_tokens"] = list(CHAT_TOKENS)
-    return tokenizer_from_dict(d)
+    return chatml_without_tool(CharTokenizer(chars, eot=True))
 
 
 def random_chat_model(block_size: int = 256, seed: int = 0, vocab_size: int | None = None, **switches) -> GPT:
