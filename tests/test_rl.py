@@ -143,6 +143,9 @@ def test_the_sampler_answers_calculator_calls_and_marks_their_output_inserted():
         assert not any(reply.sampled[start : start + len(output)]) and all(reply.sampled[:start])
     end = tok.special_tokens["<|im_end|>"]
     assert [r.ids for r in groups[1]] == [[end]] * 3  # unscripted positions: the model ends its turn at once
+    with torch.autocast("cpu", torch.bfloat16):  # as a bf16 run samples: an fp32 cache takes bf16 keys and values
+        again = sample_groups(model, tok, fmt, [prompt, other], 3, 30, 1.0, 1, torch.Generator().manual_seed(0))
+    assert [[r.ids for r in g] for g in again] == [[r.ids for r in g] for g in groups]
 
 
 def test_the_kl_penalty_is_zero_at_the_reference_and_holds_the_policy_near_it(rl_setup, tmp_path):
