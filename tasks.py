@@ -5,6 +5,7 @@ CPU chat demo (docs/chat.md).
     python tasks.py --out data/chat_test.jsonl --split test --n 300    # held-out items
     python tasks.py --out data/sums.jsonl --tasks arithmetic --turns 2 --seed 1
     python tasks.py --out data/chat_prefs.jsonl --preference --seed 1   # DPO pairs: the answer chosen, a near miss rejected
+    python tasks.py --out data/chat_tasks.jsonl --turns 3 --tool       # arithmetic through the calculator tool
 
 Each line is {"messages": [...]}, the form prepare.py --chat reads; with --preference {"prompt": [...], "chosen":
 [...], "rejected": [...]}, TRL's conversational preference form that prepare.py --preference reads. Held-out items (--split test) are never in the
@@ -35,9 +36,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="write preference pairs for DPO: the last question's answer chosen, a near miss rejected",
     )
+    p.add_argument(
+        "--tool",
+        action="store_true",
+        help="answer arithmetic with the calculator tool: the reply calls it, then gives its output (docs/chat.md)",
+    )
     args = p.parse_args(argv)
     if args.n < 1 or args.turns < 1:
         p.error("--n and --turns must be at least 1")
+    if args.preference and args.tool:
+        p.error("--preference pairs are written without the calculator: drop --tool")
     return args
 
 
@@ -47,14 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.preference:
         rows, kind = preference_pairs(tasks, args.split, args.n, args.seed, args.turns), "preference pairs"
     else:
-        rows, kind = (
-            [{"messages": m} for m in conversations(tasks, args.split, args.n, args.seed, args.turns)],
-            "conversations",
-        )
+        conversed = conversations(tasks, args.split, args.n, args.seed, args.turns, args.tool)
+        rows, kind = [{"messages": m} for m in conversed], "conversations"
     with atomic_write(args.out, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    print(f"wrote {len(rows):,} {kind} ({', '.join(tasks)}; {args.split} split) to {args.out}", file=sys.stderr)
+    form = "; arithmetic with the calculator" if args.tool and "arithmetic" in tasks else ""
+    print(f"wrote {len(rows):,} {kind} ({', '.join(tasks)}; {args.split} split{form}) to {args.out}", file=sys.stderr)
     return 0
 
 

@@ -41,6 +41,7 @@ from quillgpt.data import find_dataset
 from quillgpt.errors import run_main
 from quillgpt.feasibility import check_memory, report_feasibility
 from quillgpt.metrics import MetricsLog
+from quillgpt.rl import build_rl
 from quillgpt.run_model import plan_model
 from quillgpt.trainer import (
     Outcome,
@@ -88,6 +89,7 @@ def train(
             tr = build_trainer(cfg, rt, dataset, run_dir, ckpt, plan)
             if validate_only:
                 return report_feasibility(tr, checked)
+            tr.rl = build_rl(tr) if cfg.rl.enabled else None  # RL's sampler, rewards and evaluation
             state = restore(tr, ckpt) if ckpt else TrainState()
             log = start_run(tr, state, resumed=ckpt is not None)
             with StopRequest() as stop, distributed.reporting_peer_failures(dist):  # reported while signals are ours

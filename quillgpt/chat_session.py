@@ -9,6 +9,10 @@ new ids run in one forward pass appended to the cache (each sees the cache and t
 
 When the prompt and the longest reply would not fit the model's context, the oldest turns are dropped (the system
 message kept), with a notice.
+
+A tokenizer with the calculator tool's tokens (quillgpt/tools.py) gets its calls answered: after the model writes
+<|python_start|>expression<|python_end|>, the output (<|output_start|>42<|output_end|>) is put into the reply and
+the cache, and sampling goes on after it; the reply's message holds its parts (text, python, python_output).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from quillgpt.chat_template import ChatFormat, chat_format
 from quillgpt.errors import UserError
 from quillgpt.generate import showable_length
 from quillgpt.tokenizer import Tokenizer
+from quillgpt.tools import calculator_for, reply_parts
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -49,6 +54,7 @@ class ChatSession:
         self.model, self.tokenizer = model, tokenizer
         # a UserError when the tokenizer has no chat template
         self.format: ChatFormat = chat_format(tokenizer, control_tokens_in_content)
+        self.calculator = calculator_for(tokenizer) if self.format.tools else None  # one Calculator per reply
         self.max_new_tokens = max_new_tokens
         self.notices = notices
         self.device = next(model.parameters()).device
@@ -84,7 +90,8 @@ class ChatSession:
         max_new_tokens: int | None = None,
     ) -> str:
         """The assistant's answer to user_text, streamed to `stream` as it is produced, ending at an end-of-turn id
-        or after max_new_tokens. Both messages join the conversation."""
+        or after max_new_tokens (the tool's outputs count). Both messages join the conversation. The text returned
+        spells the tool's tokens, where the reply used it (the message holds its parts)."""
         self.messages.append({"role": "user", "content": user_text})
         try:
             prompt, budget = self.fit(self.max_new_tokens if max_new_tokens is None else max_new_tokens)
@@ -94,13 +101,17 @@ class ChatSession:
         logits = self.read(prompt, budget)
         stop = self.format.stop_ids
         generated: list[int] = []
+        inserted: list[int] = []  # a tool call's output, put in after the call, before anything more is sampled
+        calculator = self.calculator() if self.calculator else None
         shown = 0
         for _ in range(budget):
-            token = self.sample(logits, temperature, top_k, top_p, generator)
+            token = inserted.pop(0) if inserted else self.sample(logits, temperature, top_k, top_p, generator)
             logits = self.step(token)  # the cache takes every token, an end of turn too: the next turn follows it
             if token in stop:
                 break
             generated.append(token)
+            if calculator is not None:
+                inserted += calculator.after(token)
             if stream is not None:
                 text = self.tokenizer.decode_after(prompt[-8:], generated)
                 end = showable_length(text, [])
@@ -111,7 +122,8 @@ class ChatSession:
         if stream is not None:
             stream.write(text[shown:])
             stream.flush()
-        self.messages.append({"role": "assistant", "content": text})
+        parts = reply_parts(self.tokenizer, generated) if self.calculator else None
+        self.messages.append({"role": "assistant", "content": parts or text})
         return text
 
     def fit(self, max_new_tokens: int) -> tuple[list[int], int]:

@@ -38,10 +38,23 @@ from quillgpt.tokenizer import Tokenizer, special_pattern, tokenizer_from_dict
 
 ROLES = ("system", "user", "assistant")
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
-# ChatML (OpenAI's, used by Qwen and SmolLM2): llama.cpp, Ollama and transformers all know it
+# the calculator tool's tokens (quillgpt/tools.py), added after the chat tokens: a call and its output
+TOOL_TOKENS = ("<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>")
+# an assistant message that used the tool has a list of parts as content, each {"type": one of these, "text": str},
+# rendered as the text between the tool tokens of its type (nanochat's form): a text, a call, a call's output
+PART_TYPES = {"text": ("", ""), "python": TOOL_TOKENS[:2], "python_output": TOOL_TOKENS[2:]}
+# ChatML (OpenAI's, used by Qwen and SmolLM2): llama.cpp, Ollama and transformers all know it. A message whose content
+# is a string renders exactly as in plain ChatML; a list of parts renders each between its tool tokens
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'python' %}{{ '<|python_start|>' + part['text'] + '<|python_end|>' }}"
+    "{% elif part['type'] == 'python_output' %}{{ '<|output_start|>' + part['text'] + '<|output_end|>' }}"
+    "{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
@@ -66,12 +79,37 @@ def check_messages(messages: Any, where: str, need_assistant: bool = False) -> l
         if role not in ROLES:
             got = "no role" if role is None else f"role {role!r}"
             raise UserError(f"{where}: message {i} has {got}; roles are {', '.join(ROLES)}")
-        if not isinstance(content, str):
+        if role == "assistant" and isinstance(content, list):
+            content = check_parts(content, f"{where}: message {i} (assistant)")
+        elif not isinstance(content, str):
             raise UserError(f"{where}: message {i} ({role}) has content of type {type(content).__name__}, not a string")
         checked.append({"role": role, "content": content})
     if need_assistant and not any(m["role"] == "assistant" for m in checked):
         raise UserError(f"{where}: the conversation has no assistant message (nothing to learn from)")
     return checked
+
+
+def check_parts(parts: list, where: str) -> list[dict]:
+    """An assistant message's parts (it used the calculator tool): {"type": text | python | python_output, "text": str}
+    each; UserError otherwise."""
+    if not parts:
+        raise UserError(f"{where}: content is an empty list of parts")
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") not in PART_TYPES or not isinstance(part.get("text"), str):
+            raise UserError(f'{where}: part {j} is not {{"type": {" | ".join(PART_TYPES)}, "text": a string}}')
+    return [{"type": p["type"], "text": p["text"]} for p in parts]
+
+
+def content_texts(content: str | list[dict]) -> list[str]:
+    """The texts a message's content holds: the string, or each part's text."""
+    return [content] if isinstance(content, str) else [p["text"] for p in content]
+
+
+def content_rendered(content: str | list[dict]) -> str:
+    """A message's content as the built-in ChatML renders it (parts between their tool tokens)."""
+    if isinstance(content, str):
+        return content
+    return "".join(PART_TYPES[p["type"]][0] + p["text"] + PART_TYPES[p["type"]][1] for p in content)
 
 
 # ---- the sandbox ------------------------------------------------------------------------------------
@@ -157,7 +195,7 @@ def template_variables(tokenizer: Tokenizer) -> dict[str, str]:
 def with_chat_tokens(tokenizer: Tokenizer) -> Tokenizer:
     """The tokenizer ready for conversations: unchanged when it has a chat template; otherwise the ChatML template
     with <|im_start|> and <|im_end|> added to its vocabulary (after its last id; an hf tokenizer that has them
-    already keeps their ids)."""
+    already keeps their ids), then the calculator tool's four (TOOL_TOKENS)."""
     if tokenizer.chat_template:
         return tokenizer
     d = tokenizer.to_dict()
@@ -167,11 +205,11 @@ def with_chat_tokens(tokenizer: Tokenizer) -> Tokenizer:
         from tokenizers import Tokenizer as RustTokenizer
 
         hf = RustTokenizer.from_str(d["tokenizer_json"])
-        hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_TOKENS])
+        hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_TOKENS + TOOL_TOKENS])
         d["tokenizer_json"] = hf.to_str()
         d["tokenizer_config"] = {**d.get("tokenizer_config", {}), "chat_template": CHATML_TEMPLATE}
     else:
-        d.update(chat_tokens=list(CHAT_TOKENS), chat_template=CHATML_TEMPLATE)
+        d.update(chat_tokens=list(CHAT_TOKENS + TOOL_TOKENS), chat_template=CHATML_TEMPLATE)
     return tokenizer_from_dict(d)
 
 
@@ -197,6 +235,8 @@ class ChatFormat:
         self.control_tokens_in_content = control_tokens_in_content
         specials = tokenizer.special_tokens
         self.control = re.compile(special_pattern(specials)) if specials and not control_tokens_in_content else None
+        # the calculator tool (quillgpt/tools.py): the tokenizer has its tokens and the template renders them
+        self.tools = all(t in specials and t in self.template for t in TOOL_TOKENS)
         compile_template(self.template)
         end = self.end_of_turn(PROBE)
         self.stop_ids = frozenset({tokenizer.special_tokens[end]} if end else set()) | frozenset(
@@ -218,14 +258,21 @@ class ChatFormat:
         replaced by a stand-in character, which encode_chat spells out again as text. Unchanged when no content
         spells one, or with control_tokens_in_content."""
         messages = list(messages)
-        spelled = sorted({t for m in messages for t in self.control.findall(m["content"])}) if self.control else []
+        if not self.tools and any(not isinstance(m["content"], str) for m in messages):
+            raise UserError(
+                "a message uses the calculator tool (content as parts), and this chat template has no tool tokens"
+            )
+        texts = [text for m in messages for text in content_texts(m["content"])]
+        spelled = sorted({t for text in texts for t in self.control.findall(text)}) if self.control else []
         if not spelled:
             return messages, {}
-        taken = self.template + "".join(self.variables.values()) + "".join(m["content"] for m in messages)
+        taken = self.template + "".join(self.variables.values()) + "".join(texts)
         literals = dict(zip(stand_ins(taken), spelled))
         stand_in = {token: c for c, token in literals.items()}
 
-        def escaped(content: str) -> str:
+        def escaped(content: str | list[dict]) -> str | list[dict]:
+            if not isinstance(content, str):
+                return [{**p, "text": escaped(p["text"])} for p in content]
             return self.control.sub(lambda spelling: stand_in[spelling[0]], content)
 
         return [{**m, "content": escaped(m["content"])} for m in messages], literals
@@ -251,16 +298,31 @@ class ChatFormat:
         return full, spans
 
     def encode(self, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
-        """(ids, mask): mask is 1 on the tokens of assistant messages, their end-of-turn token included."""
+        """(ids, mask): mask is 1 on the tokens of assistant messages, their end-of-turn token included, except a
+        tool call's output (<|output_start|> through <|output_end|>): the sampler inserts it, the model never
+        predicts it."""
         rendered, literals = self.literal_content(messages)
         full, spans = self.assistant_spans(rendered)
         ids, starts = self.tokenizer.encode_chat(full, literals)
         ends = starts[1:] + [len(full)]
-        mask = [int(any(s < b and e > a for a, b in spans)) for s, e in zip(starts, ends)]
+        outputs = self.tool_output_spans(full)
+        mask = [
+            int(any(s < b and e > a for a, b in spans) and not any(s < b and e > a for a, b in outputs))
+            for s, e in zip(starts, ends)
+        ]
         return ids, mask
 
-    def _turn_end(self, turn: str, content: str) -> int:
+    def tool_output_spans(self, full: str) -> list[tuple[int, int]]:
+        """The character spans of the tool's outputs in a rendered conversation, their two tokens included (content
+        that spells a tool token is a stand-in character by now: every one found is the template's)."""
+        if not self.tools:
+            return []
+        start, end = re.escape(TOOL_TOKENS[2]), re.escape(TOOL_TOKENS[3])
+        return [m.span() for m in re.finditer(f"{start}.*?{end}", full, flags=re.DOTALL)]
+
+    def _turn_end(self, turn: str, content: str | list[dict]) -> int:
         """Where an assistant turn's text ends: after the first special token past its content, else its end."""
+        content = content_rendered(content)
         after = turn.find(content) + len(content) if content and content in turn else 0
         hits = [(turn.find(t, after), t) for t in self.tokenizer.special_tokens if turn.find(t, after) >= 0]
         if not hits:

@@ -218,8 +218,8 @@ class TrainingConfig:
     best_metric: str = _f(
         "val_loss",
         "the evaluation figure that picks ckpt_best.pt and early stopping: val_loss / "
-        "bpb (val bits per byte) / hellaswag (acc_norm; needs eval.hellaswag)",
-        choices=("val_loss", "bpb", "hellaswag"),
+        "bpb (val bits per byte) / hellaswag (acc_norm; needs eval.hellaswag) / task_acc (held-out accuracy; rl)",
+        choices=("val_loss", "bpb", "hellaswag", "task_acc"),
     )
     early_stopping: bool = _f(False, "stop when best_metric stops improving")
     early_stopping_patience: int = _f(3, "evaluations without sufficient improvement before stopping")
@@ -339,6 +339,33 @@ class DPOConfig:
 
 
 @dataclass
+class RLConfig:
+    enabled: bool = _f(
+        False,
+        "reinforcement learning with verifiable rewards (GRPO) from run.init_from's chat model, instead of the "
+        "next-token loss: sampled replies to task prompts, scored, and a policy-gradient step (docs/chat.md)",
+    )
+    tasks: list[str] = _f(["count", "reverse"], "synthetic tasks whose training items are the prompts (tasks.py)")
+    prompts_per_step: int = _f(8, "prompts per optimizer step")
+    group_size: int = _f(8, "replies sampled per prompt (G); each reply's advantage is its reward against its group's")
+    max_new_tokens: int = _f(32, "the longest reply, in tokens (the calculator's outputs count)")
+    temperature: float = _f(1.0, "sampling temperature of the replies (1: the policy itself)")
+    top_k: int = _f(0, "sample among the top k tokens only (0: all)")
+    scale_advantages: bool = _f(
+        True, "divide the advantage (reward - group mean) by the group's standard deviation (GRPO); false: do not"
+    )
+    kl_coef: float = _f(
+        0.0, "weight of a KL penalty to the reference model (run.init_from's weights), per reply token; 0: none"
+    )
+    reward: str | None = _f(
+        None,
+        "your reward function instead of the task's grader (exact answer: 1, else 0): 'file.py:function' or "
+        "'module:function', called as function(question, reply, answer) -> float",
+    )
+    eval_items: int = _f(100, "held-out items per task answered (greedy) at each evaluation: task_acc")
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -350,6 +377,7 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -616,6 +644,11 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
         t.best_metric != "hellaswag" or cfg.eval.hellaswag is not None,
         "training.best_metric = 'hellaswag' needs eval.hellaswag, a HellaSwag validation jsonl",
     )
+    need(
+        t.best_metric != "task_acc" or cfg.rl.enabled,
+        "training.best_metric = 'task_acc' is the held-out accuracy of an RL run: it needs rl.enabled",
+    )
+    errors += validate_rl(cfg, world_size)
     need(cfg.eval.hellaswag_limit >= 0, f"eval.hellaswag_limit = {cfg.eval.hellaswag_limit} must be >= 0 (0: all)")
     need(o.learning_rate > 0, f"optimizer.learning_rate = {o.learning_rate} must be positive")
     need(
@@ -750,6 +783,40 @@ def lora_targets(names: list[str]) -> tuple[str, ...]:
     """lora.targets with its groups expanded, in LORA_TARGETS' order."""
     chosen = {t for name in names for t in LORA_TARGET_GROUPS.get(name, (name,))}
     return tuple(t for t in LORA_TARGETS if t in chosen)
+
+
+def validate_rl(cfg: Config, world_size: int) -> list[str]:
+    """The rules of an RL run ([rl])."""
+    r = cfg.rl
+    if not r.enabled:
+        return []
+    from quillgpt.tasks import TASKS  # the task names (tasks.py needs no torch)
+
+    errors = [
+        f"rl.{k} = {getattr(r, k)} must be positive"
+        for k in ("prompts_per_step", "group_size", "max_new_tokens", "eval_items")
+        if getattr(r, k) <= 0
+    ]
+    unknown = [t for t in r.tasks if t not in TASKS]
+    if unknown or not r.tasks:
+        errors.append(f"rl.tasks = {r.tasks} must name tasks among {', '.join(TASKS)}")
+    if r.temperature <= 0:
+        errors.append(f"rl.temperature = {r.temperature} must be positive (replies are sampled)")
+    if r.top_k < 0 or r.kl_coef < 0:
+        errors.append("rl.top_k and rl.kl_coef must be >= 0")
+    if r.group_size < 2:
+        errors.append(f"rl.group_size = {r.group_size}: a group needs at least 2 replies to compare")
+    if r.reward is not None and ":" not in r.reward:
+        errors.append(f"rl.reward = {r.reward!r} must be 'file.py:function' or 'module:function'")
+    if world_size > 1:
+        errors.append(f"rl.enabled runs in one process, not {world_size} ranks")
+    if cfg.data.preference:
+        errors.append("rl.enabled samples its own replies: it takes chat data, not preference pairs (data.preference)")
+    if cfg.run.init_from == "scratch":
+        errors.append(
+            "rl.enabled starts from a chat model: set run.init_from (a chat fine-tune, e.g. checkpoints/base-chat)"
+        )
+    return errors
 
 
 # ---- output -------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from quillgpt.precision import autocast as precision_autocast
 from quillgpt.precision import inference_precision
 from quillgpt.scoring import TextScore, document_streams, hellaswag_items, map_unknown, score_hellaswag, score_text
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
+from quillgpt.tools import answer_text
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 # git's blob id of data/hellaswag_val.jsonl in rowanz/hellaswag: SHA-1 of "blob <size>\0" + the file's bytes
@@ -240,7 +241,8 @@ def run_chat_tasks(model: GPT, tokenizer: Tokenizer, names: list[str], n_items: 
     """Accuracy on n_items held-out items of each chat task, greedy answers graded by tasks.grade.
 
     A model whose tokenizer has a chat template is asked in it, one conversation per question, and answers until an
-    end-of-turn token; a base model gets the plain form (tasks.plain_prompt): up to FEW_SHOT solved training items
+    end-of-turn token (with the calculator tool where its tokenizer has it: the answer is the text after the tool's
+    output); a base model gets the plain form (tasks.plain_prompt): up to FEW_SHOT solved training items
     of the same task, then the question, and answers to the end of the line."""
     chat = tokenizer.chat_template is not None
     session = ChatSession(model, tokenizer, max_new_tokens=ANSWER_TOKENS, notices=None) if chat else None
@@ -253,9 +255,10 @@ def run_chat_tasks(model: GPT, tokenizer: Tokenizer, names: list[str], n_items: 
             if session is not None:
                 session.reset()
                 reply = session.reply(item.question)
+                answer = answer_text(session.messages[-1]["content"])  # after the calculator's output, if it used it
             else:
-                reply = plain_answer(model, tokenizer, item, shots)
-            correct += tasks.grade(item, reply)
+                reply = answer = plain_answer(model, tokenizer, item, shots)
+            correct += tasks.grade(item, answer)
             if len(examples) < 5:
                 examples.append({"question": item.question, "answer": item.answer, "reply": reply})
         out["tasks"][name] = {

@@ -44,7 +44,13 @@ CUDA_PEAKS = {
     "V100": 125e12,
     "T4": 65e12,
 }
-CUDA_PEAK_UNKNOWN = 100e12  # a card not in the table: set logging.peak_tflops for a true MFU
+CUDA_PEAK_UNKNOWN = 100e12
+NOT_TASKS = (
+    "task_acc",
+    "train_acc",
+    "val_acc",
+    "hellaswag_acc",
+)  # the evaluation's *_acc figures that are no task's  # a card not in the table: set logging.peak_tflops for a true MFU
 
 
 def format_duration(seconds: float) -> str:
@@ -148,11 +154,15 @@ class MetricsLog:
         history: list[dict] | None = None,
         assistant_only: bool = False,
         dpo: bool = False,
+        loss_name: str | None = None,
     ):
         self.run_dir = run_dir
         self.json_log, self.plot = json_log, plot
         self.assistant_only = assistant_only  # chat data: every loss counts the assistant's tokens only
         self.dpo = dpo  # preference pairs: the loss is DPO's, the evaluations its reward figures
+        # what the step lines call the loss (an RL run's: "policy loss"); None: loss, assistant loss on chat data,
+        # dpo loss on preference pairs
+        self.loss_name = loss_name or ("dpo loss" if dpo else "assistant loss" if assistant_only else "loss")
         self.history: list[dict] = history or []
         self.wandb = None
         self._plotter: subprocess.Popen | None = None
@@ -191,7 +201,10 @@ class MetricsLog:
         tokens_per_s: float,
         mfu: float,
         tokens: int,
+        extra: dict[str, float] | None = None,
     ) -> None:
+        """extra: more figures of the step (an RL run's reward), added to the line and the record."""
+        extra = extra or {}
         print(
             format_step_line(
                 it,
@@ -203,8 +216,9 @@ class MetricsLog:
                 tokens_per_s,
                 mfu,
                 (max_iters - it) * seconds_per_step,
-                "dpo loss" if self.dpo else "assistant loss" if self.assistant_only else "loss",
-            ),
+                self.loss_name,
+            )
+            + "".join(f" | {k.replace('_', ' ')} {v:.4g}" for k, v in extra.items()),
             flush=True,
         )
         self.record(
@@ -218,11 +232,19 @@ class MetricsLog:
                 "tokens_per_s": tokens_per_s,
                 "mfu": mfu,
                 "tokens": tokens,
+                **extra,
             }
         )
 
     def evaluation(self, it: int, metrics: dict[str, float], improved: bool, tokens: int) -> None:
         hellaswag = f" | hellaswag {metrics['hellaswag_acc_norm']:.4f}" if "hellaswag_acc_norm" in metrics else ""
+        if "task_acc" in metrics:  # an RL run's held-out accuracy, per task
+            tasks = [k.removesuffix("_acc") for k in metrics if k.endswith("_acc") and k not in NOT_TASKS]
+            hellaswag += (
+                f" | held-out acc {metrics['task_acc']:.3f} ("
+                + ", ".join(f"{t} {metrics[t + '_acc']:.3f}" for t in tasks)
+                + ")"
+            )
         print(
             (dpo_evaluation_line(it, metrics) if self.dpo else evaluation_line(it, metrics, self.assistant_only))
             + hellaswag
@@ -304,6 +326,7 @@ def render_loss_curve(history: list[dict], path: Path, title: str) -> None:
 
     train = [(p["iter"], p["loss"]) for p in history if p["kind"] == "train"]
     evals = [p for p in history if p["kind"] == "eval"]
+    rewards = [(p["iter"], p["reward"]) for p in history if p["kind"] == "train" and "reward" in p]
     scores = [
         (key, label)
         for key, label in (
@@ -313,6 +336,8 @@ def render_loss_curve(history: list[dict], path: Path, title: str) -> None:
         )
         if any(key in p for p in evals)
     ]
+    if rewards:  # an RL run: its reward and held-out accuracy, against steps
+        scores = [("rl", "reward and held-out accuracy")]
     fig, axes = plt.subplots(1, 1 + bool(scores), figsize=(7 + 5 * bool(scores), 4), dpi=100, squeeze=False)
     ax = axes[0][0]
     if train:
@@ -326,13 +351,29 @@ def render_loss_curve(history: list[dict], path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     if train or evals:
         ax.legend()
-    if scores:  # the figures runs are compared by, each on its own axis
+    if rewards:
+        draw_rl(axes[0][1], rewards, evals)
+    elif scores:  # the figures runs are compared by, each on its own axis
         draw_scores(axes[0][1], evals, scores)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")
     plt.close(fig)
     with atomic_write(path, "wb") as f:
         f.write(buf.getvalue())
+
+
+def draw_rl(ax, rewards: list[tuple[int, float]], evals: list[dict]) -> None:
+    """An RL run's mean reward (each logged step) and held-out accuracy per task (each evaluation), on one axis."""
+    ax.plot(*zip(*rewards), label="mean reward (sampled replies)", alpha=0.6, linewidth=1)
+    tasks = sorted({k for p in evals for k in p if k.endswith("_acc") and k not in NOT_TASKS})
+    for i, key in enumerate(tasks):
+        points = [(p["iter"], p[key]) for p in evals if key in p]
+        ax.plot(*zip(*points), "o-", color=f"C{i + 2}", label=f"held-out {key.removesuffix('_acc')} accuracy (greedy)")
+    ax.set_xlabel("iteration")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("reward and held-out accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend()
 
 
 def draw_scores(ax, evals: list[dict], scores: list[tuple[str, str]]) -> None:

@@ -12,6 +12,11 @@ Each item has a key (its content: the numbers, or the word and letter, never the
 puts it in the train or the test split, so held-out items are never trained on, in any phrasing, whatever the seed.
 Written as jsonl lines {"messages": [...]} (the form prepare.py --chat reads); eval.py --chat-task grades a model on
 the test split (quillgpt.evaluate.run_chat_tasks).
+
+With tool=True, arithmetic is answered with the calculator tool (quillgpt/tools.py): the assistant's reply calls it
+with the sum and then gives the output as its answer, parts {"type": "python", "text": "17+25"}, {"type":
+"python_output", "text": "42"}, {"type": "text", "text": "42"}; the output is the calculator's own (the sampler
+inserts it at run time) and the loss does not count it (quillgpt.chat_template).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from quillgpt.errors import UserError
+from quillgpt.tools import calculate
 
 # Common English words of 3 to 8 letters: reversing and counting letters of a word the model has never seen in a
 # question is the test, so the held-out split holds words no training item uses.
@@ -67,9 +73,18 @@ class Item:
     key: str  # the item's content, whatever its phrasing: what the split is decided by
     question: str
     answer: str
+    call: str = ""  # the calculator call that answers it ("17+25"); "" for a task the tool does not answer
 
-    def messages(self) -> list[dict]:
-        return [{"role": "user", "content": self.question}, {"role": "assistant", "content": self.answer}]
+    def messages(self, tool: bool = False) -> list[dict]:
+        """The question and its answer; with tool (and a call), the answer through the calculator."""
+        reply: str | list[dict] = self.answer
+        if tool and self.call:
+            reply = [
+                {"type": "python", "text": self.call},
+                {"type": "python_output", "text": calculate(self.call)},
+                {"type": "text", "text": self.answer},
+            ]
+        return [{"role": "user", "content": self.question}, {"role": "assistant", "content": reply}]
 
 
 @dataclass(frozen=True)
@@ -79,9 +94,11 @@ class Task:
     phrasings: tuple[str, ...]  # str.format templates over the fields of ask()
     ask: Callable[[tuple], dict]  # content -> the fields a phrasing names
     answer: Callable[[tuple], str]
+    call: Callable[[tuple], str] = lambda k: ""  # content -> the calculator call that answers it ("": none)
 
     def item(self, key: tuple, phrasing: str) -> Item:
-        return Item(self.name, ":".join(map(str, key)), phrasing.format(**self.ask(key)), self.answer(key))
+        question = phrasing.format(**self.ask(key))
+        return Item(self.name, ":".join(map(str, key)), question, self.answer(key), self.call(key))
 
 
 def arithmetic_keys() -> list[tuple]:
@@ -105,6 +122,7 @@ TASKS = {
         ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?", "What do you get from {a} {op} {b}?"),
         lambda k: {"a": k[0], "op": k[1], "b": k[2]},
         lambda k: str(k[0] + k[2] if k[1] == "+" else k[0] - k[2]),
+        lambda k: f"{k[0]}{k[1]}{k[2]}",
     ),
     "reverse": Task(
         "reverse",
@@ -154,9 +172,13 @@ def sample_items(task: str, split: str, n: int, seed: int, distinct: bool = Fals
     return [TASKS[task].item(k, rng.choice(phrasings)) for k in keys]
 
 
-def conversations(tasks: list[str], split: str, n: int, seed: int, turns: int = 1) -> list[list[dict]]:
-    """n conversations of 1 to `turns` question-answer turns, the tasks in equal shares, in a seeded order."""
-    return [[m for item in group for m in item.messages()] for group in item_groups(tasks, split, n, seed, turns)]
+def conversations(
+    tasks: list[str], split: str, n: int, seed: int, turns: int = 1, tool: bool = False
+) -> list[list[dict]]:
+    """n conversations of 1 to `turns` question-answer turns, the tasks in equal shares, in a seeded order; tool:
+    arithmetic answered with the calculator (Item.messages)."""
+    groups = item_groups(tasks, split, n, seed, turns)
+    return [[m for item in group for m in item.messages(tool)] for group in groups]
 
 
 def item_groups(tasks: list[str], split: str, n: int, seed: int, turns: int = 1) -> list[list[Item]]:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -232,9 +233,14 @@ class Trainer:
     evaluation: Evaluation  # what eval_metrics() scores besides the loss
     dpo: DPO | None = None  # preference data: the loss is DPO's, on batches of pairs (dpo.py)
     lora: dict | None = None  # a LoRA run: its adapters' settings and its base (run_model.LoraPlan.record)
+    # rl.enabled: quillgpt.rl.RL (train.py sets it), whose step() fit() takes instead of train_step, and whose
+    # metrics() (held-out task accuracy) eval_metrics adds
+    rl: Any = None
 
     @property
     def tokens_per_step(self) -> int:
+        if self.rl is not None:  # the last RL step's policy-gradient pass
+            return self.rl.tokens_per_step
         rows = 2 if self.dpo else 1  # DPO: a pair is two rows
         return rows * tokens_per_step(self.cfg.training, self.rt.dist.world_size, self.raw_model.config.block_size)
 
@@ -382,6 +388,7 @@ def start_run(tr: Trainer, state: TrainState, resumed: bool) -> MetricsLog | Non
         plot=cfg.logging.plot and not evaluating_only,
         assistant_only=tr.dataset.chat,
         dpo=tr.dpo is not None,
+        loss_name="policy loss" if tr.rl is not None else None,
     )
     log = MetricsLog.resume(run_dir.path, state.iter_num, **kw) if resumed else MetricsLog(run_dir.path, **kw)
     if cfg.logging.wandb_project:
@@ -407,11 +414,19 @@ def print_startup(tr: Trainer, state: TrainState) -> None:
     print(f"model: {model.num_params() / 1e6:.2f}M parameters | {model.flops_per_token() / 1e6:.1f} MFLOPs/token")
     if tr.lora:
         print(lora_line(tr))
-    print(
-        f"batch: {t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks = "
-        f"{t.batch_size * t.grad_accum_steps * rt.dist.world_size} {'pairs (2 rows each)' if tr.dpo else 'sequences'}, "
-        f"{tr.tokens_per_step:,} tokens per optimizer step"
-    )
+    if tr.rl is not None:
+        r = tr.cfg.rl
+        print(
+            f"rl: {r.prompts_per_step} questions ({', '.join(r.tasks)}) x {r.group_size} replies a step, at most "
+            f"{r.max_new_tokens} tokens each | reward: {r.reward or 'the task grader'} | kl_coef {r.kl_coef} | "
+            f"policy-gradient passes of {t.batch_size} rows"
+        )
+    else:
+        print(
+            f"batch: {t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks = "
+            f"{t.batch_size * t.grad_accum_steps * rt.dist.world_size} "
+            f"{'pairs (2 rows each)' if tr.dpo else 'sequences'}, {tr.tokens_per_step:,} tokens per optimizer step"
+        )
     print(device_line(rt))
     if rt.matmul_rates and rt.precision == "bf16" and rt.matmul_rates.faster == "fp32":
         print(emulation_warning(rt.matmul_rates), flush=True)
@@ -594,6 +609,8 @@ def eval_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
         out[f"{split}_bpb"] = (sums[3] / math.log(2) / sums[4].clamp(min=1)).item()
     if tr.evaluation.hellaswag:
         out.update(hellaswag(tr, tr.evaluation.hellaswag))
+    if tr.rl is not None:
+        out.update(tr.rl.metrics(tr))
     tr.model.train()
     return out
 
@@ -663,14 +680,16 @@ def evaluate_and_track(tr: Trainer, state: TrainState, log: MetricsLog | None, f
 
 
 def best_metric_score(metrics: dict[str, float], name: str) -> float:
-    """training.best_metric as a score where lower is better (HellaSwag's acc_norm is negated)."""
+    """training.best_metric as a score where lower is better (accuracies, HellaSwag's and RL's, are negated)."""
+    if name == "task_acc":
+        return -metrics.get("task_acc", 0.0)
     if name in ("val_loss", "bpb"):
         return metrics["val_loss" if name == "val_loss" else "val_bpb"]
     return -metrics.get("hellaswag_acc_norm", 0.0)
 
 
 def best_metric_value(score: float, name: str) -> float:
-    return -score if name == "hellaswag" else score
+    return -score if name in ("hellaswag", "task_acc") else score
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------
@@ -810,7 +829,7 @@ def fit(tr: Trainer, state: TrainState, log: MetricsLog | None, stop: StopReques
     single = tr.rt.dist.world_size == 1
     while state.iter_num < t.max_iters and not reason:
         lr = set_lr(tr.optimizers, lr_multiplier(state.iter_num, tr.cfg))
-        loss, norm, skipped = train_step(tr, state.iter_num)
+        loss, norm, skipped = (tr.rl.step if tr.rl is not None else train_step)(tr, state.iter_num)
         guard.record(skipped, state.iter_num)
         state.iter_num += 1
         state.tokens_seen += tr.tokens_per_step
@@ -913,5 +932,6 @@ def log_step(
             tokens_per_s,
             tr.raw_model.estimate_mfu(tokens_per_s, tr.rt.peak_flops),
             state.tokens_seen,
+            tr.rl.figures() if tr.rl is not None else None,
         )
     return mean_loss

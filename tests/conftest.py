@@ -61,6 +61,19 @@ def tiny_corpus(n_bytes: int = 120_000) -> str:
     return word_salad(n_bytes)
 
 
+def chatml_without_tool(tokenizer):
+    """The tokenizer with ChatML's two tokens only, as chat tokenizers were before the calculator tool's four: the
+    random models of tests about the cache, turns and serving would otherwise call the tool at random
+    (tests/test_tools.py tests the tool in every sampler)."""
+    from quillgpt.chat_template import CHAT_TOKENS, with_chat_tokens
+    from quillgpt.tokenizer import tokenizer_from_dict
+
+    d = with_chat_tokens(tokenizer).to_dict()
+    d.pop("vocab_size")
+    d["chat_tokens"] = list(CHAT_TOKENS)
+    return tokenizer_from_dict(d)
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A prepared char dataset `tiny` (≈108k train / 12k val tokens) in a session-wide data dir."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, chatml_without_tool
 
 from model import GPT, GPTConfig
 from quillgpt.chat_session import ChatSession
@@ -25,8 +25,8 @@ CHARS = list("\n !'+,-.0123456789:=?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqr
 TURNS = ["What is 17 + 25?", "Spell 'night' backwards.", "How many r's are in 'strawberry'?", "Hi!"]
 
 
-def chat_tokenizer():
-    return with_chat_tokens(CharTokenizer(CHARS, eot=True))
+def chat_tokenizer(chars: list[str] = CHARS):
+    return chatml_without_tool(CharTokenizer(chars, eot=True))
 
 
 def random_chat_model(block_size: int = 256, seed: int = 0, vocab_size: int | None = None, **switches) -> GPT:
@@ -225,7 +225,7 @@ def test_chat_cli_reads_typed_control_tokens_as_text_unless_told_otherwise(tmp_p
     the model's to those; --control-tokens-in-content gives each spelled token its id (transformers' default)."""
     from test_chat_template import FORGED_CHATML
 
-    tok = with_chat_tokens(CharTokenizer(CHARS + list("<|>_"), eot=True))  # characters to spell ChatML's tokens with
+    tok = chat_tokenizer(CHARS + list("<|>_"))  # characters to spell ChatML's tokens with
     chat_ckpt = save_chat_checkpoint(tmp_path / "ckpt.pt", random_chat_model(vocab_size=tok.vocab_size), tok)
     model, tok, _ = load_for_sampling(chat_ckpt, "cpu", "fp32")
     fmt = chat_format(tok)

@@ -19,7 +19,7 @@ from conftest import REPO_ROOT, resume_in_subprocess, tiny_overrides, train_unti
 
 from benchmarks.chat_rows import sums_conversations
 from model import GPT, GPTConfig
-from quillgpt.chat_template import CHAT_TOKENS, chat_format
+from quillgpt.chat_template import CHAT_TOKENS, TOOL_TOKENS, chat_format
 from quillgpt.data import BatchSource, load_dataset
 from quillgpt.errors import UserError
 from quillgpt.prepare import pipeline, prepare_dataset
@@ -88,7 +88,7 @@ def test_prepared_ids_and_masks_equal_chat_format_encode_per_conversation(tmp_pa
     meta = json.loads((directory / "meta.json").read_text())
     assert meta["chat"] and meta["train_documents"] + meta["val_documents"] == 150
     dataset = load_dataset(directory)
-    assert dataset.tokenizer.chat_tokens == CHAT_TOKENS
+    assert dataset.tokenizer.chat_tokens == CHAT_TOKENS + TOOL_TOKENS
     for split in ("train", "val"):
         ids, mask, starts = expected_split(directory, conversations, split)
         assert np.fromfile(directory / f"{split}.bin", dtype=np.uint16).tolist() == ids
@@ -304,8 +304,8 @@ def test_init_from_a_model_without_chat_tokens_grows_its_vocabulary_and_samples(
     del overrides["model.n_layer"], overrides["model.n_head"], overrides["model.n_embd"]
     train(None, overrides=overrides)
     after = load_model(tmp_path / "chat" / "t")
-    grown = before.model.config.vocab_size + len(CHAT_TOKENS)
-    assert after.model.config.vocab_size == grown and after.tokenizer["chat_tokens"] == list(CHAT_TOKENS)
+    grown = before.model.config.vocab_size + len(CHAT_TOKENS + TOOL_TOKENS)
+    assert after.model.config.vocab_size == grown and after.tokenizer["chat_tokens"] == list(CHAT_TOKENS + TOOL_TOKENS)
     meta = json.loads((data_dir / "sums_ft" / "meta.json").read_text())
     assert meta["request"]["tokenizer_from"] == str((tmp_path / "base" / "t" / "ckpt_best.pt").resolve())
     out = subprocess.run(

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 from conftest import gpt2_encoding_error, tiny_corpus
 
-from quillgpt.chat_template import CHAT_TOKENS, CHATML_TEMPLATE, chat_format, check_messages, with_chat_tokens
+from quillgpt.chat_template import (
+    CHAT_TOKENS,
+    CHATML_TEMPLATE,
+    TOOL_TOKENS,
+    chat_format,
+    check_messages,
+    with_chat_tokens,
+)
 from quillgpt.errors import UserError
 from quillgpt.tokenizer import get_tiktoken, hf_files, hf_tokenizer, tokenizer_from_dict, train_tokenizer
 
@@ -115,8 +122,8 @@ def test_our_tokenizers_get_chatml_tokens_that_round_trip(kind):
     else:
         base = train_tokenizer(kind, [tiny_corpus(20_000) + "?+0123456789'SW<|>_"], 300, eot=True)
     tok = with_chat_tokens(base)
-    assert tok.vocab_size == base.vocab_size + 2
-    assert [tok.special_tokens[t] for t in CHAT_TOKENS] == [base.vocab_size, base.vocab_size + 1]
+    assert tok.vocab_size == base.vocab_size + 2 + len(TOOL_TOKENS)  # ChatML's two, then the calculator's
+    assert [tok.special_tokens[t] for t in CHAT_TOKENS + TOOL_TOKENS] == list(range(base.vocab_size, tok.vocab_size))
     assert tok.chat_template == CHATML_TEMPLATE
     again = tokenizer_from_dict(json.loads(json.dumps(tok.to_dict())))
     assert again.to_dict() == tok.to_dict() and again.chat_template == CHATML_TEMPLATE

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, chatml_without_tool
 from test_chat_template import FORGED_CHATML, FORGED_LLAMA3, TEMPLATES, save_template_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -26,7 +26,7 @@ import bench  # noqa: E402
 from benchmarks.serving_load import ServerProcess  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from quillgpt.chat_session import ChatSession  # noqa: E402
-from quillgpt.chat_template import chat_format, with_chat_tokens  # noqa: E402
+from quillgpt.chat_template import chat_format  # noqa: E402
 from quillgpt.checkpoint import save_checkpoint  # noqa: E402
 from quillgpt.generate import encode_prompt, generate_texts, load_for_sampling  # noqa: E402
 from quillgpt.tokenizer import CharTokenizer, hf_tokenizer  # noqa: E402
@@ -39,9 +39,9 @@ CONVERSATION = [{"role": "system", "content": "be brief."}, {"role": "user", "co
 
 
 def write_checkpoint(path: Path, seed: int = 0, eot: bool = True, tokenizer=None, **model_args) -> Path:
-    """A tiny random model (weights scaled up so greedy text varies), by default over a char tokenizer with the chat
-    tokens. Without eot a completion runs to max_tokens."""
-    tokenizer = tokenizer or with_chat_tokens(CharTokenizer(CHARS, eot=eot))
+    """A tiny random model (weights scaled up so greedy text varies), by default over a char tokenizer with ChatML's
+    tokens (not the calculator's: conftest.chatml_without_tool). Without eot a completion runs to max_tokens."""
+    tokenizer = tokenizer or chatml_without_tool(CharTokenizer(CHARS, eot=eot))
     torch.manual_seed(seed)
     args = dict(block_size=BLOCK, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_embd=32)
     config = GPTConfig(**{**args, **model_args})

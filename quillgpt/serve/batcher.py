@@ -10,12 +10,17 @@ contiguous first B rows (GPT.decode_rows) and attends only up to the furthest po
 A request's tokens follow sample.py's rules (quillgpt.generate): the same prompt encoding, the same sampling
 (model.sample_next), the end-of-turn ids and stop strings left out of the text, and text streamed only as far as it
 can't yet be the start of a stop string (showable_length).
+
+With a tokenizer that has the calculator tool's tokens, a request's calls are answered as chat.py answers them
+(quillgpt/tools.py): after <|python_end|> the output's ids are the row's next tokens, put in one a step in place of
+what was sampled, and the text (which spells the tool's tokens) streams them as it streams the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import secrets
 import threading
 from collections.abc import Callable
@@ -26,6 +31,7 @@ import torch
 from model import GPT, sample_next
 from quillgpt.generate import RowText, showable_length
 from quillgpt.tokenizer import Tokenizer
+from quillgpt.tools import Calculator, calculator_for
 
 
 class QueueFull(Exception):
@@ -87,6 +93,8 @@ class Slot:
     text: str = ""
     shown: int = 0  # characters of text already sent
     sampled: int = 0  # tokens sampled, an ending id included (the usage's completion_tokens)
+    calculator: Calculator | None = None  # the tool's state, where the tokenizer has it
+    inserted: collections.deque[int] = dataclasses.field(default_factory=collections.deque)  # a tool output's ids
 
 
 class SlotCache:
@@ -102,8 +110,9 @@ class SlotCache:
         self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.arange(k.size(0), device=k.device)
-        self.k[layer][rows, :, positions] = k[:, :, 0]  # k (B, nkv, 1, hs) -> (B, nkv, hs) at (row, :, position)
-        self.v[layer][rows, :, positions] = v[:, :, 0]
+        # k (B, nkv, 1, hs) -> (B, nkv, hs) at (row, :, position); under autocast (RL's sampler) k is bf16, the cache not
+        self.k[layer][rows, :, positions] = k[:, :, 0].to(self.k[layer].dtype)
+        self.v[layer][rows, :, positions] = v[:, :, 0].to(self.v[layer].dtype)
         B = k.size(0)
         return self.k[layer][:B, :, : self.length], self.v[layer][:B, :, : self.length]
 
@@ -129,6 +138,7 @@ class Batcher:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
         self.device = next(model.parameters()).device
+        self.calculator = calculator_for(tokenizer)  # None: no tool tokens, no tool
         self.cache = SlotCache(model, max_batch)
         self.active: list[Slot] = []  # active[i] owns row i of the cache
         self.pending: collections.deque[Handle] = collections.deque()
@@ -203,6 +213,7 @@ class Batcher:
         cache = self.model.new_cache(1, idx.size(1))
         logits, _ = self.model(idx, cache=cache, last_only=True)
         slot = Slot(handle, generator, RowText(self.tokenizer, request.prompt_ids), position=idx.size(1))
+        slot.calculator = self.calculator() if self.calculator else None
         with self.lock:
             self.active.append(slot)
         self.cache.fill(len(self.active) - 1, cache.k, cache.v)
@@ -217,7 +228,7 @@ class Batcher:
         logits = self.model.decode_rows(tokens, positions, self.cache)
         for slot, token in zip(list(self.active), self.pick(logits, self.active)):
             slot.position += 1
-            self.advance(slot, token)
+            self.advance(slot, slot.inserted.popleft() if slot.inserted else token)
 
     def pick(self, logits: torch.Tensor, slots: list[Slot]) -> list[int]:
         """Each row's next token (B, V) -> B ids, read back in one go: argmax for every row, and over each sampling
@@ -242,6 +253,8 @@ class Batcher:
             return
         slot.kept += 1
         slot.next_token = token
+        if slot.calculator is not None:
+            slot.inserted.extend(slot.calculator.after(token))
         slot.text = slot.row.add(token)
         hits = [slot.text.index(s) for s in r.stop if s in slot.text]
         if hits:

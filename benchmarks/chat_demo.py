@@ -1,0 +1,79 @@
+"""The CPU chat demo end to end, timed: the calculator tool (issue 38 §4) and RL with verifiable rewards (§1).
+
+    python -m benchmarks.chat_demo --out bench_out/chat_demo.json            # every stage, as README's commands
+    python -m benchmarks.chat_demo --out bench_out/chat_demo.json --skip-base  # checkpoints/base exists already
+
+The stages, each a fresh process of the scripts a user runs, timed from launch to exit:
+1. the Quickstart's base model (configs/base/base.toml), unless --skip-base;
+2. `tasks.py --out data/chat_tasks.jsonl --turns 3 --tool`;
+3. SFT: configs/chat/base_chat.toml (--force: a new run);
+4. `eval.py --chat-task arithmetic,reverse,count --chat-items 200` of the chat model: arithmetic with the tool, and
+   RL's starting point for count and reverse;
+5. RL: configs/chat/base_chat_rl.toml (--force), whose wall time is the figure the target is for (<= 10 minutes);
+6. the same eval.py of the RL model's best checkpoint.
+The report (--out, JSON) holds each stage's seconds and the accuracies before and after; the RL run's
+loss_curve.png (reward and held-out accuracy against steps) is copied beside it as rl_curve.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.conditions import load_average
+from quillgpt.errors import UserError, run_main
+from quillgpt.files import atomic_write_json
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TASKS = "arithmetic,reverse,count"
+
+
+def timed(*args: str) -> float:
+    """Run a script of the repository to its end; its wall seconds. A failure is one line naming the command."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT)
+    if proc.returncode != 0:
+        raise UserError(f"`python {' '.join(args)}` failed (exit {proc.returncode})")
+    return time.perf_counter() - t0
+
+
+def accuracies(ckpt: str, report: Path, items: int) -> tuple[dict[str, float], float]:
+    seconds = timed("eval.py", "--ckpt", ckpt, "--chat-task", TASKS, "--chat-items", str(items), "--json", str(report))
+    tasks = json.loads(report.read_text())["chat_tasks"]["tasks"]
+    return {name: r["acc"] for name, r in tasks.items()}, seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the JSON report; rl_curve.png goes beside it")
+    p.add_argument("--skip-base", action="store_true", help="checkpoints/base exists: don't train it again")
+    p.add_argument("--items", type=int, default=200, help="held-out items per task in each evaluation")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    seconds: dict[str, float] = {}
+    load_before = load_average()
+    if not args.skip_base:
+        seconds["base"] = timed("train.py", "--config", "configs/base/base.toml", "--force")
+    seconds["tasks"] = timed("tasks.py", "--out", "data/chat_tasks.jsonl", "--turns", "3", "--tool")
+    seconds["sft"] = timed("train.py", "--config", "configs/chat/base_chat.toml", "--force")
+    before, seconds["eval_chat"] = accuracies("checkpoints/base-chat", out.with_suffix(".chat.json"), args.items)
+    seconds["rl"] = timed("train.py", "--config", "configs/chat/base_chat_rl.toml", "--force")
+    after, seconds["eval_rl"] = accuracies("checkpoints/base-chat-rl", out.with_suffix(".rl.json"), args.items)
+    shutil.copyfile(REPO_ROOT / "checkpoints" / "base-chat-rl" / "loss_curve.png", out.with_name("rl_curve.png"))
+    report = {"seconds": seconds, "chat_model": before, "rl_model": after, "load": [load_before, load_average()]}
+    atomic_write_json(out, report)
+    print("| task | chat model (SFT, with the tool) | after RL |\n| --- | ---: | ---: |")
+    for task in before:
+        print(f"| {task} | {before[task]:.1%} | {after[task]:.1%} |")
+    print(f"stages (s): {json.dumps({k: round(v, 1) for k, v in seconds.items()})}; report {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

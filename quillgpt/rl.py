@@ -1,0 +1,342 @@
+"""Reinforcement learning with verifiable rewards (GRPO): train.py with rl.enabled.
+
+Each optimizer step takes rl.prompts_per_step questions from the training split of rl.tasks (quillgpt/tasks.py),
+samples rl.group_size replies to each with the KV cache (every reply of the step decoded together, one row each;
+calculator calls answered as in chat.py: quillgpt/tools.py), scores every reply, and takes one policy-gradient step:
+
+    advantage = (reward - mean of its group) / (std of its group)       (rl.scale_advantages; without: not divided)
+    loss = - sum over sampled reply tokens of advantage x log p(token) / the number of such tokens
+           + rl.kl_coef x the mean over those tokens of KL(policy || reference)     (optional; k3 estimator)
+
+As nanochat's chat_rl: on-policy, one step per batch of samples, so no ratio or clipping (PPO's) is needed; the loss
+is a mean over tokens (DAPO's), not over replies. Only the tokens the model sampled count: not the prompt, not the
+calculator's outputs (inserted), not padding. A reply's end-of-turn token counts, so stopping at the right place is
+learned too. The reference for the KL penalty is run.init_from's model, loaded again (a resumed run has it too).
+
+The reward is the task's grader (exact answer: 1, else 0; tasks.grade), or rl.reward, a function of your own file
+('file.py:function' or 'module:function'), called as function(question, reply, answer) -> float where reply is the
+text after the calculator's output (tools.answer_text) and answer the item's right answer. It is imported from the
+file the config names: nothing in the data names code.
+
+Exact resume: the questions of step k and the generator the replies are sampled with are functions of (run.seed, k)
+alone, as the trainer's batches are (data.py): the sampling RNG's state at any step is that seed, so a resumed run
+samples exactly the replies the uninterrupted run did (tests/test_rl.py). Checkpoints, logging, evaluation and the
+best checkpoint are the trainer's own; evaluations add task_acc, the greedy held-out accuracy that eval.py
+--chat-task measures (training.best_metric = "task_acc" keeps the best by it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from model import GPT, sample_next
+from quillgpt import tasks
+from quillgpt.chat_template import ChatFormat, chat_format
+from quillgpt.config import RLConfig
+from quillgpt.errors import UserError
+from quillgpt.evaluate import run_chat_tasks
+from quillgpt.loading import load_model
+from quillgpt.serve.batcher import SlotCache
+from quillgpt.tokenizer import Tokenizer
+from quillgpt.tools import answer_text, calculator_for, reply_parts
+from quillgpt.trainer import Trainer, clip_gradients, step_unless_nonfinite
+
+RewardFn = Callable[[str, str, str], float]  # (question, reply, answer) -> reward
+
+
+# ---- rewards ------------------------------------------------------------------------------------------------
+
+
+def grader_reward(question: str, reply: str, answer: str) -> float:
+    """The synthetic tasks' grader: 1 for the exact answer (tasks.grade's rule), else 0."""
+    return float(tasks.grade(tasks.Item("", "", question, answer), reply))
+
+
+def load_reward(spec: str) -> RewardFn:
+    """rl.reward: 'path/to/file.py:function' (imported from that file) or 'module:function' (from the import path)."""
+    where, _, name = spec.rpartition(":")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise UserError(f"rl.reward = {spec!r}: no file {path}")
+        module_spec = importlib.util.spec_from_file_location(f"quillgpt_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:
+            raise UserError(f"rl.reward = {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from None
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:
+            raise UserError(f"rl.reward = {spec!r}: cannot import {where}: {type(e).__name__}: {e}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise UserError(f"rl.reward = {spec!r}: {where} has no function {name!r}")
+    return function
+
+
+def score(reward: RewardFn, spec: str, item: tasks.Item, reply: str) -> float:
+    try:
+        value = reward(item.question, reply, item.answer)
+    except Exception as e:
+        raise UserError(f"rl.reward = {spec!r} failed on {item.question!r}: {type(e).__name__}: {e}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UserError(
+            f"rl.reward = {spec!r} returned {value!r} for {item.question!r}: it must return a finite number"
+        )
+    return float(value)
+
+
+# ---- sampling -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    ids: list[int]  # sampled and inserted ids, the end-of-turn id included where the reply ended with it
+    sampled: list[bool]  # per id: the model sampled it (False: a calculator output, inserted)
+    answer: str  # the text after the calculator's output (tools.answer_text)
+
+
+@torch.no_grad()
+def sample_groups(
+    model: GPT,
+    tokenizer: Tokenizer,
+    fmt: ChatFormat,
+    prompts: list[list[int]],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator,
+) -> list[list[Reply]]:
+    """group_size replies to each prompt, all decoded together, a row each (serve.py's SlotCache and
+    GPT.decode_rows: each row at its own position): each prompt is read once and its keys and values copied to its
+    group's rows; then each step samples a token for every row (or puts in the next id of a calculator output)
+    until every row has ended or taken max_new_tokens (fewer where its prompt leaves less of the context)."""
+    block = model.config.block_size
+    device = next(model.parameters()).device
+    if max(map(len, prompts)) >= block:
+        raise UserError(
+            f"a prompt of {max(map(len, prompts))} tokens leaves no room for a reply in the context of {block}"
+        )
+    rows = len(prompts) * group_size
+    cache = SlotCache(model, rows)
+    first = []
+    for p, prompt in enumerate(prompts):
+        one = model.new_cache(1, len(prompt))
+        logits, _ = model(torch.tensor([prompt], device=device), cache=one, last_only=True)
+        for row in range(p * group_size, (p + 1) * group_size):
+            cache.fill(row, one.k, one.v)
+        first.append(logits[:, -1, :].expand(group_size, -1))
+    logits = torch.cat(first)  # (rows, V)
+    starts = [len(prompt) for prompt in prompts for _ in range(group_size)]
+    budgets = [min(max_new_tokens, block - start) for start in starts]
+    new_calculator = calculator_for(tokenizer)
+    calculators = [new_calculator() if new_calculator else None for _ in range(rows)]
+    inserted: list[list[int]] = [[] for _ in range(rows)]
+    replies = [Reply([], [], "") for _ in range(rows)]
+    done = [False] * rows
+    while True:
+        picked = sample_next(logits[:, : tokenizer.vocab_size].float(), temperature, top_k, None, generator)
+        for i, token in enumerate(picked[:, 0].tolist()):
+            if done[i]:
+                continue
+            forced = bool(inserted[i])
+            token = inserted[i].pop(0) if forced else token
+            replies[i].ids.append(token)
+            replies[i].sampled.append(not forced)
+            done[i] = token in fmt.stop_ids or len(replies[i].ids) >= budgets[i]
+            if calculators[i] is not None and not done[i]:
+                inserted[i] += calculators[i].after(token)
+        if all(done):
+            break
+        # a finished row reads its last token again at its last position: what it computes is never used
+        tokens = torch.tensor([[r.ids[-1]] for r in replies], device=device)  # (rows, 1)
+        at = [start + len(r.ids) - 1 for start, r in zip(starts, replies)]
+        cache.length = max(at) + 1
+        logits = model.decode_rows(tokens, torch.tensor(at, device=device), cache)
+    for reply in replies:
+        kept = [t for t in reply.ids if t not in fmt.stop_ids]
+        reply.answer = answer_text(reply_parts(tokenizer, kept) or tokenizer.decode(kept))
+    return [replies[p * group_size : (p + 1) * group_size] for p in range(len(prompts))]
+
+
+# ---- the step -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollouts:
+    """A step's questions, their replies and rewards: what the policy-gradient pass reads."""
+
+    prompts: list[list[int]]
+    replies: list[list[Reply]]  # per prompt, its group
+    rewards: torch.Tensor  # (prompts, group_size)
+
+    def advantages(self, scale: bool) -> torch.Tensor:
+        """(prompts, group): each reward against its group's mean (and over its std, scale)."""
+        centred = self.rewards - self.rewards.mean(dim=1, keepdim=True)
+        return centred / (self.rewards.std(dim=1, unbiased=False, keepdim=True) + 1e-4) if scale else centred
+
+    def rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) (rows, T): prompt + reply per row, padded; targets -1 where nothing is learned (the
+        prompt, calculator outputs, padding)."""
+        seqs, counted = [], []
+        for prompt, group in zip(self.prompts, self.replies):
+            for reply in group:
+                seqs.append(prompt + reply.ids)
+                counted.append([False] * len(prompt) + reply.sampled)
+        T = max(map(len, seqs)) - 1
+        x = torch.zeros(len(seqs), T, dtype=torch.long)
+        y = torch.full((len(seqs), T), -1, dtype=torch.long)
+        for i, (s, c) in enumerate(zip(seqs, counted)):
+            x[i, : len(s) - 1] = torch.tensor(s[:-1])
+            y[i, : len(s) - 1] = torch.tensor([t if k else -1 for t, k in zip(s[1:], c[1:])])
+        return x.to(device), y.to(device)
+
+
+@dataclass
+class RL:
+    """An RL run's sampler, rewards and evaluation: the trainer's fit() calls step() instead of its train_step, and
+    eval_metrics adds metrics() (trainer.Trainer.rl)."""
+
+    cfg: RLConfig
+    seed: int
+    tokenizer: Tokenizer
+    fmt: ChatFormat
+    reward: RewardFn
+    reference: GPT | None  # kl_coef > 0: run.init_from's model, frozen
+    pools: dict[str, list[tuple]]  # each task's training items' keys
+    tokens_per_step: int = 0  # tokens in the last step's policy-gradient pass (prompts and replies)
+    recent: list[tuple[float, float, float]] = field(
+        default_factory=list
+    )  # per step since figures(): reward, length, kl
+
+    def items(self, it: int) -> list[tasks.Item]:
+        """Step it's questions: a function of (seed, it), the tasks in turn."""
+        rng = random.Random(f"rl:{self.seed}:{it}")
+        names = self.cfg.tasks
+        out = []
+        for i in range(self.cfg.prompts_per_step):
+            task = tasks.TASKS[names[(it * self.cfg.prompts_per_step + i) % len(names)]]
+            out.append(task.item(rng.choice(self.pools[task.name]), rng.choice(task.phrasings)))
+        return out
+
+    def generator(self, it: int, device: torch.device) -> torch.Generator:
+        """Step it's sampling RNG, seeded from (seed, it): what a resumed run needs of the sampler's state."""
+        digest = hashlib.sha256(f"rl-sampling:{self.seed}:{it}".encode()).digest()
+        return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "big") >> 1)
+
+    def rollouts(self, tr: Trainer, it: int) -> tuple[list[tasks.Item], Rollouts]:
+        model, c = tr.raw_model, self.cfg
+        model.eval()
+        generator = self.generator(it, tr.rt.device)
+        items = self.items(it)
+        prompts = [self.fmt.prompt_ids([{"role": "user", "content": item.question}]) for item in items]
+        with tr.rt.autocast:
+            replies = sample_groups(
+                model,
+                self.tokenizer,
+                self.fmt,
+                prompts,
+                c.group_size,
+                c.max_new_tokens,
+                c.temperature,
+                c.top_k or None,
+                generator,
+            )
+        spec = c.reward or "the task's grader"
+        rewards = torch.tensor(
+            [[score(self.reward, spec, item, r.answer) for r in group] for item, group in zip(items, replies)]
+        )
+        return items, Rollouts(prompts, replies, rewards)
+
+    def step(self, tr: Trainer, it: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimizer step: sample, score, and the policy-gradient pass (in micro-batches of training.batch_size
+        rows). Returns (loss, grad norm, skipped) as trainer.train_step does."""
+        _, rollouts = self.rollouts(tr, it)
+        device = tr.rt.device
+        x, y = rollouts.rows(device)
+        advantages = rollouts.advantages(self.cfg.scale_advantages).flatten().to(device)  # (rows,)
+        counted = (y >= 0).sum().clamp(min=1)
+        self.tokens_per_step = x.numel()
+        model = tr.raw_model  # eager: every step's rows have another length
+        model.train()
+        total, kl_total = torch.zeros((), device=device), torch.zeros((), device=device)
+        for rows in torch.arange(x.size(0), device=device).split(tr.cfg.training.batch_size):
+            loss, kl = self.loss(model, x[rows], y[rows], advantages[rows], counted, tr.rt.autocast)
+            tr.scaler.scale(loss).backward()
+            total += loss.detach()
+            kl_total += kl
+        for opt in tr.optimizers:
+            tr.scaler.unscale_(opt)
+        norm = clip_gradients(model, tr.cfg.optimizer.grad_clip)
+        skipped = step_unless_nonfinite(tr.optimizers, tr.scaler, norm)
+        for opt in tr.optimizers:
+            opt.zero_grad(set_to_none=True)
+        lengths = [len(r.ids) for group in rollouts.replies for r in group]
+        self.recent.append((rollouts.rewards.mean().item(), sum(lengths) / len(lengths), kl_total.item()))
+        return total, norm, skipped
+
+    def loss(
+        self, model: GPT, x: torch.Tensor, y: torch.Tensor, advantages: torch.Tensor, counted: torch.Tensor, autocast
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch's share of the step's loss, and of the mean KL to the reference (0 without one)."""
+        with autocast:
+            logits, _ = model(x)
+        mask = y >= 0
+        logp = -F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+        logp = logp.view_as(y)  # (rows, T), 0 where nothing is learned
+        loss = -(logp * advantages[:, None]).sum() / counted
+        kl = torch.zeros((), device=x.device)
+        if self.reference is not None and self.cfg.kl_coef > 0:
+            with torch.no_grad(), autocast:
+                ref_logits, _ = self.reference(x)
+            ref = -F.cross_entropy(ref_logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+            log_ratio = (ref.view_as(y) - logp) * mask
+            kl = ((log_ratio.exp() - log_ratio - 1) * mask).sum() / counted  # k3: unbiased, >= 0 per token
+            loss = loss + self.cfg.kl_coef * kl
+        return loss, kl.detach()
+
+    def figures(self) -> dict[str, float]:
+        """The step line's figures, averaged over the steps since the last call: mean reward, reply length, KL."""
+        if not self.recent:
+            return {}
+        n = len(self.recent)
+        reward, length, kl = (sum(v[k] for v in self.recent) / n for k in range(3))
+        self.recent = []
+        out = {"reward": reward, "reply_tokens": length}
+        return {**out, "kl": kl} if self.reference is not None else out
+
+    def metrics(self, tr: Trainer) -> dict[str, float]:
+        """Held-out accuracy per task (greedy, eval.py --chat-task's items) and their mean, task_acc."""
+        with tr.rt.autocast:
+            report = run_chat_tasks(tr.raw_model.eval(), self.tokenizer, list(self.cfg.tasks), self.cfg.eval_items)
+        accs = {f"{name}_acc": r["acc"] for name, r in report["tasks"].items()}
+        return {"task_acc": sum(accs.values()) / len(accs), **accs}
+
+
+def build_rl(tr: Trainer) -> RL:
+    """The RL side of a run whose config has rl.enabled: its chat format, reward, reference model and prompts."""
+    cfg = tr.cfg
+    tokenizer = tr.dataset.tokenizer
+    if not tokenizer.chat_template:
+        raise UserError("rl.enabled trains a chat model: data.chat = true, with run.init_from's chat tokenizer")
+    reward = load_reward(cfg.rl.reward) if cfg.rl.reward else grader_reward
+    reference = None
+    if cfg.rl.kl_coef > 0:
+        reference = load_model(cfg.run.init_from).model.to(tr.rt.device).eval()
+        for p in reference.parameters():
+            p.requires_grad_(False)
+    pools = {name: tasks.split_keys(name, "train") for name in cfg.rl.tasks}
+    return RL(cfg.rl, cfg.run.seed, tokenizer, chat_format(tokenizer), reward, reference, pools)

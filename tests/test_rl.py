@@ -1,0 +1,179 @@
+"""RL with verifiable rewards (quillgpt/rl.py, train.py with rl.enabled): real runs from a tiny chat model. The
+policy-gradient step raises the reward it is given; only sampled reply tokens are trained (not the prompt, not the
+calculator's outputs); a resumed run continues exactly (its questions and sampling RNG are functions of the step);
+the reward comes from the user's own file; the KL penalty is zero at the reference and holds the policy near it;
+mistakes are one line."""
+
+import json
+import string
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+from quillgpt.chat_template import chat_format, with_chat_tokens
+from quillgpt.checkpoint import save_checkpoint
+from quillgpt.config import ConfigError
+from quillgpt.errors import UserError
+from quillgpt.rl import Reply, Rollouts, load_reward, sample_groups
+from quillgpt.tasks import conversations
+from quillgpt.tokenizer import CharTokenizer
+from train import train
+
+# a reward any model can earn by degrees: the share of 'a' in its reply (the user's own file, as rl.reward names it)
+REWARD_SOURCE = """
+def reward(question, reply, answer):
+    return reply.count("a") / max(len(reply), 1)
+"""
+
+
+def tokenizer():
+    return with_chat_tokens(CharTokenizer(sorted(set(string.printable)), eot=True))
+
+
+@pytest.fixture(scope="module")
+def rl_setup(tmp_path_factory) -> dict:
+    """A tiny random chat model (the init_from), task conversations for the chat dataset, and a reward file."""
+    root = tmp_path_factory.mktemp("rl")
+    tok = tokenizer()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=96, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32, bias=False))
+    save_checkpoint(
+        root / "chat.pt",
+        {"model": model.state_dict(), "model_args": model.config.to_dict(), "tokenizer": tok.to_dict()},
+    )
+    with open(root / "tasks.jsonl", "w") as f:
+        for messages in conversations(["count", "reverse"], "train", 300, seed=0):
+            f.write(json.dumps({"messages": messages}) + "\n")
+    (root / "my_reward.py").write_text(REWARD_SOURCE)
+    return {"root": root, "ckpt": root / "chat.pt", "input": root / "tasks.jsonl", "reward": root / "my_reward.py"}
+
+
+def rl_overrides(setup: dict, out: Path, **extra) -> dict:
+    o = {
+        "run.init_from": str(setup["ckpt"]),
+        "run.out_dir": str(out),
+        "run.name": "rl",
+        "run.device": "cpu",
+        "data.dataset": "rl_tasks",
+        "data.input": str(setup["input"]),
+        "data.data_dir": str(setup["root"] / "data"),
+        "data.chat": True,
+        "model.block_size": 96,
+        "training.precision": "fp32",
+        "training.batch_size": 16,
+        "training.max_iters": 6,
+        "training.eval_interval": 3,
+        "training.eval_iters": 2,
+        "training.log_interval": 1,
+        "training.save_interval": 3,
+        "optimizer.learning_rate": 1e-2,
+        "optimizer.warmup_iters": 0,
+        "optimizer.decay_lr": False,
+        "logging.plot": False,
+        "rl.enabled": True,
+        "rl.prompts_per_step": 2,
+        "rl.group_size": 8,
+        "rl.max_new_tokens": 8,
+        "rl.eval_items": 3,
+        "rl.reward": f"{setup['reward']}:reward",
+    }
+    return {**o, **extra}
+
+
+def history(run_dir: Path, kind: str = "train") -> list[dict]:
+    return [p for p in json.loads((run_dir / "train_log.json").read_text())["history"] if p["kind"] == kind]
+
+
+def test_rl_raises_the_reward_it_is_given(rl_setup, tmp_path):
+    train(None, overrides=rl_overrides(rl_setup, tmp_path, **{"training.max_iters": 30, "training.eval_interval": 0}))
+    rewards = [p["reward"] for p in history(tmp_path / "rl")]
+    assert len(rewards) == 30
+    assert sum(rewards[-5:]) / 5 > 2 * sum(rewards[:5]) / 5 + 0.1  # the share of 'a' grows
+
+
+def test_a_resumed_rl_run_continues_exactly(rl_setup, tmp_path):
+    """6 steps straight == 3, stop, resume to 6 in this process: the same questions, samples, rewards, losses and
+    weights (the sampling RNG's state is the step's seed)."""
+    train(None, overrides=rl_overrides(rl_setup, tmp_path / "straight"))
+    train(None, overrides=rl_overrides(rl_setup, tmp_path / "split", **{"training.max_iters": 3}))
+    train(None, overrides={"training.max_iters": 6}, resume=str(tmp_path / "split" / "rl"))
+    a, b = history(tmp_path / "straight" / "rl"), history(tmp_path / "split" / "rl")
+    pick = ("iter", "loss", "reward", "reply_tokens")
+    assert [[p[k] for k in pick] for p in a] == [[p[k] for k in pick] for p in b]
+    assert len(a) == 6 and len({p["reward"] for p in a}) > 1
+    evals = history(tmp_path / "straight" / "rl", "eval")
+    assert {"task_acc", "count_acc", "reverse_acc"} <= set(evals[-1])  # held-out accuracy at each evaluation
+    wa = torch.load(tmp_path / "straight" / "rl" / "ckpt_last.pt", weights_only=True)["model"]
+    wb = torch.load(tmp_path / "split" / "rl" / "ckpt_last.pt", weights_only=True)["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_only_sampled_reply_tokens_are_trained():
+    """The prompt, the calculator's inserted output and the padding have target -1; the sampled tokens, the end of
+    turn among them, are the targets."""
+    rollouts = Rollouts(
+        prompts=[[1, 2, 3]],
+        replies=[[Reply([4, 5, 6, 7], [True, False, False, True], ""), Reply([8], [True], "")]],
+        rewards=torch.tensor([[1.0, 0.0]]),
+    )
+    x, y = rollouts.rows(torch.device("cpu"))
+    assert x.tolist() == [[1, 2, 3, 4, 5, 6], [1, 2, 3, 0, 0, 0]]
+    assert y.tolist() == [[-1, -1, 4, -1, -1, 7], [-1, -1, 8, -1, -1, -1]]
+    assert rollouts.advantages(scale=False).tolist() == [[0.5, -0.5]]
+    assert torch.allclose(rollouts.advantages(scale=True), torch.tensor([[1.0, -1.0]]), atol=1e-3)
+
+
+def test_the_sampler_answers_calculator_calls_and_marks_their_output_inserted():
+    from test_tools import call_ids, script_after, scripted_model
+
+    tok = with_chat_tokens(CharTokenizer(sorted(set(string.printable)), eot=True))
+    fmt = chat_format(tok)
+    prompt = fmt.prompt_ids([{"role": "user", "content": "What is 17 + 25?"}])
+    written, output = call_ids(tok, "17+25", "42")
+    model = scripted_model(tok, script_after(prompt, written))
+    other = fmt.prompt_ids([{"role": "user", "content": "Hi"}])  # shorter: its rows decode at other positions
+    groups = sample_groups(model, tok, fmt, [prompt, other], 3, 30, 1.0, 1, torch.Generator().manual_seed(0))
+    assert [len(g) for g in groups] == [3, 3]
+    for reply in groups[0]:  # top_k 1: greedy, every row the same
+        assert reply.answer == "42" and reply.ids[-1] in fmt.stop_ids
+        start = reply.ids.index(output[0])
+        assert reply.ids[start : start + len(output)] == output
+        assert not any(reply.sampled[start : start + len(output)]) and all(reply.sampled[:start])
+    end = tok.special_tokens["<|im_end|>"]
+    assert [r.ids for r in groups[1]] == [[end]] * 3  # unscripted positions: the model ends its turn at once
+    with torch.autocast("cpu", torch.bfloat16):  # as a bf16 run samples: an fp32 cache takes bf16 keys and values
+        again = sample_groups(model, tok, fmt, [prompt, other], 3, 30, 1.0, 1, torch.Generator().manual_seed(0))
+    assert [[r.ids for r in g] for g in again] == [[r.ids for r in g] for g in groups]
+
+
+def test_the_kl_penalty_is_zero_at_the_reference_and_holds_the_policy_near_it(rl_setup, tmp_path):
+    """The same run with a negligible and with a strong penalty (both measure the KL to run.init_from's model on their
+    own samples): zero at the first step, where the policy is the reference; lower with the penalty afterwards."""
+    steps = {"training.max_iters": 8, "training.eval_interval": 0}
+    train(None, overrides=rl_overrides(rl_setup, tmp_path / "free", **steps, **{"rl.kl_coef": 1e-9}))
+    train(None, overrides=rl_overrides(rl_setup, tmp_path / "kl", **steps, **{"rl.kl_coef": 5.0}))
+    free, held = ([p["kl"] for p in history(tmp_path / run / "rl")] for run in ("free", "kl"))
+    assert free[0] == held[0] == pytest.approx(0.0, abs=1e-6)
+    assert sum(held[-4:]) < 0.5 * sum(free[-4:])
+
+
+def test_rl_mistakes_are_one_line(rl_setup, tmp_path):
+    with pytest.raises(ConfigError, match="run.init_from"):
+        train(None, overrides={**rl_overrides(rl_setup, tmp_path), "run.init_from": "scratch"})
+    with pytest.raises(ConfigError, match="rl.tasks"):
+        train(None, overrides=rl_overrides(rl_setup, tmp_path, **{"rl.tasks": ["sudoku"]}))
+    with pytest.raises(ConfigError, match="task_acc"):
+        train(
+            None,
+            overrides={**rl_overrides(rl_setup, tmp_path), "rl.enabled": False, "training.best_metric": "task_acc"},
+        )
+    with pytest.raises(UserError, match="has no function 'nope'"):
+        load_reward(f"{rl_setup['reward']}:nope")
+    with pytest.raises(UserError, match="no file"):
+        load_reward(f"{tmp_path / 'missing.py'}:reward")
+    bad = tmp_path / "bad.py"
+    bad.write_text("def reward(q, r, a):\n    return 'yes'\n")
+    with pytest.raises(UserError, match="must return a finite number"):
+        train(None, overrides=rl_overrides(rl_setup, tmp_path / "bad", **{"rl.reward": f"{bad}:reward"}))
