@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from benchmarks.conditions import load_average
 from quillgpt.errors import UserError, run_main
-from quillgpt.files import atomic_write_json
+from quillgpt.files import atomic_write, atomic_write_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TASKS = "arithmetic,reverse,count"
@@ -65,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     before, seconds["eval_chat"] = accuracies("checkpoints/base-chat", out.with_suffix(".chat.json"), args.items)
     seconds["rl"] = timed("train.py", "--config", "configs/chat/base_chat_rl.toml", "--force")
     after, seconds["eval_rl"] = accuracies("checkpoints/base-chat-rl", out.with_suffix(".rl.json"), args.items)
-    shutil.copyfile(REPO_ROOT / "checkpoints" / "base-chat-rl" / "loss_curve.png", out.with_name("rl_curve.png"))
+    with atomic_write(out.with_name("rl_curve.png")) as f:
+        f.write((REPO_ROOT / "checkpoints" / "base-chat-rl" / "loss_curve.png").read_bytes())
     report = {"seconds": seconds, "chat_model": before, "rl_model": after, "load": [load_before, load_average()]}
     atomic_write_json(out, report)
     print("| task | chat model (SFT, with the tool) | after RL |\n| --- | ---: | ---: |")
