@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import GPT, GPTConfig
+import quillgpt.rl as rl
+from model import GPT, GPTConfig, sample_next
 from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.config import ConfigError
 from quillgpt.errors import UserError
-import quillgpt.rl as rl
 from quillgpt.rl import Reply, Rollouts, load_reward, sample_groups, token_logprobs
 from quillgpt.tasks import conversations
 from quillgpt.tokenizer import CharTokenizer
@@ -126,7 +126,7 @@ def test_only_sampled_reply_tokens_are_trained():
     assert torch.allclose(rollouts.advantages(scale=True), torch.tensor([[1.0, -1.0]]), atol=1e-3)
 
 
-def test_the_sampler_samples_from_the_policy_the_step_trains():
+def test_the_sampler_samples_from_the_policy_the_step_trains(monkeypatch):
     """On-policy: the log-prob the sampler drew each reply token with (rows at their own positions in the slot cache,
     prompts of different lengths, rows that ended early) is the training forward's log-prob of that token as
     Rollouts.rows lays it out, for every sampled token of every row."""
@@ -143,17 +143,13 @@ def test_the_sampler_samples_from_the_policy_the_step_trains():
 
     def recording(logits, *args, **kwargs):
         seen.append(logits.log_softmax(-1))  # (rows, V): what each row's token was drawn from
-        return model_sample_next(logits, *args, **kwargs)
+        return sample_next(logits, *args, **kwargs)
 
-    model_sample_next = rl.sample_next
-    rl.sample_next = recording
-    try:
-        groups = sample_groups(model, tok, fmt, prompts, 4, 12, 1.0, None, torch.Generator().manual_seed(1))
-    finally:
-        rl.sample_next = model_sample_next
+    monkeypatch.setattr(rl, "sample_next", recording)
+    groups = sample_groups(model, tok, fmt, prompts, 4, 12, 1.0, None, torch.Generator().manual_seed(1))
     replies = [r for g in groups for r in g]
     assert len({len(r.ids) for r in replies}) > 2 and any(r.ids[-1] == end for r in replies)
-    sampler = [[seen[k][i, t].item() for k, t in enumerate(r.ids)] for i, r in enumerate(replies)]
+    sampler = [[seen[k][i, t].item() for k, t in enumerate(r.ids) if r.sampled[k]] for i, r in enumerate(replies)]
     x, y = Rollouts(prompts, groups, torch.zeros(3, 4)).rows(torch.device("cpu"))
     with torch.no_grad():
         logp = token_logprobs(model, x, y, torch.autocast("cpu", enabled=False))
