@@ -205,6 +205,15 @@ class Rollouts:
         return x.to(device), y.to(device)
 
 
+def token_logprobs(model: GPT, x: torch.Tensor, y: torch.Tensor, autocast) -> torch.Tensor:
+    """log p(y | x) per position (rows, T) in fp32, 0 where y is -1: the policy-gradient pass's view of the sampled
+    tokens, which must be the sampler's own (on-policy; tests/test_rl.py checks that they agree)."""
+    with autocast:
+        logits, _ = model(x)
+    logp = -F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
+    return logp.view_as(y)
+
+
 @dataclass
 class RL:
     """An RL run's sampler, rewards and evaluation: the trainer's fit() calls step() instead of its train_step, and
@@ -292,18 +301,14 @@ class RL:
         self, model: GPT, x: torch.Tensor, y: torch.Tensor, advantages: torch.Tensor, counted: torch.Tensor, autocast
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A micro-batch's share of the step's loss, and of the mean KL to the reference (0 without one)."""
-        with autocast:
-            logits, _ = model(x)
         mask = y >= 0
-        logp = -F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
-        logp = logp.view_as(y)  # (rows, T), 0 where nothing is learned
+        logp = token_logprobs(model, x, y, autocast)  # (rows, T), 0 where nothing is learned
         loss = -(logp * advantages[:, None]).sum() / counted
         kl = torch.zeros((), device=x.device)
         if self.reference is not None and self.cfg.kl_coef > 0:
-            with torch.no_grad(), autocast:
-                ref_logits, _ = self.reference(x)
-            ref = -F.cross_entropy(ref_logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
-            log_ratio = (ref.view_as(y) - logp) * mask
+            with torch.no_grad():
+                ref = token_logprobs(self.reference, x, y, autocast)
+            log_ratio = (ref - logp) * mask
             kl = ((log_ratio.exp() - log_ratio - 1) * mask).sum() / counted  # k3: unbiased, >= 0 per token
             loss = loss + self.cfg.kl_coef * kl
         return loss, kl.detach()

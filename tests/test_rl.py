@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import GPT, GPTConfig
+import quillgpt.rl as rl
+from model import GPT, GPTConfig, sample_next
 from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.config import ConfigError
 from quillgpt.errors import UserError
-from quillgpt.rl import Reply, Rollouts, load_reward, sample_groups
+from quillgpt.rl import Reply, Rollouts, load_reward, sample_groups, token_logprobs
 from quillgpt.tasks import conversations
 from quillgpt.tokenizer import CharTokenizer
 from train import train
@@ -123,6 +124,38 @@ def test_only_sampled_reply_tokens_are_trained():
     assert y.tolist() == [[-1, -1, 4, -1, -1, 7], [-1, -1, 8, -1, -1, -1]]
     assert rollouts.advantages(scale=False).tolist() == [[0.5, -0.5]]
     assert torch.allclose(rollouts.advantages(scale=True), torch.tensor([[1.0, -1.0]]), atol=1e-3)
+
+
+def test_the_sampler_samples_from_the_policy_the_step_trains(monkeypatch):
+    """On-policy: the log-prob the sampler drew each reply token with (rows at their own positions in the slot cache,
+    prompts of different lengths, rows that ended early) is the training forward's log-prob of that token as
+    Rollouts.rows lays it out, for every sampled token of every row."""
+    tok = tokenizer()
+    fmt = chat_format(tok)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32, bias=False))
+    end = tok.special_tokens["<|im_end|>"]
+    with torch.no_grad():  # end the turn now and then: rows finish at different steps
+        model.lm_head.weight[end] *= 6 / model.lm_head.weight[end].norm()
+    model.eval()
+    prompts = [fmt.prompt_ids([{"role": "user", "content": q}]) for q in ("Hi", "Reverse the word card.", "Why?")]
+    seen = []
+
+    def recording(logits, *args, **kwargs):
+        seen.append(logits.log_softmax(-1))  # (rows, V): what each row's token was drawn from
+        return sample_next(logits, *args, **kwargs)
+
+    monkeypatch.setattr(rl, "sample_next", recording)
+    groups = sample_groups(model, tok, fmt, prompts, 4, 12, 1.0, None, torch.Generator().manual_seed(1))
+    replies = [r for g in groups for r in g]
+    assert len({len(r.ids) for r in replies}) > 2 and any(r.ids[-1] == end for r in replies)
+    sampler = [[seen[k][i, t].item() for k, t in enumerate(r.ids) if r.sampled[k]] for i, r in enumerate(replies)]
+    x, y = Rollouts(prompts, groups, torch.zeros(3, 4)).rows(torch.device("cpu"))
+    with torch.no_grad():
+        logp = token_logprobs(model, x, y, torch.autocast("cpu", enabled=False))
+    trained = [logp[i][y[i] >= 0].tolist() for i in range(len(replies))]
+    assert [len(t) for t in trained] == [len(s) for s in sampler]
+    assert torch.allclose(torch.tensor(sum(trained, [])), torch.tensor(sum(sampler, [])), atol=1e-4)
 
 
 def test_the_sampler_answers_calculator_calls_and_marks_their_output_inserted():
