@@ -23,20 +23,11 @@ from typing import TextIO
 import torch
 
 from model import GPT, KVCache, cache_length, sample_next
-from quillgpt.chat_template import ChatFormat, chat_format
+from quillgpt.chat_template import ChatFormat, chat_format, common_prefix
 from quillgpt.errors import UserError
 from quillgpt.generate import showable_length
 from quillgpt.tokenizer import Tokenizer
 from quillgpt.tools import calculator_for, reply_parts
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class ChatSession:

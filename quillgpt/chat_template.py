@@ -340,3 +340,13 @@ class ChatFormat:
 
 def chat_format(tokenizer: Tokenizer, control_tokens_in_content: bool = False) -> ChatFormat:
     return ChatFormat(tokenizer, control_tokens_in_content)
+
+
+def common_prefix(a: list, b: list) -> int:
+    """How many leading items a and b share (token ids: what two renderings of a conversation have in common)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

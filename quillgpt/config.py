@@ -158,10 +158,10 @@ class DataConfig:
         "run.init_from, its model's tokenizer), and the loss counts the assistant's tokens only (docs/chat.md)",
     )
     chat_rows: str = _f(
-        "padded",
-        "chat data: rows start at a conversation and count its targets only (padded), or go on into the following "
-        "ones, each conversation attending only within itself, its positions from 0 (packed; docs/chat.md has the "
-        "measurements)",
+        "packed",
+        "chat data: rows start at a conversation and go on into the following ones, each attending only within "
+        "itself, its positions from 0 (packed), or count the first conversation's targets only (padded); packed "
+        "measured better at equal wall time (docs/chat.md)",
         choices=("packed", "padded"),
     )
     document_mask: bool = _f(

@@ -328,7 +328,7 @@ class BatchSource:
         seed: int,
         device: torch.device,
         prefetch: bool | None = None,
-        chat_rows: str = "padded",
+        chat_rows: str = "packed",
         document_mask: bool = False,
     ):
         self.dataset, self.block_size, self.batch_size, self.seed = dataset, block_size, batch_size, seed

@@ -21,7 +21,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -570,18 +570,13 @@ def eval_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
         return dpo_metrics(tr, batches)
     tr.model.eval()
     out = {}
-    n, rank, world, device = batches or tr.cfg.training.eval_iters, tr.rt.dist.rank, tr.rt.dist.world_size, tr.rt.device
+    n, device = batches or tr.cfg.training.eval_iters, tr.rt.device
     for split in ("train", "val"):
         # the sums of loss x w, correct / numel, w, nats of tokens with bytes, their bytes, where w is the share of the
         # batch's targets that count (1 except on chat data, where the loss counts the assistant's tokens only); loss x
         # w is the batch's nats over its numel
         sums = torch.zeros(5, device=device)
-        for k in tqdm(
-            range(rank, math.ceil(n / world) * world, world),
-            desc=f"eval {split}",
-            leave=False,
-            disable=None if tr.rt.dist.is_main else True,
-        ):
+        for k in eval_indices(tr, n, split):
             x, y, positions = tr.batches.get(split, k)
             with tr.rt.autocast:
                 logits, _ = tr.model(
@@ -615,6 +610,18 @@ def eval_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
     return out
 
 
+def eval_indices(tr: Trainer, n: int, split: str) -> Iterable[int]:
+    """The evaluation batches this rank reads, dealt round-robin: every rank the same count (an index >= n pads a
+    rank's share and counts zero), with a progress bar on the main rank."""
+    rank, world = tr.rt.dist.rank, tr.rt.dist.world_size
+    return tqdm(
+        range(rank, math.ceil(n / world) * world, world),
+        desc=f"eval {split}",
+        leave=False,
+        disable=None if tr.rt.dist.is_main else True,
+    )
+
+
 @torch.no_grad()
 def dpo_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
     """eval_metrics on preference pairs: per split the DPO loss and TRL's reward figures (a side's reward is beta x
@@ -622,15 +629,10 @@ def dpo_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
     side's mean, over eval_iters batches of pairs (the same every time), dealt to the ranks as eval_metrics's."""
     tr.model.eval()
     out = {}
-    n, rank, world, device = batches or tr.cfg.training.eval_iters, tr.rt.dist.rank, tr.rt.dist.world_size, tr.rt.device
+    n, device = batches or tr.cfg.training.eval_iters, tr.rt.device
     for split in ("train", "val"):
         sums = torch.zeros(6, device=device)
-        for k in tqdm(
-            range(rank, math.ceil(n / world) * world, world),
-            desc=f"eval {split}",
-            leave=False,
-            disable=None if tr.rt.dist.is_main else True,
-        ):
+        for k in eval_indices(tr, n, split):
             with tr.rt.autocast:
                 sums += (k < n) * tr.dpo.sums(tr.model, *tr.batches.get(split, k))
         out.update(figures(distributed.all_reduce_sum(sums), split))

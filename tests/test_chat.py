@@ -112,7 +112,7 @@ def test_a_reply_the_tokenizer_would_encode_otherwise_rewinds_the_cache_to_where
     rendering differs from the cache after the common prefix, which is all that is kept."""
     from conftest import tiny_corpus
 
-    from quillgpt.chat_session import common_prefix
+    from quillgpt.chat_template import common_prefix
     from quillgpt.tokenizer import train_tokenizer
 
     tok = with_chat_tokens(train_tokenizer("bpe", [tiny_corpus(20_000) + "?+0123456789'"], 300, eot=True))

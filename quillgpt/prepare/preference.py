@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from quillgpt.chat_template import ChatFormat, check_messages
+from quillgpt.chat_template import ChatFormat, check_messages, common_prefix
 from quillgpt.errors import UserError
 
 PAIR_FIELDS = ("prompt", "messages", "chosen", "rejected")
@@ -86,15 +86,6 @@ def implicit_prompt(chosen: Any, rejected: Any) -> tuple[list, list, list]:
     return chosen[:at], chosen[at:], rejected[at:]
 
 
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def conversation_ids(fmt: ChatFormat, messages: list[dict]) -> list[int]:
     """A whole conversation's ids, its content's control-token spellings encoded as text."""
     rendered, literals = fmt.literal_content(messages)
@@ -104,11 +95,11 @@ def conversation_ids(fmt: ChatFormat, messages: list[dict]) -> list[int]:
 def encode_pair(fmt: ChatFormat, pair: Pair) -> tuple[list[int], list[int], list[int], list[int]]:
     """(chosen ids, chosen mask, rejected ids, rejected mask): each side's conversation and 1 on its reply's tokens,
     which start where the prompt rendered with its generation prompt stops agreeing with either side (TRL's
-    common_prefix_length rule)."""
+    common_prefix rule)."""
     prompt = fmt.prompt_ids(pair.prompt)
     chosen = conversation_ids(fmt, pair.prompt + pair.chosen)
     rejected = conversation_ids(fmt, pair.prompt + pair.rejected)
-    start = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))
+    start = min(common_prefix(prompt, chosen), common_prefix(prompt, rejected))
     for name, ids in (("chosen", chosen), ("rejected", rejected)):
         if len(ids) <= start:
             raise UserError(f"the {name} reply adds no token to the prompt")
