@@ -97,6 +97,7 @@ TINY_FLAGS = ["--model.block_size", "64", "--training.batch_size", "2", "--train
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--part", choices=("memory", "kernels", "demo"), default="memory", help="(default %(default)s)")
     p.add_argument("--shapes", default=",".join(SHAPES), help="memory: the shapes measured (default %(default)s)")
+    p.add_argument("--variants", help=f"memory: comma-separated, a subset of {', '.join(VARIANTS)} (default: all)")
     p.add_argument("--warmup", type=int, default=1, help="memory: untimed steps first (default %(default)s)")
     p.add_argument("--iters", type=int, default=2, help="memory: timed steps (default %(default)s)")
     p.add_argument("--base", type=Path, help="demo: the base run (default: configs/base/base.toml, trained here)")
@@ -132,7 +133,7 @@ def memory(args: argparse.Namespace, cli: list[str]) -> None:
             if name == "llama-3.2-1b" and not args.tiny:
                 rows.append([name, "full", refused(FULL_PRESET, common, Path(tmp)), "", "", "", ""])
             full = None
-            for variant in variants:
+            for variant in [v for v in variants if not args.variants or v in args.variants.split(",")]:
                 preset, extra = VARIANTS[variant]
                 measured = measure(preset, [*common, *extra], args, Path(tmp))
                 full = full or measured

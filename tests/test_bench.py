@@ -489,3 +489,14 @@ def test_vs_transformers_decodes_the_same_greedy_tokens_as_transformers_generate
     assert "greedy tokens equal: True" in out
     with pytest.raises(UserError, match="exceed the context 32"):
         bench.main(["--vs-transformers", "--new-tokens", "30", *small])
+
+
+def test_a_child_s_peak_rss_is_its_own_not_its_parent_s(tmp_path):
+    """Linux carries ru_maxrss over fork and exec: a small child of a parent that once held 1 GB must still read
+    small (benchmarks.common.run_child reads the child's own VmHWM)."""
+    from benchmarks.common import run_child
+
+    held = bytearray(b"x") * 10**9  # every page touched: the parent's high-water mark passes 1 GB
+    del held
+    _, peak_mb = run_child([sys.executable, "-c", "b = bytearray(b'x') * 200_000_000"], tmp_path / "child.log")
+    assert 150 < peak_mb < 600, peak_mb
