@@ -56,11 +56,12 @@ def run_server(server: uvicorn.Server, batcher: Batcher, sock: socket.socket) ->
     web = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="quillgpt-http", daemon=True)
     signal.signal(signal.SIGTERM, lambda *_: batcher.halt())
     web.start()
-    try:
-        batcher.run(until=lambda: not web.is_alive())
-    finally:
-        server.should_exit = True
-        web.join(timeout=10)
+    batcher.run(until=lambda: not web.is_alive())
+    # SIGTERM (or the web server ending) lets the web server close gracefully. Ctrl-C (KeyboardInterrupt) and errors
+    # skip this wait and leave at once (run_main ends the process; the web thread is a daemon): waiting up to 10 s
+    # here for the web thread's shutdown was the slow part of Ctrl-C on a loaded machine.
+    server.should_exit = True
+    web.join(timeout=10)
 
 
 def build_app(batcher: Batcher, settings: ServerSettings) -> FastAPI:
