@@ -25,6 +25,9 @@ BF16_MARGIN = 1.5  # bf16 must measure this much faster: near parity, fp32's exa
 PROBE_SECONDS = 0.06  # per precision, after one warm-up call, in PROBE_ROUNDS windows
 PROBE_ROUNDS = 3
 PROBE_MAX_ROWS = 256  # rows of the probe's (rows, width) @ (width, 4 * width)
+# and its width: past it a matmul's rate no longer changes with the width, while one call's cost grows as its square
+# (an 8,192-wide model's probe took a minute of randn and single matmuls of a second each)
+PROBE_MAX_WIDTH = 2048
 
 
 def autocast(device_type: str, precision: str):
@@ -72,8 +75,8 @@ def measured_faster(fp32: float, bf16: float) -> str:
 
 @functools.cache
 def measure_cpu_rates(width: int, rows: int) -> MatmulRates:
-    """fp32 and bf16 rates of (rows, width) @ (width, 4 * width), a model's MLP shape (rows capped: the probe stays
-    well under a second), and the precision auto takes by them.
+    """fp32 and bf16 rates of (rows, width) @ (width, 4 * width), a model's MLP shape (rows and width capped: the
+    probe stays well under a second), and the precision auto takes by them.
 
     Two readings on all threads give the rates (MFU's ceiling), two on one thread the choice (read_rates: each keeps
     its best calls): on a busy machine threads that wait for each other read a matmul at a hundredth of its speed (a
@@ -81,7 +84,7 @@ def measure_cpu_rates(width: int, rows: int) -> MatmulRates:
     slowed between calls, so the same config picks the same precision however busy the machine. Where the one-thread
     readings disagree too (near parity, BF16_MARGIN), the CPU's class decides (cpu_bf16_class: native bf16 matmuls
     or not, from its flags and the libraries' caps); the text says so wherever the readings were not of one mind."""
-    rows = max(1, min(rows, PROBE_MAX_ROWS))
+    rows, width = max(1, min(rows, PROBE_MAX_ROWS)), max(1, min(width, PROBE_MAX_WIDTH))
     readings = [read_rates(width, rows) for _ in range(2)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
