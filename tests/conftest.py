@@ -29,6 +29,14 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
+# A suite started in the background by a non-interactive shell (`python -m pytest ... &` in a script) inherits SIGINT
+# ignored, as POSIX shells start background jobs, and so would every process a test starts: Python then installs no
+# KeyboardInterrupt at all, and a test that sends Ctrl-C to serve.py or train.py waits for an exit that never comes
+# (how the Ctrl-C test "timed out under load": the load was launched that way). A handler, unlike SIG_IGN, is reset to
+# the default in a process a test starts, as a terminal's foreground process has it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 WORDS = "the king queen lord of and to my thou art not what say speak come go love death night".split()
 
 
