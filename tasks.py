@@ -6,6 +6,7 @@ CPU chat demo (docs/chat.md).
     python tasks.py --out data/sums.jsonl --tasks arithmetic --turns 2 --seed 1
     python tasks.py --out data/chat_prefs.jsonl --preference --seed 1   # DPO pairs: the answer chosen, a near miss rejected
     python tasks.py --out data/chat_tasks.jsonl --turns 3 --tool       # arithmetic through the calculator tool
+    python tasks.py --out data/chat_prefs.jsonl --preference --made-up # pairs on made-up words: new to the chat model
 
 Each line is {"messages": [...]}, the form prepare.py --chat reads; with --preference {"prompt": [...], "chosen":
 [...], "rejected": [...]}, TRL's conversational preference form that prepare.py --preference reads. Held-out items (--split test) are never in the
@@ -37,6 +38,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="write preference pairs for DPO: the last question's answer chosen, a near miss rejected",
     )
     p.add_argument(
+        "--made-up",
+        action="store_true",
+        help="reverse and count on made-up words (never a held-out word): questions the tasks' words do not hold",
+    )
+    p.add_argument(
         "--tool",
         action="store_true",
         help="answer arithmetic with the calculator tool: the reply calls it, then gives its output (docs/chat.md)",
@@ -46,6 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--n and --turns must be at least 1")
     if args.preference and args.tool:
         p.error("--preference pairs are written without the calculator: drop --tool")
+    if args.made_up and args.split == "test":
+        p.error("--made-up writes training questions: the test split is the tasks' own held-out words")
     return args
 
 
@@ -53,14 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tasks = parse_tasks(args.tasks)
     if args.preference:
-        rows, kind = preference_pairs(tasks, args.split, args.n, args.seed, args.turns), "preference pairs"
+        pairs = preference_pairs(tasks, args.split, args.n, args.seed, args.turns, args.made_up)
+        rows, kind = pairs, "preference pairs"
     else:
-        conversed = conversations(tasks, args.split, args.n, args.seed, args.turns, args.tool)
+        conversed = conversations(tasks, args.split, args.n, args.seed, args.turns, args.tool, args.made_up)
         rows, kind = [{"messages": m} for m in conversed], "conversations"
     with atomic_write(args.out, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     form = "; arithmetic with the calculator" if args.tool and "arithmetic" in tasks else ""
+    form += "; reverse and count on made-up words" if args.made_up else ""
     print(f"wrote {len(rows):,} {kind} ({', '.join(tasks)}; {args.split} split{form}) to {args.out}", file=sys.stderr)
     return 0
 

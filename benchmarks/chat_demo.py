@@ -10,7 +10,7 @@ The stages, each a fresh process of the scripts a user runs, timed from launch t
 4. `eval.py --chat-task arithmetic,reverse,count --chat-items 200` of the chat model: arithmetic with the tool, and
    RL's starting point for count and reverse;
 5. RL: configs/chat/base_chat_rl.toml (--force), whose wall time is the figure the target is for (<= 10 minutes);
-6. the same eval.py of the RL model's best checkpoint.
+6. the same eval.py of the RL run's last checkpoint (not its best by task_acc: that one is picked on held-out items).
 The report (--out, JSON) holds each stage's seconds and the accuracies before and after; the RL run's
 loss_curve.png (reward and held-out accuracy against steps) is copied beside it as rl_curve.png.
 """
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     seconds["sft"] = timed("train.py", "--config", "configs/chat/base_chat.toml", "--force")
     before, seconds["eval_chat"] = accuracies("checkpoints/base-chat", out.with_suffix(".chat.json"), args.items)
     seconds["rl"] = timed("train.py", "--config", "configs/chat/base_chat_rl.toml", "--force")
-    after, seconds["eval_rl"] = accuracies("checkpoints/base-chat-rl", out.with_suffix(".rl.json"), args.items)
+    last = "checkpoints/base-chat-rl/ckpt_last.pt"
+    after, seconds["eval_rl"] = accuracies(last, out.with_suffix(".rl.json"), args.items)
     with atomic_write(out.with_name("rl_curve.png")) as f:
         f.write((REPO_ROOT / "checkpoints" / "base-chat-rl" / "loss_curve.png").read_bytes())
     report = {"seconds": seconds, "chat_model": before, "rl_model": after, "load": [load_before, load_average()]}

@@ -1,7 +1,9 @@
 """--dpo: the CPU demo of DPO (docs/chat.md). configs/chat/base_dpo.toml tunes the chat demo's model
 (configs/chat/base_chat.toml's checkpoints/base-chat) on preference pairs made from the synthetic tasks' train items
-(tasks.py --preference: the right answer chosen, a near miss rejected), in its own train.py process; then the model
-before and after is measured on held-out items, never trained on in any phrasing:
+(tasks.py --preference: the right answer chosen, a near miss rejected; --made-up: reverse and count on made-up words),
+of --tasks (reverse and count: the pairs have no calculator calls, and the chat model answers sums through it), in
+its own train.py process; then the model before and after is measured on held-out items, never trained on in any
+phrasing:
 
 - greedy accuracy per task, on eval.py --chat-task's items and grading (quillgpt.evaluate.run_chat_tasks);
 - on held-out pairs (test-split items, each with a near miss): how often the model gives the chosen reply the higher
@@ -35,7 +37,7 @@ from quillgpt.evaluate import run_chat_tasks
 from quillgpt.files import atomic_write_json, atomic_write_text
 from quillgpt.loading import load_model
 from quillgpt.prepare.preference import encode_pair, pair_of
-from quillgpt.tasks import TASKS, preference_pairs
+from quillgpt.tasks import TASKS, parse_tasks, preference_pairs
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict
 
 DPO_PRESET = REPO / "configs" / "chat" / "base_dpo.toml"
@@ -44,7 +46,18 @@ DPO_PRESET = REPO / "configs" / "chat" / "base_dpo.toml"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=DPO_PRESET, help="the DPO config run (default %(default)s)")
     p.add_argument("--pairs", type=int, default=20_000, help="training pairs (default %(default)s)")
+    p.add_argument(
+        "--tasks",
+        default="reverse,count",
+        help="the tasks of the pairs, trained and held out (default %(default)s: the chat model answers arithmetic "
+        "with the calculator, and the pairs are written without it)",
+    )
     p.add_argument("--turns", type=int, default=1, help="at most this many turns in a pair's prompt (default 1)")
+    p.add_argument(
+        "--made-up",
+        action="store_true",
+        help="reverse and count pairs on made-up words (tasks.py --preference --made-up): new to the chat model",
+    )
     p.add_argument("--chat-items", type=int, default=200, help="held-out items per task (default %(default)s)")
     p.add_argument("--held-out-pairs", type=int, default=600, help="held-out pairs (default %(default)s)")
     p.add_argument("--keep", type=Path, help="a directory for the pairs, the dataset and the run (default: temporary)")
@@ -88,12 +101,11 @@ def measure(source: str, held_out: list[dict], items: int) -> dict:
     }
 
 
-def train_dpo(config: Path, work: Path, pairs: int, turns: int, cli: list[str]) -> tuple[str, float]:
+def train_dpo(config: Path, work: Path, args: argparse.Namespace, cli: list[str]) -> tuple[str, float]:
     """Write the pairs and run train.py on them in its own process; (its run directory, seconds)."""
     source = work / "prefs.jsonl"
-    atomic_write_text(
-        source, "".join(json.dumps(r) + "\n" for r in preference_pairs(list(TASKS), "train", pairs, 1, turns))
-    )
+    records = preference_pairs(parse_tasks(args.tasks), "train", args.pairs, 1, args.turns, args.made_up)
+    atomic_write_text(source, "".join(json.dumps(r) + "\n" for r in records))
     args = [sys.executable, "train.py", "--config", str(config), "--data.input", str(source)]
     args += ["--data.data_dir", str(work / "data"), "--run.out_dir", str(work / "runs"), "--run.name", "dpo", *cli]
     t0 = time.perf_counter()
@@ -115,14 +127,18 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
             f"{start} is missing: make the chat demo's model first (README, 'From base model to chat'), or pass "
             "--run.init_from"
         )
-    held_out = preference_pairs(list(TASKS), "test", args.held_out_pairs, 0)
+    held_out = preference_pairs(parse_tasks(args.tasks), "test", args.held_out_pairs, 0)
     before = measure(start, held_out, args.chat_items)
     with tempfile.TemporaryDirectory(prefix="bench_dpo_") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        run_dir, seconds = train_dpo(config, work, args.pairs, args.turns, cli)
+        run_dir, seconds = train_dpo(config, work, args, cli)
         after = measure(run_dir, held_out, args.chat_items)
-    print(f"DPO: {config.relative_to(REPO)} from {start}, {args.pairs:,} pairs; train.py took {seconds:.0f}s")
+    words = "; reverse and count on made-up words" if args.made_up else ""
+    print(
+        f"DPO: {config.relative_to(REPO)} from {start}, {args.pairs:,} pairs of {args.tasks}{words}; "
+        f"train.py took {seconds:.0f}s"
+    )
     rows = [
         ["held-out pairs: chosen preferred", f"{before['preference_acc']:.1%}", f"{after['preference_acc']:.1%}"],
         ["held-out pairs: log-prob margin (nats)", f"{before['margin']:+.3f}", f"{after['margin']:+.3f}"],

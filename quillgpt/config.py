@@ -345,7 +345,13 @@ class RLConfig:
         "reinforcement learning with verifiable rewards (GRPO) from run.init_from's chat model, instead of the "
         "next-token loss: sampled replies to task prompts, scored, and a policy-gradient step (docs/chat.md)",
     )
-    tasks: list[str] = _f(["count", "reverse"], "synthetic tasks whose training items are the prompts (tasks.py)")
+    tasks: list[str] = _f(["count", "reverse"], "synthetic tasks whose questions are the prompts (tasks.py)")
+    questions: str = _f(
+        "made_up",
+        "made_up: reverse and count on made-up words (never a held-out word; arithmetic from its training split) | "
+        "train: each task's training split (a chat model answers most of those from memory: little to learn)",
+        choices=("made_up", "train"),
+    )
     prompts_per_step: int = _f(8, "prompts per optimizer step")
     group_size: int = _f(8, "replies sampled per prompt (G); each reply's advantage is its reward against its group's")
     max_new_tokens: int = _f(32, "the longest reply, in tokens (the calculator's outputs count)")

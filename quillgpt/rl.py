@@ -1,6 +1,7 @@
 """Reinforcement learning with verifiable rewards (GRPO): train.py with rl.enabled.
 
-Each optimizer step takes rl.prompts_per_step questions from the training split of rl.tasks (quillgpt/tasks.py),
+Each optimizer step takes rl.prompts_per_step questions of rl.tasks (quillgpt/tasks.py: reverse and count on made-up
+words, which a chat model has not memorized and no held-out item uses, or the tasks' training split: rl.questions),
 samples rl.group_size replies to each with the KV cache (every reply of the step decoded together, one row each;
 calculator calls answered as in chat.py: quillgpt/tools.py), scores every reply, and takes one policy-gradient step:
 
@@ -232,13 +233,15 @@ class RL:
     )  # per step since figures(): reward, length, kl
 
     def items(self, it: int) -> list[tasks.Item]:
-        """Step it's questions: a function of (seed, it), the tasks in turn."""
+        """Step it's questions: a function of (seed, it), the tasks in turn; on made-up words (rl.questions)."""
         rng = random.Random(f"rl:{self.seed}:{it}")
         names = self.cfg.tasks
         out = []
         for i in range(self.cfg.prompts_per_step):
             task = tasks.TASKS[names[(it * self.cfg.prompts_per_step + i) % len(names)]]
-            out.append(task.item(rng.choice(self.pools[task.name]), rng.choice(task.phrasings)))
+            made_up = self.cfg.questions == "made_up" and task.made_up is not None
+            key = task.made_up(rng) if made_up else rng.choice(self.pools[task.name])
+            out.append(task.item(key, rng.choice(task.phrasings)))
         return out
 
     def generator(self, it: int, device: torch.device) -> torch.Generator:

@@ -63,7 +63,11 @@ pocket rabbit school silver spring square street summer ticket tomato turtle win
 brother chicken country diamond dolphin kitchen library monster morning picture rainbow sandwich strawberry
 teacher thunder village weather banana elephant mountain notebook umbrella
 """.split()
+WORDS_SET = frozenset(WORDS)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
+# the words' letters, each as often as in WORDS: made-up words spell like them
+VOWELS = "".join(c for w in WORDS for c in w if c in "aeiou")
+CONSONANTS = "".join(c for w in WORDS for c in w if c not in "aeiou")
 HELD_OUT = 10  # one key in HELD_OUT goes to the test split
 
 
@@ -95,6 +99,7 @@ class Task:
     ask: Callable[[tuple], dict]  # content -> the fields a phrasing names
     answer: Callable[[tuple], str]
     call: Callable[[tuple], str] = lambda k: ""  # content -> the calculator call that answers it ("": none)
+    made_up: Callable[[random.Random], tuple] | None = None  # a key beyond keys(), on made-up words (None: no such)
 
     def item(self, key: tuple, phrasing: str) -> Item:
         question = phrasing.format(**self.ask(key))
@@ -115,6 +120,28 @@ def count_keys() -> list[tuple]:
     return keys
 
 
+def made_up_word(rng: random.Random) -> str:
+    """A made-up word as long as a random one of WORDS, consonants and vowels mostly in turn and each letter as common
+    as in WORDS, never one of WORDS: reverse and count items on it are new to a model trained on the tasks' words,
+    and never a held-out item."""
+    while True:
+        vowel = rng.random() < 0.4
+        letters = []
+        for _ in range(len(rng.choice(WORDS))):
+            letters.append(rng.choice(VOWELS if vowel else CONSONANTS))
+            vowel = not vowel if rng.random() < 0.8 else vowel
+        word = "".join(letters)
+        if word not in WORDS_SET:
+            return word
+
+
+def made_up_count_key(rng: random.Random) -> tuple:
+    """A made-up word with one of its letters, or (a third of the time, as count_keys has it) a letter it lacks."""
+    w = made_up_word(rng)
+    pool = sorted(set(w)) if rng.random() >= 1 / 3 else [c for c in LETTERS if c not in w]
+    return (w, rng.choice(pool))
+
+
 TASKS = {
     "arithmetic": Task(
         "arithmetic",
@@ -130,6 +157,7 @@ TASKS = {
         ("Spell '{w}' backwards.", "What is '{w}' reversed?", "Reverse the word {w}.", "Write {w} backwards."),
         lambda k: {"w": k[0]},
         lambda k: k[0][::-1],
+        made_up=lambda rng: (made_up_word(rng),),
     ),
     "count": Task(
         "count",
@@ -141,6 +169,7 @@ TASKS = {
         ),
         lambda k: {"w": k[0], "c": k[1]},
         lambda k: str(k[0].count(k[1])),
+        made_up=made_up_count_key,
     ),
 }
 
@@ -162,10 +191,16 @@ def split_keys(task: str, split: str) -> list[tuple]:
     return [k for k in TASKS[task].keys() if split_of(task, k) == split]
 
 
-def sample_items(task: str, split: str, n: int, seed: int, distinct: bool = False) -> list[Item]:
+def sample_items(task: str, split: str, n: int, seed: int, distinct: bool = False, made_up: bool = False) -> list[Item]:
     """n items of a task's split, each in a random phrasing: drawn with replacement, or (distinct) n different keys
-    (all of them when the split has fewer)."""
+    (all of them when the split has fewer); made_up: on made-up words instead, for a task that has them (reverse,
+    count), which no split holds (the train split only)."""
     rng = random.Random(f"{task}:{split}:{seed}")
+    if made_up and TASKS[task].made_up is not None:
+        if split != "train":
+            raise UserError("made-up words are training questions: the test split is the tasks' own held-out words")
+        keys = [TASKS[task].made_up(rng) for _ in range(n)]
+        return [TASKS[task].item(k, rng.choice(TASKS[task].phrasings)) for k in keys]
     pool = split_keys(task, split)
     keys = rng.sample(pool, min(n, len(pool))) if distinct else [rng.choice(pool) for _ in range(n)]
     phrasings = TASKS[task].phrasings
@@ -173,20 +208,22 @@ def sample_items(task: str, split: str, n: int, seed: int, distinct: bool = Fals
 
 
 def conversations(
-    tasks: list[str], split: str, n: int, seed: int, turns: int = 1, tool: bool = False
+    tasks: list[str], split: str, n: int, seed: int, turns: int = 1, tool: bool = False, made_up: bool = False
 ) -> list[list[dict]]:
     """n conversations of 1 to `turns` question-answer turns, the tasks in equal shares, in a seeded order; tool:
-    arithmetic answered with the calculator (Item.messages)."""
-    groups = item_groups(tasks, split, n, seed, turns)
+    arithmetic answered with the calculator (Item.messages); made_up: reverse and count on made-up words."""
+    groups = item_groups(tasks, split, n, seed, turns, made_up)
     return [[m for item in group for m in item.messages(tool)] for group in groups]
 
 
-def item_groups(tasks: list[str], split: str, n: int, seed: int, turns: int = 1) -> list[list[Item]]:
+def item_groups(
+    tasks: list[str], split: str, n: int, seed: int, turns: int = 1, made_up: bool = False
+) -> list[list[Item]]:
     """n groups of 1 to `turns` items, the tasks in equal shares, in a seeded order: a conversation's questions."""
     rng = random.Random(f"conversations:{split}:{seed}")
     lengths = [rng.randint(1, turns) for _ in range(n)]
     per_task = -(-sum(lengths) // len(tasks))
-    pools = {t: sample_items(t, split, per_task, seed) for t in tasks}
+    pools = {t: sample_items(t, split, per_task, seed, made_up=made_up) for t in tasks}
     items = [item for pool in pools.values() for item in pool]
     rng.shuffle(items)
     out, at = [], 0
@@ -196,12 +233,15 @@ def item_groups(tasks: list[str], split: str, n: int, seed: int, turns: int = 1)
     return out
 
 
-def preference_pairs(tasks: list[str], split: str, n: int, seed: int, turns: int = 1) -> list[dict]:
+def preference_pairs(
+    tasks: list[str], split: str, n: int, seed: int, turns: int = 1, made_up: bool = False
+) -> list[dict]:
     """n preference records in TRL's conversational form: the conversation so far (earlier turns answered right)
-    and the last question as the prompt, its answer chosen and a near miss rejected."""
+    and the last question as the prompt, its answer chosen and a near miss rejected; made_up: reverse and count on
+    made-up words."""
     rng = random.Random(f"preference:{split}:{seed}")
     records = []
-    for group in item_groups(tasks, split, n, seed, turns):
+    for group in item_groups(tasks, split, n, seed, turns, made_up):
         *before, last = group
         prompt = [m for item in before for m in item.messages()] + [{"role": "user", "content": last.question}]
         records.append(

@@ -15,10 +15,10 @@ import quillgpt.rl as rl
 from model import GPT, GPTConfig, sample_next
 from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.checkpoint import save_checkpoint
-from quillgpt.config import ConfigError
+from quillgpt.config import ConfigError, RLConfig
 from quillgpt.errors import UserError
 from quillgpt.rl import Reply, Rollouts, load_reward, sample_groups, token_logprobs
-from quillgpt.tasks import conversations
+from quillgpt.tasks import WORDS, conversations, split_keys
 from quillgpt.tokenizer import CharTokenizer
 from train import train
 
@@ -210,3 +210,25 @@ def test_rl_mistakes_are_one_line(rl_setup, tmp_path):
     bad.write_text("def reward(q, r, a):\n    return 'yes'\n")
     with pytest.raises(UserError, match="must return a finite number"):
         train(None, overrides=rl_overrides(rl_setup, tmp_path / "bad", **{"rl.reward": f"{bad}:reward"}))
+
+
+def test_questions_are_made_up_words_or_the_training_split_and_a_step_repeats_its_own():
+    """rl.questions = "made_up": reverse and count on words no task holds (so never a held-out one), arithmetic from
+    its training split; "train": every question from the training split. Step k's questions are a function of
+    (seed, k)."""
+    tok = tokenizer()
+    names = ["reverse", "count", "arithmetic"]
+    pools = {name: split_keys(name, "train") for name in names}
+    trained = {name: {":".join(map(str, k)) for k in pools[name]} for name in names}
+
+    def questions(kind: str, step: int) -> list:
+        cfg = RLConfig(enabled=True, tasks=names, prompts_per_step=60, questions=kind)
+        return rl.RL(cfg, 0, tok, chat_format(tok), rl.grader_reward, None, pools).items(step)
+
+    made_up = questions("made_up", 0)
+    assert [i.task for i in made_up[:3]] == names and made_up == questions("made_up", 0) != questions("made_up", 1)
+    for item in made_up:
+        word = item.key.split(":")[0]
+        assert (item.key in trained[item.task]) == (item.task == "arithmetic")
+        assert item.task == "arithmetic" or word not in WORDS
+    assert all(item.key in trained[item.task] for item in questions("train", 0))

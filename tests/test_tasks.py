@@ -11,7 +11,18 @@ from conftest import REPO_ROOT
 
 from quillgpt.chat_template import chat_format, check_messages, with_chat_tokens
 from quillgpt.errors import UserError
-from quillgpt.tasks import TASKS, Item, conversations, grade, parse_tasks, plain_prompt, sample_items, split_keys
+from quillgpt.tasks import (
+    TASKS,
+    WORDS,
+    Item,
+    conversations,
+    grade,
+    parse_tasks,
+    plain_prompt,
+    preference_pairs,
+    sample_items,
+    split_keys,
+)
 from quillgpt.tokenizer import CharTokenizer
 
 QUICKSTART_BLOCK_SIZE = 128  # configs/base/base.toml
@@ -45,6 +56,29 @@ def test_answers_are_right():
         word, letter = item.key.split(":")
         assert item.answer == str(word.count(letter)) and word in item.question and letter in item.question
     assert {i.answer == "0" for i in by_task["count"]} == {True, False}
+
+
+def test_made_up_words_are_never_the_tasks_words_and_their_answers_are_right():
+    """Made-up words (RL's questions, tasks.py --made-up) are new words of the tasks' lengths and letters, never one
+    of WORDS and so never a held-out one; arithmetic has none and keeps its training split."""
+    reverse = sample_items("reverse", "train", 2000, seed=0, made_up=True)
+    count = sample_items("count", "train", 2000, seed=0, made_up=True)
+    words = {i.key for i in reverse} | {i.key.split(":")[0] for i in count}
+    assert len(words) > 1500 and not words & set(WORDS)
+    assert {len(w) for w in words} == {len(w) for w in WORDS}
+    assert all(i.answer == i.key[::-1] and i.key in i.question for i in reverse)
+    for item in count:
+        word, letter = item.key.split(":")
+        assert item.answer == str(word.count(letter)) and word in item.question
+    zeros = sum(i.answer == "0" for i in count) / len(count)
+    assert 0.25 < zeros < 0.42  # a third lack the letter, as the tasks' own count items
+    sums = sample_items("arithmetic", "train", 50, seed=0, made_up=True)
+    assert {i.key for i in sums} <= {":".join(map(str, k)) for k in split_keys("arithmetic", "train")}
+    assert sample_items("reverse", "train", 2000, seed=0, made_up=True) == reverse  # a seed repeats them
+    with pytest.raises(UserError, match="held-out"):
+        sample_items("reverse", "test", 5, seed=0, made_up=True)
+    pairs = preference_pairs(["reverse"], "train", 20, seed=1, made_up=True)
+    assert not {p["chosen"][0]["content"][::-1] for p in pairs} & set(WORDS)
 
 
 def test_a_seed_repeats_the_conversations_and_another_seed_changes_them():
@@ -98,3 +132,5 @@ def test_command_writes_chat_jsonl_of_the_split_asked(tmp_path):
     bad = run_tasks("--out", str(tmp_path / "x.jsonl"), "--tasks", "poetry")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown chat task poetry" in bad.stderr
     assert not (tmp_path / "x.jsonl").exists()
+    held_out = run_tasks("--out", str(tmp_path / "x.jsonl"), "--made-up", "--split", "test")
+    assert held_out.returncode == 2 and "held-out words" in held_out.stderr and not (tmp_path / "x.jsonl").exists()
