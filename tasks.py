@@ -5,7 +5,7 @@ CPU chat demo (docs/chat.md).
     python tasks.py --out data/chat_test.jsonl --split test --n 300    # held-out items
     python tasks.py --out data/sums.jsonl --tasks arithmetic --turns 2 --seed 1
     python tasks.py --out data/chat_prefs.jsonl --preference --seed 1   # DPO pairs: the answer chosen, a near miss rejected
-    python tasks.py --out data/chat_tasks.jsonl --turns 3 --tool       # arithmetic through the calculator tool
+    python tasks.py --out data/chat_tasks.jsonl --turns 3 --tool       # sums and letter counts through the calculator
     python tasks.py --out data/chat_prefs.jsonl --preference --made-up # pairs on made-up words: new to the chat model
 
 Each line is {"messages": [...]}, the form prepare.py --chat reads; with --preference {"prompt": [...], "chosen":
@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--tool",
         action="store_true",
-        help="answer arithmetic with the calculator tool: the reply calls it, then gives its output (docs/chat.md)",
+        help="answer arithmetic and count with the calculator tool: the reply calls it (17+25, "
+        "'night'.count('g')), then gives its output (docs/chat.md)",
     )
     args = p.parse_args(argv)
     if args.n < 1 or args.turns < 1:
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     with atomic_write(args.out, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    form = "; arithmetic with the calculator" if args.tool and "arithmetic" in tasks else ""
+    called = [t for t in tasks if TASKS[t].call(TASKS[t].keys()[0])]
+    form = f"; {' and '.join(called)} with the calculator" if args.tool and called else ""
     form += "; reverse and count on made-up words" if args.made_up else ""
     print(f"wrote {len(rows):,} {kind} ({', '.join(tasks)}; {args.split} split{form}) to {args.out}", file=sys.stderr)
     return 0

@@ -13,9 +13,10 @@ puts it in the train or the test split, so held-out items are never trained on, 
 Written as jsonl lines {"messages": [...]} (the form prepare.py --chat reads); eval.py --chat-task grades a model on
 the test split (quillgpt.evaluate.run_chat_tasks).
 
-With tool=True, arithmetic is answered with the calculator tool (quillgpt/tools.py): the assistant's reply calls it
-with the sum and then gives the output as its answer, parts {"type": "python", "text": "17+25"}, {"type":
-"python_output", "text": "42"}, {"type": "text", "text": "42"}; the output is the calculator's own (the sampler
+With tool=True, arithmetic and count are answered with the calculator tool (quillgpt/tools.py), as nanochat's
+SpellingBee counts letters: the assistant's reply calls it and then gives the output as its answer, parts {"type":
+"python", "text": "17+25"} (or "'strawberry'.count('r')"), {"type": "python_output", "text": "42"}, {"type":
+"text", "text": "42"}; the output is the calculator's own (the sampler
 inserts it at run time) and the loss does not count it (quillgpt.chat_template).
 """
 
@@ -169,6 +170,7 @@ TASKS = {
         ),
         lambda k: {"w": k[0], "c": k[1]},
         lambda k: str(k[0].count(k[1])),
+        lambda k: f"'{k[0]}'.count('{k[1]}')",
         made_up=made_up_count_key,
     ),
 }

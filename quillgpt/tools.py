@@ -6,8 +6,9 @@ batcher and the RL sampler (quillgpt/rl.py). The tool's tokens are part of the b
 (quillgpt.chat_template.TOOL_TOKENS); a tokenizer without them has no tool, and nothing changes for it.
 
 The expression is never given to `eval`: calculate() parses it with Python's own parser (ast.parse) and walks the
-tree itself, taking numbers, + - * / // % ** and parentheses, nothing else (no name, attribute, call, subscript,
-string or comparison). Limits keep a hostile expression cheap: its length, the depth of its tree, the size of every
+tree itself, taking numbers, + - * / // % ** and parentheses, and one string method as nanochat's calculator has it
+for counting letters: 'strawberry'.count('r'), on string literals only. Nothing else: no name, other attribute or
+call, subscript, string arithmetic or comparison. Limits keep a hostile expression cheap: its length, the depth of its tree, the size of every
 intermediate number, and an exponent checked before the power is computed (9**9**9 is refused, not computed). A
 refused or failing expression gets a short error text as its output, inside the conversation, as a real tool's
 error would: the model sees it, the process goes on.
@@ -67,7 +68,7 @@ def calculate(expression: str) -> str:
 
 
 def evaluate(node: ast.AST, depth: int) -> int | float:
-    """The value of an expression's tree, walked here: numbers and arithmetic operators only."""
+    """The value of an expression's tree, walked here: numbers, arithmetic operators and 'text'.count('x')."""
     if depth > MAX_DEPTH:
         raise Refused(f"nested deeper than {MAX_DEPTH}")
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
@@ -79,7 +80,25 @@ def evaluate(node: ast.AST, depth: int) -> int | float:
         if isinstance(node.op, ast.Pow):
             check_power(left, right)
         return checked(BINARY[type(node.op)](left, right))
-    raise Refused("only numbers and + - * / // % ** ( ) are allowed")
+    if is_letter_count(node):
+        return node.func.value.value.count(node.args[0].value)
+    raise Refused("only numbers, + - * / // % ** ( ) and 'text'.count('x') are allowed")
+
+
+def is_letter_count(node: ast.AST) -> bool:
+    """'text'.count('x'): the count method of a string literal, called with one string literal (the strings' length
+    is bounded by the expression's)."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "count"
+        and isinstance(node.func.value, ast.Constant)
+        and type(node.func.value.value) is str
+        and len(node.args) == 1
+        and not node.keywords
+        and isinstance(node.args[0], ast.Constant)
+        and type(node.args[0].value) is str
+    )
 
 
 def check_power(base: int | float, exponent: int | float) -> None:

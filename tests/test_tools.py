@@ -34,6 +34,14 @@ HOSTILE = [
     "x",
     "[1] * 10**9",
     "'a' * 10**9",
+    "'a'.upper()",  # a string method other than count
+    "'abc'.count('a', 0)",  # count with more than the letter
+    "'abc'.count(x)",
+    "x.count('a')",
+    "'abc'.count('a').__class__",
+    "('a' + 'b').count('a')",  # string arithmetic
+    "'abc'",  # a string is not a value the calculator gives
+    "'abc'.count(b'a')",
     "lambda: 1",
     "1 if 1 else 0",
     "9" * 40,  # a number beyond the size limit
@@ -95,6 +103,12 @@ def test_the_calculator_computes_arithmetic():
     assert calculate("6*7") == "42" and calculate("7/2") == "3.5" and calculate("6/3") == "2"
     assert calculate("-7//2") == "-4" and calculate("7%3") == "1" and calculate("2**10") == "1024"
     assert calculate("(1+2)*(3+4)") == "21" and calculate("1+" * 60 + "1") == "61"
+
+
+def test_the_calculator_counts_letters_as_nanochats_does():
+    assert calculate("'strawberry'.count('r')") == "3" and calculate('"banana".count("a")') == "3"
+    assert calculate("'night'.count('z')") == "0" and calculate("'aaa'.count('aa')") == "1"
+    assert calculate("'strawberry'.count('r') * 2 + 1") == "7"
 
 
 @pytest.mark.parametrize("expression", HOSTILE)
