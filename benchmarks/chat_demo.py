@@ -5,7 +5,8 @@
 
 The stages, each a fresh process of the scripts a user runs, timed from launch to exit:
 1. the Quickstart's base model (configs/base/base.toml), unless --skip-base;
-2. `tasks.py --out data/chat_tasks.jsonl --turns 3 --tool`;
+2. `tasks.py --out data/chat_tasks.jsonl --turns 3 --tool`, and the datasets the two configs prepared from an earlier
+   file removed (they are made from this one again);
 3. SFT: configs/chat/base_chat.toml (--force: a new run);
 4. `eval.py --chat-task arithmetic,reverse,count --chat-items 200` of the chat model: arithmetic with the tool, and
    RL's starting point for count and reverse;
@@ -19,17 +20,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from benchmarks.conditions import load_average
+from quillgpt.config import load_config
 from quillgpt.errors import UserError, run_main
 from quillgpt.files import atomic_write, atomic_write_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TASKS = "arithmetic,reverse,count"
+SFT, RL = "configs/chat/base_chat.toml", "configs/chat/base_chat_rl.toml"
 
 
 def timed(*args: str) -> float:
@@ -60,9 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_base:
         seconds["base"] = timed("train.py", "--config", "configs/base/base.toml", "--force")
     seconds["tasks"] = timed("tasks.py", "--out", "data/chat_tasks.jsonl", "--turns", "3", "--tool")
-    seconds["sft"] = timed("train.py", "--config", "configs/chat/base_chat.toml", "--force")
+    for config in (SFT, RL):
+        data = load_config(str(REPO_ROOT / config), []).data
+        shutil.rmtree(REPO_ROOT / data.data_dir / data.dataset, ignore_errors=True)
+    seconds["sft"] = timed("train.py", "--config", SFT, "--force")
     before, seconds["eval_chat"] = accuracies("checkpoints/base-chat", out.with_suffix(".chat.json"), args.items)
-    seconds["rl"] = timed("train.py", "--config", "configs/chat/base_chat_rl.toml", "--force")
+    seconds["rl"] = timed("train.py", "--config", RL, "--force")
     last = "checkpoints/base-chat-rl/ckpt_last.pt"
     after, seconds["eval_rl"] = accuracies(last, out.with_suffix(".rl.json"), args.items)
     with atomic_write(out.with_name("rl_curve.png")) as f:

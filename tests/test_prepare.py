@@ -1,6 +1,7 @@
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -153,17 +154,30 @@ def test_a_prepared_dataset_is_reused_and_another_request_needs_reset(tmp_path, 
 
     with pytest.raises(
         UserError,
-        match=r"prepared with the char tokenizer \(vocab \d+\); pass --reset to re-prepare it with the bpe tokenizer \(vocab 4096\)",
+        match=r"prepared with the char tokenizer \(vocab \d+\); re-prepare it with the bpe tokenizer \(vocab 4096\): "
+        r"prepare.py --reset, or remove .* and train.py prepares it again",
     ):
         prepare_dataset("mytext", tokenizer="bpe", **kwargs)
     prepare_dataset("mytext", tokenizer="bpe", vocab_size=300, reset=True, **kwargs)
     assert load(out_dir)[0]["tokenizer"]["kind"] == "bpe"
-    with pytest.raises(UserError, match="vocab 300.*--reset.*vocab 512"):
+    with pytest.raises(UserError, match=r"vocab 300.*vocab 512\): prepare.py --reset"):
         prepare_dataset("mytext", tokenizer="bpe", vocab_size=512, **kwargs)
     other = tmp_path / "other.txt"
     other.write_text("something else\n" * 10)
-    with pytest.raises(UserError, match="--reset to re-prepare it from"):
+    with pytest.raises(UserError, match="re-prepare it from .*: prepare.py --reset"):
         prepare_dataset("mytext", tokenizer="bpe", vocab_size=300, input_path=str(other), data_dir=tmp_path)
+
+
+def test_an_input_rewritten_since_its_preparation_is_refused_until_the_dataset_is_removed(tmp_path, text_file):
+    """Rewriting the input (tasks.py again, with --tool) and training on it names both ways to re-prepare; removing
+    the dataset, as the message says, lets the next preparation make it from the new text."""
+    prepare_dataset("mytext", input_path=str(text_file), data_dir=tmp_path)
+    text_file.write_text(text_file.read_text() + "more lines\n")
+    with pytest.raises(UserError, match="changed since .* prepare.py --reset, or remove .* prepares it again"):
+        prepare_dataset("mytext", input_path=str(text_file), data_dir=tmp_path)
+    shutil.rmtree(tmp_path / "mytext")
+    out_dir = prepare_dataset("mytext", input_path=str(text_file), data_dir=tmp_path)
+    assert json.loads((out_dir / "meta.json").read_text())["sources"][0]["bytes"] == text_file.stat().st_size
 
 
 def test_a_bpe_dataset_prepared_at_one_size_is_reused_by_a_run_that_names_no_size(tmp_path, text_file):

@@ -22,13 +22,18 @@ META_FIELDS = {"tokenizer": dict, "vocab_size": int, "train_tokens": int, "val_t
 ADDED_FIELDS = {"chat": False, "tokenizer_from": None, "preference": False}
 
 
+def reprepare(out_dir: Path, how: str = "") -> str:
+    """How to re-prepare a dataset that cannot be reused, for prepare.py's user and train.py's alike."""
+    return f"re-prepare it{how}: prepare.py --reset, or remove {out_dir} and train.py prepares it again"
+
+
 def check_meta_fields(meta: dict, path: Path) -> None:
     """The fields that reuse decisions and messages read must have their types (meta.json may be hand-edited)."""
     for key, kind in META_FIELDS.items():
         value = meta.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
             raise UserError(
-                f"{path} is malformed: {key!r} is missing or not a {kind.__name__}; pass --reset to re-prepare it"
+                f"{path} is malformed: {key!r} is missing or not a {kind.__name__}; {reprepare(path.parent)}"
             )
 
 
@@ -49,22 +54,21 @@ def reusable(out_dir: Path, dataset: str, request: Request) -> dict | None:
     check_meta_fields(meta, out_dir / "meta.json")
     old = meta.get("request")
     if not isinstance(old, dict) or meta.get("format_version") not in (1, FORMAT_VERSION):
-        raise UserError(f"{out_dir} was prepared by another version of prepare.py; pass --reset to re-prepare it")
+        raise UserError(f"{out_dir} was prepared by another version of prepare.py; {reprepare(out_dir)}")
     made_with = tokenizer_request_label(old.get("tokenizer"), meta.get("vocab_size"))
     wanted = tokenizer_request_label(request.tokenizer, request.vocab_size)
     if old.get("tokenizer") != request.tokenizer or (
         request.tokenizer == "bpe" and old.get("vocab_size") != request.vocab_size
     ):
-        raise UserError(f"{out_dir} was prepared with {made_with}; pass --reset to re-prepare it with {wanted}")
+        raise UserError(f"{out_dir} was prepared with {made_with}; {reprepare(out_dir, f' with {wanted}')}")
     if request.tokenizer != "bpe" and request.vocab_size is not None and meta["vocab_size"] > request.vocab_size:
         raise UserError(
-            f"{out_dir} was prepared with {made_with}, more than vocab_size {request.vocab_size}; "
-            "pass --reset to re-prepare it"
+            f"{out_dir} was prepared with {made_with}, more than vocab_size {request.vocab_size}; {reprepare(out_dir)}"
         )
     if old.get("max_bytes") != request.max_bytes:
         raise UserError(
             f"{out_dir} was prepared from max_bytes={old.get('max_bytes')}; "
-            f"pass --reset to re-prepare it with max_bytes={request.max_bytes}"
+            f"{reprepare(out_dir, f' with max_bytes={request.max_bytes}')}"
         )
     check_same_inputs(out_dir, meta, request)
     if not sourced:
@@ -79,8 +83,8 @@ def reusable(out_dir: Path, dataset: str, request: Request) -> dict | None:
     if differ:
         k = differ[0]
         raise UserError(
-            f"{out_dir} was prepared with {k} = {old.get(k)!r}; pass --reset to re-prepare it with "
-            f"{k} = {getattr(request, k)!r}"
+            f"{out_dir} was prepared with {k} = {old.get(k)!r}; "
+            f"{reprepare(out_dir, f' with {k} = {getattr(request, k)!r}')}"
         )
     return meta
 
@@ -92,9 +96,9 @@ def check_same_inputs(out_dir: Path, meta: dict, request: Request) -> None:
     first_format_source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
     old_inputs = meta["request"].get("inputs") or [first_format_source.get("path")]
     if old_inputs != request.inputs:
+        inputs = ", ".join(request.inputs)
         raise UserError(
-            f"{out_dir} was prepared from {', '.join(map(str, old_inputs))}; pass --reset to re-prepare it "
-            f"from {', '.join(request.inputs)}"
+            f"{out_dir} was prepared from {', '.join(map(str, old_inputs))}; {reprepare(out_dir, f' from {inputs}')}"
         )
     recorded = meta.get("sources", [meta.get("source")])
     size = (
@@ -106,9 +110,7 @@ def check_same_inputs(out_dir: Path, meta: dict, request: Request) -> None:
         and Path(request.inputs[0]).is_file()
         and size != os.path.getsize(request.inputs[0])
     ):
-        raise UserError(
-            f"{request.inputs[0]} changed since {out_dir} was prepared from it; pass --reset to re-prepare it"
-        )
+        raise UserError(f"{request.inputs[0]} changed since {out_dir} was prepared from it; {reprepare(out_dir)}")
 
 
 def with_prepared_vocab_size(out_dir: Path, asked: Request) -> Request:
