@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     with atomic_write(args.out, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    called = [t for t in tasks if TASKS[t].call(TASKS[t].keys()[0])]
+    called = [t for t in tasks if TASKS[t].call]
     form = f"; {' and '.join(called)} with the calculator" if args.tool and called else ""
     form += "; reverse and count on made-up words" if args.made_up else ""
     print(f"wrote {len(rows):,} {kind} ({', '.join(tasks)}; {args.split} split{form}) to {args.out}", file=sys.stderr)

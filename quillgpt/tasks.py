@@ -99,12 +99,12 @@ class Task:
     phrasings: tuple[str, ...]  # str.format templates over the fields of ask()
     ask: Callable[[tuple], dict]  # content -> the fields a phrasing names
     answer: Callable[[tuple], str]
-    call: Callable[[tuple], str] = lambda k: ""  # content -> the calculator call that answers it ("": none)
+    call: Callable[[tuple], str] | None = None  # content -> the calculator call that answers it (None: no tool)
     made_up: Callable[[random.Random], tuple] | None = None  # a key beyond keys(), on made-up words (None: no such)
 
     def item(self, key: tuple, phrasing: str) -> Item:
         question = phrasing.format(**self.ask(key))
-        return Item(self.name, ":".join(map(str, key)), question, self.answer(key), self.call(key))
+        return Item(self.name, ":".join(map(str, key)), question, self.answer(key), self.call(key) if self.call else "")
 
 
 def arithmetic_keys() -> list[tuple]:

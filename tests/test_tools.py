@@ -145,6 +145,8 @@ def test_tool_conversations_call_the_calculator_and_its_output_is_not_trained_on
     ]
     assert all(i.call for i in sample_items("arithmetic", "test", 5, 0))
     assert not any(TASKS[t].item(k, "{w}").call for t in ("reverse",) for k in TASKS[t].keys()[:3])
+    counts = sample_items("count", "train", 200, 0) + sample_items("count", "train", 200, 0, made_up=True)
+    assert all(calculate(i.call) == i.answer and ".count(" in i.call for i in counts)  # counts go through it too
 
 
 def test_a_message_that_spells_tool_tokens_is_text_not_a_call():
