@@ -16,8 +16,8 @@ the test split (quillgpt.evaluate.run_chat_tasks).
 With tool=True, arithmetic and count are answered with the calculator tool (quillgpt/tools.py), as nanochat's
 SpellingBee counts letters: the assistant's reply calls it and then gives the output as its answer, parts {"type":
 "python", "text": "17+25"} (or "'strawberry'.count('r')"), {"type": "python_output", "text": "42"}, {"type":
-"text", "text": "42"}; the output is the calculator's own (the sampler
-inserts it at run time) and the loss does not count it (quillgpt.chat_template).
+"text", "text": "42"}; the output is the calculator's own (the sampler inserts it at run time) and the loss does not
+count it (quillgpt.chat_template).
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def conversations(
     tasks: list[str], split: str, n: int, seed: int, turns: int = 1, tool: bool = False, made_up: bool = False
 ) -> list[list[dict]]:
     """n conversations of 1 to `turns` question-answer turns, the tasks in equal shares, in a seeded order; tool:
-    arithmetic answered with the calculator (Item.messages); made_up: reverse and count on made-up words."""
+    arithmetic and count answered with the calculator (Item.messages); made_up: reverse and count on made-up words."""
     groups = item_groups(tasks, split, n, seed, turns, made_up)
     return [[m for item in group for m in item.messages(tool)] for group in groups]
 
