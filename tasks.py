@@ -6,7 +6,7 @@ CPU chat demo (docs/chat.md).
     python tasks.py --out data/sums.jsonl --tasks arithmetic --turns 2 --seed 1
     python tasks.py --out data/chat_prefs.jsonl --preference --seed 1   # DPO pairs: the answer chosen, a near miss rejected
     python tasks.py --out data/chat_tasks.jsonl --turns 3 --tool       # sums and letter counts through the calculator
-    python tasks.py --out data/chat_prefs.jsonl --preference --made-up # pairs on made-up words: new to the chat model
+    python tasks.py --out data/chat_prefs.jsonl --preference --made-up --tool  # on made-up words, through the tool
 
 Each line is {"messages": [...]}, the form prepare.py --chat reads; with --preference {"prompt": [...], "chosen":
 [...], "rejected": [...]}, TRL's conversational preference form that prepare.py --preference reads. Held-out items (--split test) are never in the
@@ -51,8 +51,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.n < 1 or args.turns < 1:
         p.error("--n and --turns must be at least 1")
-    if args.preference and args.tool:
-        p.error("--preference pairs are written without the calculator: drop --tool")
     if args.made_up and args.split == "test":
         p.error("--made-up writes training questions: the test split is the tasks' own held-out words")
     return args
@@ -62,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tasks = parse_tasks(args.tasks)
     if args.preference:
-        pairs = preference_pairs(tasks, args.split, args.n, args.seed, args.turns, args.made_up)
+        pairs = preference_pairs(tasks, args.split, args.n, args.seed, args.turns, args.made_up, args.tool)
         rows, kind = pairs, "preference pairs"
     else:
         conversed = conversations(tasks, args.split, args.n, args.seed, args.turns, args.tool, args.made_up)

@@ -1,8 +1,8 @@
 """--dpo: the CPU demo of DPO (docs/chat.md). configs/chat/base_dpo.toml tunes the chat demo's model
 (configs/chat/base_chat.toml's checkpoints/base-chat) on preference pairs made from the synthetic tasks' train items
 (tasks.py --preference: the right answer chosen, a near miss rejected; --made-up: reverse and count on made-up words),
-of --tasks (reverse: the pairs have no calculator calls, and the chat model answers sums and counts through it), in
-its own train.py process; then the model before and after is measured on held-out items, never trained on in any
+of --tasks (--tool: arithmetic and count through the calculator, as the chat model answers them), in its own train.py
+process; then the model before and after is measured on held-out items, never trained on in any
 phrasing:
 
 - greedy accuracy per task, on eval.py --chat-task's items and grading (quillgpt.evaluate.run_chat_tasks);
@@ -48,9 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pairs", type=int, default=20_000, help="training pairs (default %(default)s)")
     p.add_argument(
         "--tasks",
-        default="reverse",
-        help="the tasks of the pairs, trained and held out (default %(default)s: the chat model answers arithmetic "
-        "and count with the calculator, and the pairs are written without it)",
+        default="arithmetic,reverse,count",
+        help="the tasks of the pairs, trained and held out (default %(default)s)",
+    )
+    p.add_argument(
+        "--tool",
+        action="store_true",
+        help="arithmetic and count pairs through the calculator (tasks.py --preference --tool), as the chat model "
+        "answers them: without it the pairs answer directly and teach the model to drop the calculator",
     )
     p.add_argument("--turns", type=int, default=1, help="at most this many turns in a pair's prompt (default 1)")
     p.add_argument(
@@ -104,7 +109,7 @@ def measure(source: str, held_out: list[dict], items: int) -> dict:
 def train_dpo(config: Path, work: Path, args: argparse.Namespace, cli: list[str]) -> tuple[str, float]:
     """Write the pairs and run train.py on them in its own process; (its run directory, seconds)."""
     source = work / "prefs.jsonl"
-    records = preference_pairs(parse_tasks(args.tasks), "train", args.pairs, 1, args.turns, args.made_up)
+    records = preference_pairs(parse_tasks(args.tasks), "train", args.pairs, 1, args.turns, args.made_up, args.tool)
     atomic_write_text(source, "".join(json.dumps(r) + "\n" for r in records))
     args = [sys.executable, "train.py", "--config", str(config), "--data.input", str(source)]
     args += ["--data.data_dir", str(work / "data"), "--run.out_dir", str(work / "runs"), "--run.name", "dpo", *cli]
@@ -127,14 +132,14 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
             f"{start} is missing: make the chat demo's model first (README, 'From base model to chat'), or pass "
             "--run.init_from"
         )
-    held_out = preference_pairs(parse_tasks(args.tasks), "test", args.held_out_pairs, 0)
+    held_out = preference_pairs(parse_tasks(args.tasks), "test", args.held_out_pairs, 0, tool=args.tool)
     before = measure(start, held_out, args.chat_items)
     with tempfile.TemporaryDirectory(prefix="bench_dpo_") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         run_dir, seconds = train_dpo(config, work, args, cli)
         after = measure(run_dir, held_out, args.chat_items)
-    words = "; on made-up words" if args.made_up else ""
+    words = ("; on made-up words" if args.made_up else "") + ("; through the calculator" if args.tool else "")
     print(
         f"DPO: {config.relative_to(REPO)} from {start}, {args.pairs:,} pairs of {args.tasks}{words}; "
         f"train.py took {seconds:.0f}s"

@@ -236,24 +236,49 @@ def item_groups(
 
 
 def preference_pairs(
-    tasks: list[str], split: str, n: int, seed: int, turns: int = 1, made_up: bool = False
+    tasks: list[str], split: str, n: int, seed: int, turns: int = 1, made_up: bool = False, tool: bool = False
 ) -> list[dict]:
     """n preference records in TRL's conversational form: the conversation so far (earlier turns answered right)
     and the last question as the prompt, its answer chosen and a near miss rejected; made_up: reverse and count on
-    made-up words."""
+    made-up words; tool: arithmetic and count answered through the calculator, the rejected reply a call that
+    miscopies the question (near_miss_call)."""
     rng = random.Random(f"preference:{split}:{seed}")
     records = []
     for group in item_groups(tasks, split, n, seed, turns, made_up):
         *before, last = group
-        prompt = [m for item in before for m in item.messages()] + [{"role": "user", "content": last.question}]
+        prompt = [m for item in before for m in item.messages(tool)] + [{"role": "user", "content": last.question}]
+        called = tool and last.call
+        rejected = near_miss_call(last, rng) if called else near_miss(last, rng)
         records.append(
             {
                 "prompt": prompt,
-                "chosen": [{"role": "assistant", "content": last.answer}],
-                "rejected": [{"role": "assistant", "content": near_miss(last, rng)}],
+                "chosen": [last.messages(tool)[1]],
+                "rejected": [{"role": "assistant", "content": rejected}],
             }
         )
     return records
+
+
+def near_miss_call(item: Item, rng: random.Random) -> list[dict]:
+    """A reply through the calculator whose call miscopies the question (a number off by one, a word with a letter
+    left out), with that call's output and answer: the tool-using model's most likely miss."""
+    if item.task == "count":
+        word, letter = item.key.split(":")
+        i = rng.randrange(len(word))
+        call = f"'{word[:i] + word[i + 1 :]}'.count('{letter}')"
+    else:
+        a, op, b = item.key.split(":")
+        a, b = int(a), int(b)
+        # one number off by one, the difference never negative: (a + 1, b) always qualifies
+        misses = [(x, y) for x, y in ((a, b - 1), (a, b + 1), (a - 1, b), (a + 1, b)) if min(x, y) >= 0]
+        x, y = rng.choice([(x, y) for x, y in misses if op == "+" or x >= y])
+        call = f"{x}{op}{y}"
+    output = calculate(call)
+    return [
+        {"type": "python", "text": call},
+        {"type": "python_output", "text": output},
+        {"type": "text", "text": output},
+    ]
 
 
 def near_miss(item: Item, rng: random.Random) -> str:

@@ -31,7 +31,7 @@ from quillgpt.tasks import grade, preference_pairs, split_of
 from quillgpt.tokenizer import CharTokenizer
 from train import train
 
-CHARS = list("\n !'+,-.0123456789:<=>?ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz|")
+CHARS = list("\n !'()+,-.0123456789:<=>?ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcdefghijklmnopqrstuvwxyz|")
 PAIR_FILES = ("train.bin", "val.bin", "train.mask.bin", "val.mask.bin", "train.starts.bin", "val.starts.bin")
 
 
@@ -486,14 +486,14 @@ def test_bench_dpo_tunes_the_chat_model_and_measures_it_before_and_after(tmp_pat
 
     ckpt = save_model(tmp_path / "chat.pt", random_model(0, block_size=64))
     bench.main(
-        ["--dpo", "--pairs", "40", "--made-up", "--chat-items", "2", "--held-out-pairs", "8"]
+        ["--dpo", "--pairs", "40", "--made-up", "--tool", "--chat-items", "2", "--held-out-pairs", "8"]
         + ["--json", str(tmp_path / "dpo.json"), "--run.init_from", str(ckpt)]
         + ["--run.device", "cpu", "--training.precision", "fp32"]
         + ["--training.max_iters", "2", "--training.eval_interval", "2", "--training.eval_iters", "1"]
     )
     out = capsys.readouterr().out
     assert "| held-out pairs: chosen preferred |" in out and "| reverse, greedy | 0/2 (0%) |" in out
-    assert "40 pairs of reverse; on made-up words" in out
+    assert "40 pairs of arithmetic,reverse,count; on made-up words; through the calculator" in out
     report = json.loads((tmp_path / "dpo.json").read_text())
     assert report["before"]["source"] == str(ckpt) and "/runs/dpo/ckpt_" in report["after"]["source"]
     assert set(report["after"]["tasks"]) == {"arithmetic", "reverse", "count"}

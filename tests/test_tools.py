@@ -16,7 +16,8 @@ from quillgpt.chat_session import ChatSession
 from quillgpt.chat_template import TOOL_TOKENS, chat_format, check_messages, with_chat_tokens
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.errors import UserError
-from quillgpt.tasks import TASKS, conversations, grade, sample_items
+from quillgpt.prepare.preference import encode_pair, pair_of
+from quillgpt.tasks import TASKS, conversations, grade, preference_pairs, sample_items
 from quillgpt.tokenizer import CharTokenizer
 from quillgpt.tools import MAX_EXPRESSION_CHARS, answer_text, calculate, reply_parts
 
@@ -147,6 +148,29 @@ def test_tool_conversations_call_the_calculator_and_its_output_is_not_trained_on
     assert not any(TASKS[t].item(k, "{w}").call for t in ("reverse",) for k in TASKS[t].keys()[:3])
     counts = sample_items("count", "train", 200, 0) + sample_items("count", "train", 200, 0, made_up=True)
     assert all(calculate(i.call) == i.answer and ".count(" in i.call for i in counts)  # counts go through it too
+
+
+def test_preference_pairs_through_the_calculator_count_the_calls_and_answers_but_not_the_outputs():
+    """tasks.py --preference --tool: the chosen reply is the item's call, output and answer; the rejected one a call
+    that miscopies the question, with its own output. DPO's masks count the calls and answers, never the outputs
+    (the sampler inserts those), as chat SFT's do."""
+    tok = tool_tokenizer()
+    fmt, s = chat_format(tok), tok.special_tokens
+    records = preference_pairs(["arithmetic", "count", "reverse"], "train", 30, 0, tool=True)
+    for record in records:
+        chosen, rejected = record["chosen"][0]["content"], record["rejected"][0]["content"]
+        if isinstance(chosen, str):  # reverse: no tool, a word with a letter left out
+            assert len(rejected) == len(chosen) - 1
+            continue
+        assert chosen[0]["text"] != rejected[0]["text"]
+        assert chosen[1]["text"] == calculate(chosen[0]["text"]) == chosen[2]["text"]
+        assert rejected[1]["text"] == calculate(rejected[0]["text"]) and not rejected[1]["text"].startswith("error")
+        ids_c, mask_c, ids_r, mask_r = encode_pair(fmt, pair_of(record, "pair"))
+        for ids, mask in ((ids_c, mask_c), (ids_r, mask_r)):
+            a, b = ids.index(s["<|output_start|>"]), ids.index(s["<|output_end|>"])
+            assert set(mask[a : b + 1]) == {0} and mask[a - 1] == mask[b + 1] == 1  # the call's end, the answer
+            assert ids[mask.index(1)] == s["<|python_start|>"]  # the reply is counted from its call on
+    assert {type(r["chosen"][0]["content"]) for r in records} == {str, list}
 
 
 def test_a_message_that_spells_tool_tokens_is_text_not_a_call():

@@ -86,21 +86,30 @@ def implicit_prompt(chosen: Any, rejected: Any) -> tuple[list, list, list]:
     return chosen[:at], chosen[at:], rejected[at:]
 
 
-def conversation_ids(fmt: ChatFormat, messages: list[dict]) -> list[int]:
-    """A whole conversation's ids, its content's control-token spellings encoded as text."""
+def conversation_ids(fmt: ChatFormat, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """A whole conversation's ids, its content's control-token spellings encoded as text, and per id whether it is
+    part of a calculator's output (<|output_start|> through <|output_end|>: the sampler inserts those)."""
     rendered, literals = fmt.literal_content(messages)
-    return fmt.tokenizer.encode_chat(fmt.render(rendered), literals)[0]
+    full = fmt.render(rendered)
+    ids, starts = fmt.tokenizer.encode_chat(full, literals)
+    outputs = fmt.tool_output_spans(full)
+    inserted = [any(s < b and e > a for a, b in outputs) for s, e in zip(starts, starts[1:] + [len(full)])]
+    return ids, inserted
 
 
 def encode_pair(fmt: ChatFormat, pair: Pair) -> tuple[list[int], list[int], list[int], list[int]]:
     """(chosen ids, chosen mask, rejected ids, rejected mask): each side's conversation and 1 on its reply's tokens,
     which start where the prompt rendered with its generation prompt stops agreeing with either side (TRL's
-    common_prefix rule)."""
+    common_prefix rule), but for a calculator's outputs in a reply: the model never predicts those (as in chat SFT)."""
     prompt = fmt.prompt_ids(pair.prompt)
-    chosen = conversation_ids(fmt, pair.prompt + pair.chosen)
-    rejected = conversation_ids(fmt, pair.prompt + pair.rejected)
+    chosen, chosen_inserted = conversation_ids(fmt, pair.prompt + pair.chosen)
+    rejected, rejected_inserted = conversation_ids(fmt, pair.prompt + pair.rejected)
     start = min(common_prefix(prompt, chosen), common_prefix(prompt, rejected))
     for name, ids in (("chosen", chosen), ("rejected", rejected)):
         if len(ids) <= start:
             raise UserError(f"the {name} reply adds no token to the prompt")
-    return chosen, [0] * start + [1] * (len(chosen) - start), rejected, [0] * start + [1] * (len(rejected) - start)
+
+    def mask(inserted: list[bool]) -> list[int]:
+        return [int(i >= start and not out) for i, out in enumerate(inserted)]
+
+    return chosen, mask(chosen_inserted), rejected, mask(rejected_inserted)
