@@ -304,12 +304,9 @@ class ChatFormat:
         rendered, literals = self.literal_content(messages)
         full, spans = self.assistant_spans(rendered)
         ids, starts = self.tokenizer.encode_chat(full, literals)
-        ends = starts[1:] + [len(full)]
         outputs = self.tool_output_spans(full)
-        mask = [
-            int(any(s < b and e > a for a, b in spans) and not any(s < b and e > a for a, b in outputs))
-            for s, e in zip(starts, ends)
-        ]
+        assistant, inserted = overlapping(starts, len(full), spans), overlapping(starts, len(full), outputs)
+        mask = [int(a and not o) for a, o in zip(assistant, inserted)]
         return ids, mask
 
     def tool_output_spans(self, full: str) -> list[tuple[int, int]]:
@@ -340,6 +337,13 @@ class ChatFormat:
 
 def chat_format(tokenizer: Tokenizer, control_tokens_in_content: bool = False) -> ChatFormat:
     return ChatFormat(tokenizer, control_tokens_in_content)
+
+
+def overlapping(starts: list[int], length: int, spans: list[tuple[int, int]]) -> list[bool]:
+    """Per token (its text from starts[i] to the next token's start, the last to length): whether it overlaps any of
+    the character spans."""
+    ends = starts[1:] + [length]
+    return [any(s < b and e > a for a, b in spans) for s, e in zip(starts, ends)]
 
 
 def common_prefix(a: list, b: list) -> int:

@@ -202,9 +202,9 @@ def sample_items(task: str, split: str, n: int, seed: int, distinct: bool = Fals
         if split != "train":
             raise UserError("made-up words are training questions: the test split is the tasks' own held-out words")
         keys = [TASKS[task].made_up(rng) for _ in range(n)]
-        return [TASKS[task].item(k, rng.choice(TASKS[task].phrasings)) for k in keys]
-    pool = split_keys(task, split)
-    keys = rng.sample(pool, min(n, len(pool))) if distinct else [rng.choice(pool) for _ in range(n)]
+    else:
+        pool = split_keys(task, split)
+        keys = rng.sample(pool, min(n, len(pool))) if distinct else [rng.choice(pool) for _ in range(n)]
     phrasings = TASKS[task].phrasings
     return [TASKS[task].item(k, rng.choice(phrasings)) for k in keys]
 
@@ -264,8 +264,7 @@ def near_miss_call(item: Item, rng: random.Random) -> list[dict]:
     left out), with that call's output and answer: the tool-using model's most likely miss."""
     if item.task == "count":
         word, letter = item.key.split(":")
-        i = rng.randrange(len(word))
-        call = f"'{word[:i] + word[i + 1 :]}'.count('{letter}')"
+        call = f"'{without_a_letter(word, rng)}'.count('{letter}')"
     else:
         a, op, b = item.key.split(":")
         a, b = int(a), int(b)
@@ -281,13 +280,17 @@ def near_miss_call(item: Item, rng: random.Random) -> list[dict]:
     ]
 
 
+def without_a_letter(word: str, rng: random.Random) -> str:
+    """The word with one letter, chosen at random, left out."""
+    i = rng.randrange(len(word))
+    return word[:i] + word[i + 1 :]
+
+
 def near_miss(item: Item, rng: random.Random) -> str:
     """A wrong answer close to the right one: a number off by a little (never negative), a reversed word with one
     letter left out (the chat demo's model's most common miss)."""
     if item.task == "reverse":
-        word = item.answer
-        i = rng.randrange(len(word))
-        return word[:i] + word[i + 1 :]
+        return without_a_letter(item.answer, rng)
     right = int(item.answer)
     steps = (-10, -2, -1, 1, 2, 10) if item.task == "arithmetic" else (-1, 1)
     return str(right + rng.choice([d for d in steps if right + d >= 0]))

@@ -5,13 +5,13 @@ Every sampler does this the same way, through Calculator: ChatSession (chat.py, 
 batcher and the RL sampler (quillgpt/rl.py). The tool's tokens are part of the built-in ChatML
 (quillgpt.chat_template.TOOL_TOKENS); a tokenizer without them has no tool, and nothing changes for it.
 
-The expression is never given to `eval`: calculate() parses it with Python's own parser (ast.parse) and walks the
-tree itself, taking numbers, + - * / // % ** and parentheses, and one string method as nanochat's calculator has it
-for counting letters: 'strawberry'.count('r'), on string literals only. Nothing else: no name, other attribute or
-call, subscript, string arithmetic or comparison. Limits keep a hostile expression cheap: its length, the depth of its tree, the size of every
-intermediate number, and an exponent checked before the power is computed (9**9**9 is refused, not computed). A
-refused or failing expression gets a short error text as its output, inside the conversation, as a real tool's
-error would: the model sees it, the process goes on.
+The expression is never given to `eval`: calculate() parses it with Python's own parser (ast.parse) and walks the tree
+itself, taking numbers, + - * / // % ** and parentheses, and one string method as nanochat's calculator has it for
+counting letters: 'strawberry'.count('r'), on string literals only. Nothing else: no name, other attribute or call,
+subscript, string arithmetic or comparison. Limits keep a hostile expression cheap: its length, the depth of its tree,
+the size of every intermediate number, and an exponent checked before the power is computed (9**9**9 is refused, not
+computed). A refused or failing expression gets a short error text as its output, inside the conversation, as a real
+tool's error would: the model sees it, the process goes on.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from quillgpt.chat_template import ChatFormat, check_messages, common_prefix
+from quillgpt.chat_template import ChatFormat, check_messages, common_prefix, overlapping
 from quillgpt.errors import UserError
 
 PAIR_FIELDS = ("prompt", "messages", "chosen", "rejected")
@@ -92,9 +92,7 @@ def conversation_ids(fmt: ChatFormat, messages: list[dict]) -> tuple[list[int], 
     rendered, literals = fmt.literal_content(messages)
     full = fmt.render(rendered)
     ids, starts = fmt.tokenizer.encode_chat(full, literals)
-    outputs = fmt.tool_output_spans(full)
-    inserted = [any(s < b and e > a for a, b in outputs) for s, e in zip(starts, starts[1:] + [len(full)])]
-    return ids, inserted
+    return ids, overlapping(starts, len(full), fmt.tool_output_spans(full))
 
 
 def encode_pair(fmt: ChatFormat, pair: Pair) -> tuple[list[int], list[int], list[int], list[int]]:
