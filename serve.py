@@ -1,12 +1,13 @@
 """Serve a checkpoint over an OpenAI-compatible HTTP API (docs/serving.md).
 
-    python serve.py --ckpt checkpoints/base                              # http://127.0.0.1:8000/v1
+    python serve.py --ckpt checkpoints/base                              # http://127.0.0.1:8000/v1, the page at /
     python serve.py --ckpt checkpoints/chat --port 8080 --api-key s3cret    # requests need Authorization: Bearer s3cret
     python serve.py --ckpt exports/base.safetensors --host 0.0.0.0       # reachable from other machines
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both stream with "stream": true), GET /v1/models,
-GET /health. Concurrent requests are decoded together, one token for each per step (quillgpt/serve/batcher.py); greedy
-replies (temperature 0) are sample.py's --temperature 0 replies. --ckpt takes what sample.py's does.
+GET /health, and a page at / to chat or complete in a browser (--no-page: the API only). Concurrent requests are
+decoded together, one token for each per step (quillgpt/serve/batcher.py); greedy replies (temperature 0) are
+sample.py's --temperature 0 replies. --ckpt takes what sample.py's does.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-queue", type=int, default=64, help="requests waiting for a slot before 503s (default %(default)s)"
     )
+    p.add_argument(
+        "--no-page",
+        action="store_true",
+        help="serve the API only, without the chat and completion page at / (docs/serving.md#the-page)",
+    )
     p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body (default %(default)s KiB)")
     p.add_argument(
         "--control-tokens-in-content",
@@ -93,12 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     batcher = Batcher(model, tokenizer, args.max_batch, args.max_queue)
     server = uvicorn.Server(
-        uvicorn.Config(build_app(batcher, settings), log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.Config(
+            build_app(batcher, settings, page=not args.no_page), log_level="warning", timeout_graceful_shutdown=5
+        )
     )
 
     host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    print(f"serving {name} ({label}) on http://{shown}:{port}/v1", flush=True)
+    root = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    print(f"serving {name} ({label}) on {root}/v1", flush=True)  # one line that scripts read the API's address from
+    if not args.no_page:
+        print(f"the page: {root}/", flush=True)
     run_server(server, batcher, sock)
     return 0
 

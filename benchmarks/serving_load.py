@@ -30,14 +30,16 @@ BENCH_CHARS = list("\n !',.:;?" + string.ascii_letters + "0123")  # 65, as tiny 
 
 
 class ServerProcess:
-    """serve.py in a subprocess on 127.0.0.1 with a port it picks itself (--port 0), ready once /health answers."""
+    """serve.py in a subprocess on 127.0.0.1 with a port it picks itself (--port 0), ready once /health answers;
+    api_key None serves without a key."""
 
-    def __init__(self, ckpt: str | Path, *flags: str, api_key: str = "bench", startup_timeout: float = 120):
+    def __init__(self, ckpt: str | Path, *flags: str, api_key: str | None = "bench", startup_timeout: float = 120):
         import httpx
 
         self.api_key = api_key
+        key = [] if api_key is None else ["--api-key", api_key]
         self.proc = subprocess.Popen(
-            [sys.executable, "serve.py", "--ckpt", str(ckpt), "--port", "0", "--api-key", api_key, *flags],
+            [sys.executable, "serve.py", "--ckpt", str(ckpt), "--port", "0", *key, *flags],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

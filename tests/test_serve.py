@@ -276,6 +276,15 @@ def test_a_seed_repeats_a_sampled_reply_alone_or_in_a_batch(server):
     assert len({alone, complete(client, "the ", temperature=1.0, seed=8)}) == 2
 
 
+def test_top_k_is_taken_as_vllm_and_llama_cpp_take_it(server):
+    """top_k, not OpenAI's: 1 samples the most likely token, so any seed gives the greedy reply; 0 is off."""
+    client = server.client()
+    greedy = complete(client, "the ")
+    assert [complete(client, "the ", temperature=1.5, seed=s, extra_body={"top_k": 1}) for s in (1, 2)] == [greedy] * 2
+    sampled = complete(client, "the ", temperature=1.5, seed=1)
+    assert complete(client, "the ", temperature=1.5, seed=1, extra_body={"top_k": 0}) == sampled != greedy
+
+
 def test_models_lists_the_one_model_served(server):
     models = server.client().models.list().data
     assert [m.id for m in models] == ["tiny"]
@@ -362,6 +371,7 @@ BAD_REQUESTS = {
         "chat_template",
     ),
     "two choices": ("/completions", {"model": "tiny", "prompt": "a", "n": 2}, "n"),
+    "a negative top_k": ("/completions", {"model": "tiny", "prompt": "a", "top_k": -1}, "top_k"),
     "five stop strings": ("/completions", {"model": "tiny", "prompt": "a", "stop": list("abcde")}, "stop"),
 }
 

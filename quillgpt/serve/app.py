@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API serve.py runs: POST /v1/completions, POST /v1/chat/completions (both streamed as
-server-sent events with "stream": true), GET /v1/models, and GET /health (slots in use, requests waiting).
+server-sent events with "stream": true), GET /v1/models, and GET /health (slots in use, requests waiting); and, unless
+turned off, a page at / that chats or completes through that same API (add_page; its files are in page/).
 
 FastAPI (request models validated by pydantic) on uvicorn, streaming through sse-starlette, which cancels a stream
 whose client has gone (its slot is freed at the batcher's next step). Every refusal has OpenAI's error shape,
@@ -19,12 +20,13 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
 from quillgpt.chat_template import ChatFormat, chat_format, check_messages
@@ -64,13 +66,25 @@ def run_server(server: uvicorn.Server, batcher: Batcher, sock: socket.socket) ->
     web.join(timeout=10)
 
 
-def build_app(batcher: Batcher, settings: ServerSettings) -> FastAPI:
+def build_app(batcher: Batcher, settings: ServerSettings, page: bool = True) -> FastAPI:
     app = FastAPI(title="quillgpt", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, settings=settings)
     app.add_exception_handler(APIError, lambda request, e: e.response())
     app.add_exception_handler(RequestValidationError, lambda request, e: validation_error(e, request).response())
-    created = int(time.time())
-    model_card = {"id": settings.model_name, "object": "model", "created": created, "owned_by": "quillgpt"}
+    chat = chat_or_why_not(batcher, settings.control_tokens_in_content)
+    # OpenAI's model object, with fields of ours (extra fields keep its shape) that the page shows and decides by:
+    # the context, whether the chat endpoint answers, and whether a reply's calculator calls go back as parts
+    model_card = {
+        "id": settings.model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "quillgpt",
+        "context_length": settings.block_size,
+        "chat": not isinstance(chat, str),
+        "tools": ["calculator"] if not isinstance(chat, str) and chat.tools else [],
+    }
+    if page:
+        add_page(app, settings)
 
     @app.get("/health")
     async def health() -> dict:
@@ -98,8 +112,6 @@ def build_app(batcher: Batcher, settings: ServerSettings) -> FastAPI:
         gen = generation(body, ids, frozenset() if eot is None else {eot}, settings, "prompt", default_max_tokens=16)
         return await respond(batcher, gen, body, request, CompletionShape(settings.model_name))
 
-    chat = chat_or_why_not(batcher, settings.control_tokens_in_content)
-
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         check_model(body.model, settings)
@@ -115,6 +127,43 @@ def build_app(batcher: Batcher, settings: ServerSettings) -> FastAPI:
         return await respond(batcher, gen, body, request, ChatShape(settings.model_name))
 
     return app
+
+
+# ---- the page: a chat and completion page at / (quillgpt/serve/page), static, through the same API ---------------
+
+PAGE_DIR = Path(__file__).resolve().parent / "page"
+PAGE_FILES = {  # route: (file in PAGE_DIR, media type)
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/page/page.css": ("page.css", "text/css; charset=utf-8"),
+    "/page/page.js": ("page.js", "text/javascript; charset=utf-8"),
+}
+# The page shows untrusted text (the model's, a user's paste): besides rendering it as text, forbid what an injection
+# would need, inline script and any other origin, so a slip in page.js still runs nothing and sends nothing away
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",  # a restarted server's new page is fetched, not a stale copy
+}
+
+
+def add_page(app: FastAPI, settings: ServerSettings) -> None:
+    """GET / and its two assets, read once here (a missing file fails at start, not at a user's visit), and
+    GET /page/server.json: whether the API wants a key, so the page asks for one before it tries. None of them needs
+    the key: they hold no data and run nothing; the API they call stays guarded."""
+    files = {route: ((PAGE_DIR / name).read_bytes(), media) for route, (name, media) in PAGE_FILES.items()}
+
+    def endpoint(route: str) -> Callable[[], Response]:
+        content, media = files[route]
+        return lambda: Response(content, media_type=media, headers=PAGE_HEADERS)
+
+    for route in files:
+        app.add_api_route(route, endpoint(route), methods=["GET"], include_in_schema=False)
+
+    @app.get("/page/server.json", include_in_schema=False)
+    async def page_server() -> JSONResponse:
+        return JSONResponse({"api_key_required": settings.api_key is not None}, headers=PAGE_HEADERS)
 
 
 def chat_or_why_not(batcher: Batcher, control_tokens_in_content: bool) -> ChatFormat | str:

@@ -46,6 +46,7 @@ class GenRequest:
     max_tokens: int
     temperature: float = 1.0
     top_p: float | None = None
+    top_k: int | None = None
     stop: tuple[str, ...] = ()
     stop_ids: frozenset[int] = frozenset()  # ids that end the reply, left out of its text (eot, a chat's end of turn)
     seed: int | None = None
@@ -241,7 +242,7 @@ class Batcher:
         for i, slot in enumerate(slots):
             r = slot.handle.request
             if r.temperature > 0:
-                chosen[i] = sample_next(logits[i : i + 1], r.temperature, None, r.top_p, slot.generator)[0]
+                chosen[i] = sample_next(logits[i : i + 1], r.temperature, r.top_k, r.top_p, slot.generator)[0]
         return chosen[:, 0].tolist()
 
     def advance(self, slot: Slot, token: int) -> None:

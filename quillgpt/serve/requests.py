@@ -66,6 +66,7 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)  # not OpenAI's (vLLM's and llama.cpp's servers take it): 0 or null is off
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -135,6 +136,7 @@ def generation(
         max_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p if body.top_p < 1 else None,
+        top_k=body.top_k or None,
         stop=tuple(s for s in stop if s),
         stop_ids=frozenset(stop_ids),
         seed=body.seed,
