@@ -21,7 +21,7 @@ import sys
 
 from quillgpt.errors import run_main
 from quillgpt.files import atomic_write
-from quillgpt.tasks import TASKS, conversations, parse_tasks, preference_pairs
+from quillgpt.tasks import SPLITS, TASKS, conversations, parse_tasks, preference_pairs
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -29,7 +29,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="the jsonl file to write")
     p.add_argument("--n", type=int, default=20_000, help="conversations (default 20,000)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--split", choices=("train", "test"), default="train")
+    p.add_argument(
+        "--split",
+        choices=SPLITS,
+        default="train",
+        help="train, val (what runs evaluate on in training) or test (eval.py's held-out items); disjoint",
+    )
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated (default {','.join(TASKS)})")
     p.add_argument("--turns", type=int, default=1, help="at most this many question-answer turns a conversation")
     p.add_argument(
@@ -51,8 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.n < 1 or args.turns < 1:
         p.error("--n and --turns must be at least 1")
-    if args.made_up and args.split == "test":
-        p.error("--made-up writes training questions: the test split is the tasks' own held-out words")
+    if args.made_up and args.split != "train":
+        p.error("--made-up writes training questions: the val and test splits are the tasks' own words")
     return args
 
 

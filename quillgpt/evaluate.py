@@ -237,8 +237,10 @@ def run_hellaswag(req: EvalRequest, model: GPT, tokenizer: Tokenizer, autocast) 
     }
 
 
-def run_chat_tasks(model: GPT, tokenizer: Tokenizer, names: list[str], n_items: int) -> dict:
-    """Accuracy on n_items held-out items of each chat task, greedy answers graded by tasks.grade.
+def run_chat_tasks(model: GPT, tokenizer: Tokenizer, names: list[str], n_items: int, split: str = "test") -> dict:
+    """Accuracy on n_items items of each chat task's split, greedy answers graded by tasks.grade: the test split for
+    eval.py and the reports, the val split for a run's in-training evaluations (rl.py), which must never see a test
+    item.
 
     A model whose tokenizer has a chat template is asked in it, one conversation per question, and answers until an
     end-of-turn token (with the calculator tool where its tokenizer has it: the answer is the text after the tool's
@@ -246,9 +248,9 @@ def run_chat_tasks(model: GPT, tokenizer: Tokenizer, names: list[str], n_items: 
     of the same task, then the question, and answers to the end of the line."""
     chat = tokenizer.chat_template is not None
     session = ChatSession(model, tokenizer, max_new_tokens=ANSWER_TOKENS, notices=None) if chat else None
-    out = {"form": "chat template" if chat else f"plain, up to {FEW_SHOT}-shot", "tasks": {}}
+    out = {"form": "chat template" if chat else f"plain, up to {FEW_SHOT}-shot", "split": split, "tasks": {}}
     for name in names:
-        items = tasks.sample_items(name, "test", n_items, seed=0, distinct=True)
+        items = tasks.sample_items(name, split, n_items, seed=0, distinct=True)
         shots = tasks.sample_items(name, "train", FEW_SHOT, seed=0, distinct=True)
         correct, examples, t0 = 0, [], time.perf_counter()
         for item in tqdm(items, desc=name, unit="item", leave=False, disable=None):

@@ -39,6 +39,16 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux); "" where there is none."""
+    try:
+        with open("/proc/cpuinfo", errors="replace") as f:
+            line = next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags from /proc/cpuinfo (Linux x86); empty where there is none."""
     try:

@@ -11,14 +11,18 @@ is bounded in time, and paid once per process and shape.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from quillgpt.machine import cpu_flags
+from quillgpt.errors import UserError
+from quillgpt.files import atomic_write_json
+from quillgpt.machine import cpu_flags, cpu_model
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BF16_MARGIN = 1.5  # bf16 must measure this much faster: near parity, fp32's exactness wins and no re-run flips
@@ -191,3 +195,47 @@ def cuda_has_native_bf16() -> bool:
     """bf16 on this CUDA device runs in hardware (Ampere and later). torch's is_bf16_supported() also counts
     emulation, which on older cards is slower than fp16 with a GradScaler."""
     return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+# ---- MFU's peak on the CPU ----------------------------------------------------------------------------------
+
+
+def kept_peaks_path() -> Path:
+    """Where the best matmul rates this machine has shown are kept between runs: $QUILLGPT_CACHE, else
+    $XDG_CACHE_HOME/quillgpt, else ~/.cache/quillgpt."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get("QUILLGPT_CACHE") or Path(cache) / "quillgpt") / "cpu_peaks.json"
+
+
+def peak_key(rates: MatmulRates, precision: str) -> str:
+    """What a kept rate is comparable across: this CPU and code path, the threads, the probe's shape, the precision."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    caps = ",".join(os.environ.get(k, "") for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"))
+    m, k, n = rates.shape
+    return f"{cpu_model()}|{capability}|{caps}|{torch.get_num_threads()} threads|{m}x{k}x{n}|{precision}"
+
+
+def kept_peak(rates: MatmulRates, precision: str) -> tuple[float, str]:
+    """MFU's peak FLOP/s on the CPU and what it is: the best rate of `precision` this machine has shown at the probe's
+    shape, this run's reading included (kept between runs, so a run that starts beside other work, and reads a low
+    rate, does not report a high MFU). An unreadable file starts again from this reading; one that cannot be written
+    leaves this run's reading."""
+    measured, path, key = rates.rate(precision), kept_peaks_path(), peak_key(rates, precision)
+    kept = read_kept_peaks(path)
+    best = max(measured, float(kept.get(key, 0.0)))
+    if best > float(kept.get(key, 0.0)):
+        try:
+            atomic_write_json(path, {**kept, key: best})
+        except (OSError, UserError):
+            return measured, f"this run's reading ({path} could not be written)"
+    when = "this run's reading" if best == measured else "an earlier run's reading"
+    return best, f"the best {precision} rate this machine has shown at this shape, {when}; kept in {path}"
+
+
+def read_kept_peaks(path: Path) -> dict[str, float]:
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or not JSON
+        return {}
+    ok = isinstance(kept, dict) and all(isinstance(v, (int, float)) for v in kept.values())
+    return kept if ok else {}

@@ -22,8 +22,9 @@ file the config names: nothing in the data names code.
 Exact resume: the questions of step k and the generator the replies are sampled with are functions of (run.seed, k)
 alone, as the trainer's batches are (data.py): the sampling RNG's state at any step is that seed, so a resumed run
 samples exactly the replies the uninterrupted run did (tests/test_rl.py). Checkpoints, logging, evaluation and the
-best checkpoint are the trainer's own; evaluations add task_acc, the greedy held-out accuracy that eval.py
---chat-task measures (training.best_metric = "task_acc" keeps the best by it).
+best checkpoint are the trainer's own; evaluations add task_acc, the greedy accuracy on the tasks' validation items,
+graded as eval.py --chat-task grades the test items (training.best_metric = "task_acc" keeps the best by it; no test
+item is read during training).
 """
 
 from __future__ import annotations
@@ -327,9 +328,11 @@ class RL:
         return {**out, "kl": kl} if self.reference is not None else out
 
     def metrics(self, tr: Trainer) -> dict[str, float]:
-        """Held-out accuracy per task (greedy, eval.py --chat-task's items) and their mean, task_acc."""
+        """Accuracy per task on validation items (greedy, graded as eval.py --chat-task grades its test items) and
+        their mean, task_acc: the best checkpoint is chosen on items that neither training nor the test split holds."""
         with tr.rt.autocast:
-            report = run_chat_tasks(tr.raw_model.eval(), self.tokenizer, list(self.cfg.tasks), self.cfg.eval_items)
+            model, names = tr.raw_model.eval(), list(self.cfg.tasks)
+            report = run_chat_tasks(model, self.tokenizer, names, self.cfg.eval_items, split="val")
         accs = {f"{name}_acc": r["acc"] for name, r in report["tasks"].items()}
         return {"task_acc": sum(accs.values()) / len(accs), **accs}
 

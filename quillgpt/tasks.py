@@ -9,7 +9,9 @@ has every character):
 - count: "How many times does 'r' appear in 'strawberry'?" -> "3"
 
 Each item has a key (its content: the numbers, or the word and letter, never the phrasing), and a hash of the key
-puts it in the train or the test split, so held-out items are never trained on, in any phrasing, whatever the seed.
+puts it in the train, val or test split, so held-out items are never trained on, in any phrasing, whatever the seed.
+A run's in-training evaluations grade the val split (and choose its best checkpoint on it); eval.py and the reports
+grade the test split, which no run reads.
 Written as jsonl lines {"messages": [...]} (the form prepare.py --chat reads); eval.py --chat-task grades a model on
 the test split (quillgpt.evaluate.run_chat_tasks).
 
@@ -69,7 +71,8 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 # the words' letters, each as often as in WORDS: made-up words spell like them
 VOWELS = "".join(c for w in WORDS for c in w if c in "aeiou")
 CONSONANTS = "".join(c for w in WORDS for c in w if c not in "aeiou")
-HELD_OUT = 10  # one key in HELD_OUT goes to the test split
+HELD_OUT = 10  # one key in HELD_OUT goes to the test split, another to the validation split
+SPLITS = ("train", "val", "test")
 
 
 @dataclass(frozen=True)
@@ -185,8 +188,11 @@ def parse_tasks(spec: str | list[str]) -> list[str]:
 
 
 def split_of(task: str, key: tuple) -> str:
+    """train, val (what a run's in-training evaluations grade and its best checkpoint is chosen on) or test (what
+    eval.py and the reports grade): disjoint, whatever the phrasing."""
     digest = hashlib.sha256(f"{task}:{':'.join(map(str, key))}".encode()).digest()
-    return "test" if int.from_bytes(digest[:8], "big") % HELD_OUT == 0 else "train"
+    bucket = int.from_bytes(digest[:8], "big") % HELD_OUT
+    return "test" if bucket == 0 else "val" if bucket == 1 else "train"
 
 
 def split_keys(task: str, split: str) -> list[tuple]:
@@ -200,7 +206,7 @@ def sample_items(task: str, split: str, n: int, seed: int, distinct: bool = Fals
     rng = random.Random(f"{task}:{split}:{seed}")
     if made_up and TASKS[task].made_up is not None:
         if split != "train":
-            raise UserError("made-up words are training questions: the test split is the tasks' own held-out words")
+            raise UserError("made-up words are training questions: the val and test splits are the tasks' own words")
         keys = [TASKS[task].made_up(rng) for _ in range(n)]
     else:
         pool = split_keys(task, split)

@@ -4,6 +4,7 @@ in a sandbox, and our own tokenizers get ChatML with special tokens that survive
 from __future__ import annotations
 
 import json
+import string
 from pathlib import Path
 
 import pytest
@@ -120,7 +121,7 @@ def test_our_tokenizers_get_chatml_tokens_that_round_trip(kind):
             pytest.skip(gpt2_encoding_error())
         base = get_tiktoken("gpt2")
     else:
-        base = train_tokenizer(kind, [tiny_corpus(20_000) + "?+0123456789'SW<|>_"], 300, eot=True)
+        base = train_tokenizer(kind, [tiny_corpus(20_000) + string.printable], 300, eot=True)
     tok = with_chat_tokens(base)
     assert tok.vocab_size == base.vocab_size + 2 + len(TOOL_TOKENS)  # ChatML's two, then the calculator's
     assert [tok.special_tokens[t] for t in CHAT_TOKENS + TOOL_TOKENS] == list(range(base.vocab_size, tok.vocab_size))
@@ -206,7 +207,8 @@ def test_a_message_spelling_chatml_tokens_is_encoded_as_its_text_and_stays_one_t
             pytest.skip(gpt2_encoding_error())
         base = get_tiktoken("gpt2")
     else:
-        base = train_tokenizer(kind, [tiny_corpus(20_000) + "?+0123456789'SW<|>_"], 300, eot=True)
+        # every printable character, whichever corpus the tests found: the forged message's are among them
+        base = train_tokenizer(kind, [tiny_corpus(20_000) + string.printable], 300, eot=True)
     tok = with_chat_tokens(base)
     start, end = tok.special_tokens["<|im_start|>"], tok.special_tokens["<|im_end|>"]
     messages = [{"role": "user", "content": FORGED_CHATML}]

@@ -2,6 +2,7 @@
 (oneDNN and ATen capped at AVX2, where bf16 is emulated as on most laptops); forcing bf16 where it is slower warns
 with the measured slowdown; a resumed run keeps the precision auto chose."""
 
+import json
 import os
 import re
 import subprocess
@@ -195,17 +196,39 @@ def test_muon_orthogonalises_in_fp32_where_bf16_measures_slower(tiny_data, tmp_p
         assert trainer.muon_dtype(cfg, measured) == expected
 
 
-def test_cpu_mfu_is_measured_against_the_matmul_rate_of_the_precision_in_use(tiny_data, tmp_path):
+def test_cpu_mfu_is_measured_against_the_best_rate_of_the_precision_this_machine_has_shown(
+    tiny_data, tmp_path, monkeypatch
+):
+    """The peak is the best matmul rate of the precision in use seen at the model's shape, kept between runs: a run
+    that starts beside other work reads a low rate, and against its own reading would report a high MFU."""
     from quillgpt import trainer
     from quillgpt.config import build_config
     from quillgpt.distributed import DistInfo
 
+    monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "cache"))
+    kept = tmp_path / "cache" / "cpu_peaks.json"
+
+    def setup(precision: str = "fp32", **extra) -> trainer.Runtime:
+        overrides = tiny_overrides(tiny_data, tmp_path, **{"training.precision": precision, **extra})
+        return trainer.setup(build_config(None, overrides), DistInfo())
+
     for precision in ("fp32", "bf16"):
-        cfg = build_config(None, tiny_overrides(tiny_data, tmp_path, **{"training.precision": precision}))
-        rt = trainer.setup(cfg, DistInfo())
-        assert rt.matmul_rates and rt.peak_flops == rt.matmul_rates.rate(precision)
-    cfg = build_config(None, tiny_overrides(tiny_data, tmp_path, **{"logging.peak_tflops": 2.0}))
-    assert trainer.setup(cfg, DistInfo()).peak_flops == 2e12
+        rt = setup(precision)
+        assert rt.matmul_rates and rt.peak_flops == rt.matmul_rates.rate(precision)  # the first: its own reading
+        assert f"the best {precision} rate this machine has shown at this shape, this run's reading" in (
+            trainer.device_line(rt)
+        )
+    peaks = json.loads(kept.read_text())
+    assert len(peaks) == 2
+    kept.write_text(json.dumps({key: 10 * rate for key, rate in peaks.items()}))  # as if a quiet machine read 10x
+    rt = setup()
+    assert rt.peak_flops == 10 * rt.matmul_rates.fp32 and "an earlier run's reading" in trainer.device_line(rt)
+    kept.write_text("{not json")  # starts again from this run's reading
+    rt = setup()
+    assert rt.peak_flops == rt.matmul_rates.fp32 and "this run's reading" in trainer.device_line(rt)
+    assert len(json.loads(kept.read_text())) == 1
+    rt = setup(**{"logging.peak_tflops": 2.0})
+    assert rt.peak_flops == 2e12 and "GFLOP/s: logging.peak_tflops" in trainer.device_line(rt)
 
 
 def test_a_gpu_that_only_emulates_bf16_trains_in_fp16_and_samples_in_fp32(monkeypatch):

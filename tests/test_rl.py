@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import quillgpt.rl as rl
+import quillgpt.tasks as tasks
 from model import GPT, GPTConfig, sample_next
 from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.config import ConfigError, RLConfig
 from quillgpt.errors import UserError
 from quillgpt.rl import Reply, Rollouts, load_reward, sample_groups, token_logprobs
-from quillgpt.tasks import WORDS, conversations, split_keys
+from quillgpt.tasks import WORDS, conversations, split_keys, split_of
 from quillgpt.tokenizer import CharTokenizer
 from train import train
 
@@ -109,6 +110,25 @@ def test_a_resumed_rl_run_continues_exactly(rl_setup, tmp_path):
     wa = torch.load(tmp_path / "straight" / "rl" / "ckpt_last.pt", weights_only=True)["model"]
     wb = torch.load(tmp_path / "split" / "rl" / "ckpt_last.pt", weights_only=True)["model"]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_an_rl_run_never_reads_a_test_item_and_picks_its_best_checkpoint_on_validation_items(
+    rl_setup, tmp_path, monkeypatch
+):
+    """The evaluations that choose ckpt_best.pt grade val items only, and the steps ask made-up words or the train
+    split: no step or evaluation reads a test item, which are eval.py's alone."""
+    graded, asked = [], []
+    grade, items = tasks.grade, rl.RL.items
+    monkeypatch.setattr(tasks, "grade", lambda item, reply: graded.append(item) or grade(item, reply))
+    monkeypatch.setattr(rl.RL, "items", lambda self, step: asked.extend(items(self, step)) or items(self, step))
+    overrides = {"training.max_iters": 4, "training.eval_interval": 2, "training.best_metric": "task_acc"}
+    train(None, overrides=rl_overrides(rl_setup, tmp_path, **overrides))
+    assert len(graded) == 3 * 2 * 3  # 3 evaluations (steps 0, 2, 4) of 3 items of 2 tasks
+    assert {split_of(i.task, (i.key,)) for i in graded} == {"val"}
+    held_out = {
+        (t, ":".join(map(str, k))) for t in ("count", "reverse") for s in ("val", "test") for k in split_keys(t, s)
+    }
+    assert asked and not any((i.task, i.key) in held_out for i in asked)  # made-up words, or the train split
 
 
 def test_only_sampled_reply_tokens_are_trained():

@@ -35,13 +35,16 @@ def run_tasks(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
-def test_held_out_keys_never_appear_in_training_in_any_phrasing(task):
-    train, test = set(split_keys(task, "train")), set(split_keys(task, "test"))
-    assert train and test and not train & test and len(test) < len(train) / 5
+def test_validation_and_held_out_keys_never_appear_in_training_in_any_phrasing(task):
+    train, val, test = (set(split_keys(task, s)) for s in ("train", "val", "test"))
+    assert train and val and test and not train & test and not train & val and not val & test
+    assert len(test) < len(train) / 5 and len(val) < len(train) / 5
+    assert train | val | test == set(TASKS[task].keys())
     trained = {i.key for i in sample_items(task, "train", 3000, seed=1)}
-    asked = sample_items(task, "test", 50, seed=0, distinct=True)
-    assert len({i.key for i in asked}) == len(asked) == min(50, len(test))
-    assert not trained & {i.key for i in asked}
+    for split, keys in (("val", val), ("test", test)):
+        asked = sample_items(task, split, 50, seed=0, distinct=True)
+        assert len({i.key for i in asked}) == len(asked) == min(50, len(keys))
+        assert not trained & {i.key for i in asked}
 
 
 def test_answers_are_right():
@@ -75,8 +78,9 @@ def test_made_up_words_are_never_the_tasks_words_and_their_answers_are_right():
     sums = sample_items("arithmetic", "train", 50, seed=0, made_up=True)
     assert {i.key for i in sums} <= {":".join(map(str, k)) for k in split_keys("arithmetic", "train")}
     assert sample_items("reverse", "train", 2000, seed=0, made_up=True) == reverse  # a seed repeats them
-    with pytest.raises(UserError, match="held-out"):
-        sample_items("reverse", "test", 5, seed=0, made_up=True)
+    for split in ("val", "test"):
+        with pytest.raises(UserError, match="the tasks' own words"):
+            sample_items("reverse", split, 5, seed=0, made_up=True)
     pairs = preference_pairs(["reverse"], "train", 20, seed=1, made_up=True)
     assert not {p["chosen"][0]["content"][::-1] for p in pairs} & set(WORDS)
 
@@ -133,4 +137,6 @@ def test_command_writes_chat_jsonl_of_the_split_asked(tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown chat task poetry" in bad.stderr
     assert not (tmp_path / "x.jsonl").exists()
     held_out = run_tasks("--out", str(tmp_path / "x.jsonl"), "--made-up", "--split", "test")
-    assert held_out.returncode == 2 and "held-out words" in held_out.stderr and not (tmp_path / "x.jsonl").exists()
+    assert (
+        held_out.returncode == 2 and "the tasks' own words" in held_out.stderr and not (tmp_path / "x.jsonl").exists()
+    )
