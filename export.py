@@ -43,6 +43,7 @@ from safetensors.torch import save
 from model import GPT
 from quillgpt import gguf_export, hf, peft_io
 from quillgpt.errors import UserError, run_main
+from quillgpt.families import export_family
 from quillgpt.files import atomic_write
 from quillgpt.loading import Loaded, load_model
 from quillgpt.lora import merged
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     model = model_to_export(loaded, args.merge, bool(args.hf or args.safetensors or args.gguf))
     tokenizer, source = loaded.tokenizer, loaded.source
     if args.hf:  # refuse before writing anything
-        hf.export_family(model.config, str(source), tokenizer)
+        export_family(model.config, str(source), tokenizer)
     if args.gguf:
         plan = gguf_export.plan_gguf(model, tokenizer, args.outtype, str(source))
     if args.safetensors:

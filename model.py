@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -27,14 +28,18 @@ from quillgpt.kernels import Dropout, causal_attention
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, ndim: int, eps: float):
+    """RMSNorm scaled by its weight, or (plus_one, Gemma's) by 1 + its weight, which then starts at 0."""
+
+    def __init__(self, ndim: int, eps: float, plus_one: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
+        self.weight = nn.Parameter(torch.zeros(ndim) if plus_one else torch.ones(ndim))
+        self.offset = float(plus_one)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # in fp32, as autocast runs LayerNorm: a bf16 input with an fp32 weight misses the fused kernel
-        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+        scale = self.weight.float() + self.offset if self.offset else self.weight.float()
+        return F.rms_norm(x.float(), self.weight.shape, scale, self.eps).to(x.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -50,18 +55,34 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
-def make_norm(config: GPTConfig, ndim: int | None = None) -> nn.Module:
+def make_norm(config: GPTConfig, ndim: int | None = None, used: bool = True) -> nn.Module:
+    """The config's norm over the last ndim features (default n_embd); an Identity where it is not used."""
     ndim = ndim or config.n_embd
-    return RMSNorm(ndim, config.norm_eps) if config.norm == "rmsnorm" else LayerNorm(ndim, config.bias, config.norm_eps)
+    if not used:
+        return nn.Identity()
+    if config.norm == "rmsnorm":
+        return RMSNorm(ndim, config.norm_eps, config.norm_plus_one)
+    return LayerNorm(ndim, config.bias, config.norm_eps)
+
+
+def rotary_width(config: GPTConfig) -> int:
+    """How many of a head's dimensions rotate: all, or the first rope_fraction of them (Phi), an even number."""
+    return int(config.head_width * config.rope_fraction) // 2 * 2
 
 
 def rope_frequencies(config: GPTConfig) -> torch.Tensor:
-    """The rotary inverse frequencies of a head's dimension pairs (head_width / 2,), with Llama 3's scaling: long
-    wavelengths slowed by rope_factor, short ones kept, those between blended."""
-    dim = config.head_width
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    """The rotary inverse frequencies of a head's rotating dimension pairs (rotary_width / 2,), scaled: Llama 3's
+    (long wavelengths slowed by rope_factor, short ones kept, those between blended), linear (every one slowed by
+    rope_factor) or LongRoPE's (each divided by its own factor)."""
+    dim = rotary_width(config)
+    wavelengths = config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # (dim / 2,)
+    if config.rope_scaling == "longrope":
+        return 1.0 / (torch.tensor(config.rope_factors, dtype=torch.float32) * wavelengths)
+    inv_freq = 1.0 / wavelengths
     if config.rope_scaling == "none":
         return inv_freq
+    if config.rope_scaling == "linear":
+        return inv_freq / config.rope_factor
     factor, low, high, context = (
         config.rope_factor,
         config.rope_low_freq_factor,
@@ -76,16 +97,28 @@ def rope_frequencies(config: GPTConfig) -> torch.Tensor:
     return torch.where(between, blended, scaled)
 
 
-def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    angles = torch.outer(torch.arange(config.block_size, dtype=torch.float32), rope_frequencies(config))  # (T, hs/2)
-    return angles.cos(), angles.sin()
+def rope_tables(config: GPTConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(cos, sin) of every position and rotating pair, (T, rotary_width / 2) each, by the kind of layer that reads
+    them: "global" (rope_theta, scaled), and "local" for sliding-window layers where they have a base of their own
+    (rope_theta_local, unscaled: Gemma 3)."""
+    positions = torch.arange(config.block_size, dtype=torch.float32)
+    angles = torch.outer(positions, rope_frequencies(config))  # (T, rotary_width / 2)
+    scale = config.rope_attention_factor  # LongRoPE's: both tables, so every score by its square
+    tables = {"global": (angles.cos() * scale, angles.sin() * scale)}
+    if config.rope_theta_local is not None:
+        local = replace(config, rope_theta=config.rope_theta_local, rope_scaling="none")
+        angles = torch.outer(positions, rope_frequencies(local))
+        tables["local"] = (angles.cos(), angles.sin())
+    return tables
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, nh, T, hs); rotate the two halves of each head as complex pairs
-    x1, x2 = x.chunk(2, dim=-1)
+    # x: (B, nh, T, hs); rotate the two halves of each head's first 2 * cos.size(-1) dimensions as complex pairs
+    rotating = 2 * cos.size(-1)
+    x1, x2 = x[..., :rotating].chunk(2, dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated if rotating == x.size(-1) else torch.cat((rotated, x[..., rotating:]), dim=-1)
 
 
 class KVCache:
@@ -145,16 +178,35 @@ class DecodeStep(NamedTuple):
             return DecodeStep(position, cache.pos + 1, None)
         return DecodeStep(position, cache.length, torch.arange(cache.length, device=position.device) <= position)
 
+    def keys(self, window: int) -> tuple[int, torch.Tensor | None]:
+        """(first cached position read, visible mask) for a layer that sees the last `window` positions (0: all):
+        eager, the window's slice of the filled prefix; with a mask, the positions before the window masked too."""
+        if self.visible is None:
+            return (max(0, self.span - window) if window else 0), None
+        if not window:
+            return 0, self.visible
+        recent = torch.arange(self.span, device=self.position.device) > self.position.view(-1, 1) - window  # (1|B, L)
+        return 0, self.visible & recent.view(self.visible.shape)
+
+
+def visible_keys(queries: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
+    """(T, S) boolean: which of n_keys positions each query position (T,) sees: those up to itself, and with a
+    window (0: none) only the last `window` of them, its own included (transformers' sliding_window)."""
+    keys = torch.arange(n_keys, device=queries.device)
+    seen = keys <= queries[:, None]
+    return seen & (keys > queries[:, None] - window) if window else seen
+
 
 class DocumentMask:
     """Attention confined to each document of packed rows (data.py's Batch.positions: 0 at each document's first
-    token), built once per forward for every layer: a token sees the tokens up to itself in its own document only.
+    token), built once per forward for every layer of a window: a token sees the tokens up to itself in its own
+    document only (and with a window, only the last `window` of them).
     FlexAttention's block mask where torch trains with it fused (CUDA, under torch.compile, without attention
     dropout: the blocks of the (T, T) scores that no document reaches are skipped), else a (B, 1, T, T) boolean mask
     for SDPA: torch has no FlexAttention backward on the CPU, and eager FlexAttention materialises the scores anyway
     (docs/chat.md has the choice and its measurements)."""
 
-    def __init__(self, positions: torch.Tensor, flex: bool):
+    def __init__(self, positions: torch.Tensor, flex: bool, window: int = 0):
         B, T = positions.shape
         documents = (positions == 0).cumsum(-1)  # (B, T): which document of its row each token is in
         self.block_mask = self.visible = None
@@ -162,11 +214,12 @@ class DocumentMask:
             from torch.nn.attention.flex_attention import create_block_mask
 
             def same_document(b, h, q, k):
-                return (q >= k) & (documents[b, q] == documents[b, k])
+                near = (q - k < window) if window else True
+                return (q >= k) & near & (documents[b, q] == documents[b, k])
 
             self.block_mask = create_block_mask(same_document, B, None, T, T, device=positions.device)
         else:
-            causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
+            causal = visible_keys(torch.arange(T, device=positions.device), T, window)  # (T, T)
             self.visible = (causal & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)  # (B, 1, T, T)
 
     @staticmethod
@@ -195,8 +248,15 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.is_residual_proj = True
         self.dropout = config.dropout
         self.resid_dropout = Dropout(config.dropout)
-        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
-        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        # qk_norm over each head's query and key, or over all heads' at once (OLMo 2): the norm's width
+        per_head = config.qk_norm_scope == "head"
+        self.qk_norm_widths = (self.head_dim, self.head_dim) if per_head else widths[:2]
+        self.q_norm = make_norm(config, self.qk_norm_widths[0], used=config.qk_norm)
+        self.k_norm = make_norm(config, self.qk_norm_widths[1], used=config.qk_norm)
+        # scores are scaled by head_dim ** -0.5 everywhere (SDPA, the CPU kernels); another scale goes on the queries
+        self.q_scale = config.attn_scale * self.head_dim**0.5 if config.attn_scale else 1.0
+        self.window = layer_window(config, layer)
+        self.rope_kind = layer_rope(config, layer)
 
     def forward(
         self,
@@ -210,35 +270,41 @@ class CausalSelfAttention(nn.Module):
         within itself (packed rows, no cache)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.widths, dim=2)
+        q = self.q_norm(q.view(B, T, -1, self.qk_norm_widths[0]))  # (B, T, nh or 1, hs or nh * hs)
+        k = self.k_norm(k.view(B, T, -1, self.qk_norm_widths[1]))
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        dropout = self.dropout if self.training else 0.0
         if step is not None:
             k, v = cache.write(self.layer, step.position, k, v)  # (B, nkv, L, hs)
-            k, v = k[:, :, : step.span].to(q.dtype), v[:, :, : step.span].to(q.dtype)
-            y = self.attend_cache(q, k, v, step.visible)
-        elif cache is not None and cache.pos > 0 and T > 1:
-            y = self.attend_appended(q, *(t.to(q.dtype) for t in cache.update(self.layer, k, v)))
+            first, visible = step.keys(self.window)
+            k, v = k[:, :, first : step.span].to(q.dtype), v[:, :, first : step.span].to(q.dtype)
+            y = self.attend_cache(q, k, v, visible)
         elif documents is not None:
-            y = documents.attend(q, k, v, self.dropout if self.training else 0.0)
+            y = documents.attend(q, k, v, dropout)
         else:
-            # with a cache, a single new query attends to every cached key: no mask needed
+            start = cache.pos if cache is not None else 0
             if cache is not None:
-                k, v = (t.to(q.dtype) for t in cache.update(self.layer, k, v))
-            y = causal_attention(q, k, v, self.dropout if self.training else 0.0, T > 1)
+                k, v = (t.to(q.dtype) for t in cache.update(self.layer, k, v))  # (B, nkv, start + T, hs)
+            y = self.attend(q, k, v, start, dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, self.widths[0])  # (B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
 
-    def attend_appended(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """T new queries appended after S - T cached positions (a chat turn read into the cache): q (B, nh, T, hs),
-        k and v (B, nkv, S, hs); query i sees the cache and the new positions up to its own."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, dropout: float) -> torch.Tensor:
+        """T queries at positions start... against S = start + T keys: q (B, nh, T, hs), k and v (B, nkv, S, hs).
+        Causal attention's kernels where nothing else hides a key (a prompt from the start, or one new query over
+        the cache), else an explicit mask: a chat turn appended to the cache, a sliding window."""
         T, S = q.size(2), k.size(2)
-        visible = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)  # (T, S)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=self.n_kv_head != self.n_head)
+        if not self.window and (start == 0 or T == 1):
+            return causal_attention(q, k, v, dropout, T > 1)
+        visible = visible_keys(torch.arange(start, S, device=q.device), S, self.window)  # (T, S)
+        grouped = self.n_kv_head != self.n_head
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout, enable_gqa=grouped)
 
     def attend_cache(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None
@@ -257,17 +323,44 @@ class CausalSelfAttention(nn.Module):
         return (probs @ v).view(B, nh, 1, hs)
 
 
+def layer_window(config: GPTConfig, layer: int) -> int:
+    """The positions a layer attends to, 0 for all: sliding_window but in global_layers (a window as long as the
+    context is no window)."""
+    window = config.sliding_window if layer not in config.global_layers else 0
+    return window if window < config.block_size else 0
+
+
+def layer_rope(config: GPTConfig, layer: int) -> str:
+    """Which rotary table a layer reads (GPT.ropes): none (learned positions, a NoPE layer), local (a sliding layer
+    of a model whose sliding layers have a base of their own) or global."""
+    if config.pos_emb != "rope" or layer in config.nope_layers:
+        return "none"
+    return "local" if layer_window(config, layer) and config.rope_theta_local is not None else "global"
+
+
+def mlp_hidden_width(config: GPTConfig) -> int:
+    """mlp_hidden, or 4 x n_embd; a gated MLP (swiglu, geglu) 2/3 of that, rounded up to 64: the same parameters."""
+    hidden = 4 * config.n_embd
+    if config.mlp in GATED:
+        hidden = 64 * math.ceil(2 * hidden / 3 / 64)
+    return config.mlp_hidden or hidden
+
+
+GATED = ("swiglu", "geglu")  # MLPs whose activation gates a second projection (c_gate)
+
+
+def activation(config: GPTConfig):
+    """The MLP's activation: GELU (exact or tanh, gelu_approx), ReLU squared, or the gate's SiLU or GELU."""
+    gelu = partial(F.gelu, approximate=config.gelu_approx)
+    return {"gelu": gelu, "relu2": lambda h: F.relu(h).square(), "swiglu": F.silu, "geglu": gelu}[config.mlp]
+
+
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, hidden: int | None = None):
         super().__init__()
-        self.kind = config.mlp
-        self.gelu_approx = config.gelu_approx
-        hidden = 4 * config.n_embd
-        if self.kind == "swiglu":  # same parameter count as a 4x GELU MLP
-            hidden = 64 * math.ceil(2 * hidden / 3 / 64)
-        hidden = config.mlp_hidden or hidden
-        if self.kind == "swiglu":
-            self.c_gate = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        hidden = hidden or mlp_hidden_width(config)
+        self.act = activation(config)
+        self.c_gate = nn.Linear(config.n_embd, hidden, bias=config.bias) if config.mlp in GATED else None
         self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.c_proj.is_residual_proj = True
@@ -275,28 +368,38 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)
-        if self.kind == "gelu":
-            h = F.gelu(h, approximate=self.gelu_approx)
-        elif self.kind == "relu2":
-            h = F.relu(h).square()
-        else:
-            h = F.silu(self.c_gate(x)) * h
+        h = self.act(h) if self.c_gate is None else self.act(self.c_gate(x)) * h
         return self.dropout(self.c_proj(h))
 
 
+def make_mlp(config: GPTConfig, layer: int) -> nn.Module:
+    """The block's feed-forward part: a mixture of experts (quillgpt/moe.py) where the config asks for one and this
+    layer is past the dense ones, else the dense MLP. Both map (B, T, C) to (B, T, C)."""
+    if config.n_experts and layer >= config.dense_layers:
+        from quillgpt.moe import MoE
+
+        return MoE(config)
+    return MLP(config)
+
+
 class Block(nn.Module):
+    """Attention then the MLP, each added to the residual stream, each with a norm before it (pre_norm: GPT-2, Llama)
+    and, or, after it (post_norm: Gemma has both, OLMo 2 only the one after); a norm not used is an Identity."""
+
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
-        self.ln_1 = make_norm(config)
+        self.ln_1 = make_norm(config, used=config.pre_norm)
         self.attn = CausalSelfAttention(config, layer)
-        self.ln_2 = make_norm(config)
-        self.mlp = MLP(config)
+        self.post_attn_norm = make_norm(config, used=config.post_norm)
+        self.ln_2 = make_norm(config, used=config.pre_norm)
+        self.mlp = make_mlp(config, layer)
+        self.post_mlp_norm = make_norm(config, used=config.post_norm)
 
     def forward(
         self, x: torch.Tensor, rope=None, cache: KVCache | None = None, step=None, documents=None
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, cache, step, documents)
-        x = x + self.mlp(self.ln_2(x))
+        x = x + self.post_attn_norm(self.attn(self.ln_1(x), rope, cache, step, documents))
+        x = x + self.post_mlp_norm(self.mlp(self.ln_2(x)))
         return x
 
 
@@ -318,13 +421,33 @@ class GPT(nn.Module):
         if config.pos_emb == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         else:
-            cos, sin = rope_tables(config)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            self.set_rope_tables()
+        self.embed_scale = config.n_embd**0.5 if config.embed_scale else 1.0  # Gemma's embeddings x sqrt(width)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)
+
+    def set_rope_tables(self) -> None:
+        """The rotary tables of the config (rope_tables), as buffers not saved with the weights: rope_cos and
+        rope_sin, and rope_cos_local and rope_sin_local where sliding layers have their own."""
+        for kind, (cos, sin) in rope_tables(self.config).items():
+            suffix = "" if kind == "global" else f"_{kind}"
+            self.register_buffer(f"rope_cos{suffix}", cos, persistent=False)
+            self.register_buffer(f"rope_sin{suffix}", sin, persistent=False)
+
+    def ropes(self, pick) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each kind of layer's (cos, sin) (CausalSelfAttention.rope_kind), at the positions pick(table) selects."""
+        ropes: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {"none": None}
+        for kind, suffix in (("global", ""), ("local", "_local")):
+            if hasattr(self, f"rope_cos{suffix}"):
+                ropes[kind] = (pick(getattr(self, f"rope_cos{suffix}")), pick(getattr(self, f"rope_sin{suffix}")))
+        return ropes
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (B, T, C), scaled where the family does so."""
+        x = self.transformer.wte(idx)
+        return x * self.embed_scale if self.embed_scale != 1.0 else x
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -351,6 +474,11 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
+    def active_params(self) -> int:
+        """num_params less the experts a token is not routed to (quillgpt/moe.py): the weights one token's FLOPs use."""
+        moe = [b.mlp for b in self.transformer.h if hasattr(b.mlp, "inactive_params")]
+        return self.num_params() - sum(m.inactive_params() for m in moe)
+
     def forward(
         self,
         idx: torch.Tensor,
@@ -369,34 +497,35 @@ class GPT(nn.Module):
         assert start + T <= self.config.block_size, (
             f"sequence of {start + T} exceeds block_size {self.config.block_size}"
         )
-        x = self.transformer.wte(idx)  # (B, T, C)
-        rope = documents = None
+        x = self.embed(idx)  # (B, T, C)
+        windows = {block.attn.window for block in self.transformer.h}
+        documents = dict.fromkeys(windows)  # each window's DocumentMask, for packed rows
         if positions is not None:
             assert cache is None, "positions are for packed rows, not for decoding with a KV cache"
-            documents = DocumentMask(
-                positions, DocumentMask.flex_trains_here(positions, self.training * self.config.dropout)
-            )
+            flex = DocumentMask.flex_trains_here(positions, self.training * self.config.dropout)
+            documents = {window: DocumentMask(positions, flex, window) for window in windows}
         if self.config.pos_emb == "learned":
             pos = (
                 torch.arange(start, start + T, dtype=torch.long, device=idx.device) if positions is None else positions
             )
             x = x + self.transformer.wpe(pos)  # (T, C) or (B, T, C)
-        elif positions is None:
-            rope = (self.rope_cos[start : start + T], self.rope_sin[start : start + T])  # (T, hs/2)
+        if positions is None:
+            ropes = self.ropes(lambda table: table[start : start + T])  # (T, hs/2)
         else:
-            rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))  # (B, 1, T, hs/2)
+            ropes = self.ropes(lambda table: table[positions].unsqueeze(1))  # (B, 1, T, hs/2)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
+            rope, mask = ropes[block.attn.rope_kind], documents[block.attn.window]
             if self.gradient_checkpointing and self.training:
-                x = checkpoint(block, x, rope, None, None, documents, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, None, mask, use_reentrant=False)
             else:
-                x = block(x, rope, cache, documents=documents)
+                x = block(x, rope, cache, documents=mask)
         if cache is not None:
             cache.pos += T
         if last_only:
             x = x[:, [-1], :]  # (B, 1, C)
         if targets is not None and self.loss_chunks > 1 and self.training:
-            return None, self.chunked_loss(x, targets)
+            return None, self.chunked_loss(x, targets) + self.router_loss()
         logits = self.head(x)  # (B, T, V)
         loss = None
         if targets is not None:
@@ -404,7 +533,14 @@ class GPT(nn.Module):
             # gives 0, not 0/0, and the count stays on the device
             flat = targets.reshape(-1)
             loss = summed_nats(logits.view(-1, logits.size(-1)), flat) / (flat >= 0).sum().clamp(min=1)
+            if self.training:
+                loss = loss + self.router_loss()
         return logits, loss
+
+    def router_loss(self) -> torch.Tensor | float:
+        """The MoE layers' router losses of this forward (balancing and z-loss, weighted: quillgpt/moe.py), which the
+        training loss adds to the cross-entropy (the trainer reports them apart); 0.0 for a dense model."""
+        return sum((b.mlp.router_loss for b in self.transformer.h if hasattr(b.mlp, "router_loss")), 0.0)
 
     def chunked_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training loss of forward(), the head and the cross-entropy run over loss_chunks slices of the rows, each
@@ -434,15 +570,13 @@ class GPT(nn.Module):
         cache.pos), its k and v written into the cache. Under torch.compile shapes never change with the position (the
         whole cache is attended over, the positions after this one masked), so one compiled graph serves a whole
         generation (GPT.generate_stream(compile=True)); eager, it attends over the filled prefix only."""
-        x = self.transformer.wte(token)  # (B, 1, C)
-        rope = None
+        x = self.embed(token)  # (B, 1, C)
         if self.config.pos_emb == "learned":
             x = x + self.transformer.wpe(position)
-        else:
-            rope = (self.rope_cos.index_select(0, position), self.rope_sin.index_select(0, position))  # (1, hs/2)
+        ropes = self.ropes(lambda table: table.index_select(0, position))  # (1, hs/2)
         step = DecodeStep.at(position, cache)
         for block in self.transformer.h:
-            x = block(x, rope, cache, step)
+            x = block(x, ropes[block.attn.rope_kind], cache, step)
         return self.head(x)[:, -1, :]
 
     def decode_rows(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
@@ -451,24 +585,23 @@ class GPT(nn.Module):
         The cache's write(layer, positions, k, v) stores row i's k and v at positions[i] and returns the buffers
         (B, nkv, L, hs) the rows attend over; cache.length is L. Each row sees the positions up to its own."""
         B = tokens.size(0)
-        x = self.transformer.wte(tokens)  # (B, 1, C)
-        rope = None
+        x = self.embed(tokens)  # (B, 1, C)
         if self.config.pos_emb == "learned":
             x = x + self.transformer.wpe(positions).unsqueeze(1)  # (B, 1, C)
-        else:
-            rope = (self.rope_cos[positions].view(B, 1, 1, -1), self.rope_sin[positions].view(B, 1, 1, -1))
+        ropes = self.ropes(lambda table: table[positions].view(B, 1, 1, -1))  # (B, 1, 1, hs/2)
         visible = torch.arange(cache.length, device=tokens.device) <= positions[:, None]  # (B, L)
         step = DecodeStep(positions, cache.length, visible)
         for block in self.transformer.h:
-            x = block(x, rope, cache, step)
+            x = block(x, ropes[block.attn.rope_kind], cache, step)
         return self.head(x)[:, -1, :]
 
     # ---- accounting -------------------------------------------------------------------------
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6N for the weights plus the attention scores (PaLM appendix B)."""
+        """Training FLOPs per token: 6N for the weights plus the attention scores (PaLM appendix B); N counts the
+        active weights (an MoE layer's routed experts, not all of them)."""
         cfg = self.config
-        N = self.num_params()
+        N = self.active_params()
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.head_width, cfg.block_size
         return 6 * N + 12 * L * H * Q * T
 
@@ -542,8 +675,9 @@ class GPT(nn.Module):
         self.config = replace(self.config, block_size=block_size)
         if self.config.pos_emb == "learned":
             self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].clone())
-        else:
-            self.rope_cos, self.rope_sin = self.rope_cos[:block_size].clone(), self.rope_sin[:block_size].clone()
+        for name, table in list(self.named_buffers(recurse=False)):
+            if name.startswith("rope_"):  # the rotary tables, (T, hs/2) each
+                setattr(self, name, table[:block_size].clone())
 
     def new_cache(self, batch: int, length: int | None = None) -> KVCache:
         """Room for `length` positions (at most, and by default, block_size)."""

@@ -59,7 +59,11 @@ class GPTConfig:
     pos_emb: str = _f("learned", "position encoding: learned | rope", choices=("learned", "rope"))
     norm: str = _f("layernorm", "normalisation: layernorm | rmsnorm", choices=("layernorm", "rmsnorm"))
     qk_norm: bool = _f(False, "normalise queries and keys before attention")
-    mlp: str = _f("gelu", "MLP activation: gelu | relu2 | swiglu", choices=("gelu", "relu2", "swiglu"))
+    mlp: str = _f(
+        "gelu",
+        "MLP activation: gelu | relu2 | swiglu | geglu (gated as swiglu, with gelu_approx's GELU: Gemma)",
+        choices=("gelu", "relu2", "swiglu", "geglu"),
+    )
     gelu_approx: str = _f(
         "none", "GELU form: none (exact erf) | tanh (OpenAI GPT-2's gelu_new)", choices=("none", "tanh")
     )
@@ -73,12 +77,63 @@ class GPTConfig:
     qkv_bias: bool = _f(False, "bias on the query, key and value projections only (Qwen2)")
     norm_eps: float = _f(1e-5, "epsilon of LayerNorm and RMSNorm")
     rope_scaling: str = _f(
-        "none", "rotary frequency scaling: none / llama3 (Llama 3.1-3.2's long context)", choices=("none", "llama3")
+        "none",
+        "rotary frequency scaling: none / llama3 (Llama 3.1-3.2's long context) / linear (positions divided by "
+        "rope_factor: Gemma 3's global layers) / longrope (each frequency divided by its rope_factors entry, "
+        "cos and sin times rope_attention_factor: Phi-3/4's short factors, within rope_original_context)",
+        choices=("none", "llama3", "linear", "longrope"),
     )
-    rope_factor: float = _f(8.0, "llama3 rope scaling: factor")
+    rope_factor: float = _f(8.0, "llama3 and linear rope scaling: factor")
     rope_low_freq_factor: float = _f(1.0, "llama3 rope scaling: low_freq_factor")
     rope_high_freq_factor: float = _f(4.0, "llama3 rope scaling: high_freq_factor")
-    rope_original_context: int = _f(8192, "llama3 rope scaling: original_max_position_embeddings")
+    rope_original_context: int = _f(8192, "llama3 and longrope scaling: original_max_position_embeddings")
+    rope_factors: list[float] = _f([], "longrope scaling: one divisor per rotary frequency (Phi's short_factor)")
+    rope_attention_factor: float = _f(1.0, "longrope scaling: cos and sin multiplied by this")
+    rope_fraction: float = _f(1.0, "the share of each head's width that rotates (Phi's partial_rotary_factor)")
+    rope_theta_local: float | None = _f(
+        None, "rotary base of the sliding-window layers, unscaled (None: rope_theta and its scaling; Gemma 3: 10000)"
+    )
+    nope_layers: list[int] = _f([], "layers without rotary positions (SmolLM3: every 4th)")
+    sliding_window: int = _f(0, "attend to at most this many latest positions, the token's own included (0: all)")
+    global_layers: list[int] = _f(
+        [], "with sliding_window: the layers that attend to the whole context all the same (Gemma 3: every 6th)"
+    )
+    attn_scale: float | None = _f(
+        None, "attention scores' scale (None: 1 / sqrt(head width); Gemma 3: 1 / sqrt(query_pre_attn_scalar))"
+    )
+    qk_norm_scope: str = _f(
+        "head",
+        "qk_norm over each head's query and key (Qwen3, Gemma 3) or over all heads' at once (OLMo 2)",
+        choices=("head", "all"),
+    )
+    norm_plus_one: bool = _f(False, "RMSNorm scales by (1 + weight), the weight starting at 0 (Gemma)")
+    embed_scale: bool = _f(False, "token embeddings multiplied by sqrt(n_embd) (Gemma)")
+    pre_norm: bool = _f(True, "normalise the input of attention and of the MLP (GPT-2, Llama; OLMo 2: false)")
+    post_norm: bool = _f(False, "normalise the output of attention and of the MLP before the residual (Gemma, OLMo 2)")
+    hf_family: str | None = _f(
+        None,
+        "the Hugging Face family the weights came from (run.init_from; quillgpt/families.py): export.py writes that "
+        "family again (None: the family the switches say)",
+    )
+    n_experts: int = _f(0, "experts in each mixture-of-experts layer (0: dense MLPs; quillgpt/moe.py)")
+    experts_per_token: int = _f(2, "experts each token is routed to (top-k)")
+    expert_hidden: int | None = _f(None, "hidden width of each expert's MLP (None: the dense MLP's rule)")
+    shared_experts: int = _f(0, "experts every token goes through besides its routed ones (DeepSeek, Qwen-style)")
+    dense_layers: int = _f(0, "the first this many layers keep a dense MLP in an MoE model (DeepSeek's first_k_dense)")
+    router_renormalize: bool = _f(
+        True, "rescale the chosen experts' weights to sum to 1 (Mixtral, Qwen3-MoE's norm_topk_prob; OLMoE: false)"
+    )
+    balance: str = _f(
+        "aux_loss",
+        "expert load balancing: aux_loss (Switch/Mixtral's auxiliary loss) | bias (DeepSeek-V3's auxiliary-loss-free "
+        "per-expert bias, updated after each step) | none",
+        choices=("aux_loss", "bias", "none"),
+    )
+    aux_loss_coef: float = _f(0.01, "weight of the load-balancing auxiliary loss (balance = aux_loss)")
+    router_z_loss_coef: float = _f(0.001, "weight of the router z-loss (ST-MoE): keeps router logits small (0: off)")
+    bias_update_rate: float = _f(
+        0.001, "balance = bias: how far each step moves an expert's bias (DeepSeek-V3's gamma)"
+    )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -218,7 +273,7 @@ class TrainingConfig:
     best_metric: str = _f(
         "val_loss",
         "the evaluation figure that picks ckpt_best.pt and early stopping: val_loss / "
-        "bpb (val bits per byte) / hellaswag (acc_norm; needs eval.hellaswag) / task_acc (held-out accuracy; rl)",
+        "bpb (val bits per byte) / hellaswag (acc_norm; needs eval.hellaswag) / task_acc (accuracy on the tasks' validation items; rl)",
         choices=("val_loss", "bpb", "hellaswag", "task_acc"),
     )
     early_stopping: bool = _f(False, "stop when best_metric stops improving")
@@ -258,7 +313,9 @@ class LoggingConfig:
     wandb_project: str | None = _f(None, "log to this Weights & Biases project (needs the wandb extra)")
     wandb_run_name: str | None = _f(None, "wandb run name (None: the run name)")
     peak_tflops: float | None = _f(
-        None, "device peak TFLOP/s for MFU (None: a CPU's measured matmul rate in the run's precision; a GPU's default)"
+        None,
+        "device peak TFLOP/s for MFU (None: on a CPU the best matmul rate of the run's precision this machine has "
+        "shown, kept in ~/.cache/quillgpt; a GPU's default)",
     )
 
 
@@ -368,7 +425,10 @@ class RLConfig:
         "your reward function instead of the task's grader (exact answer: 1, else 0): 'file.py:function' or "
         "'module:function', called as function(question, reply, answer) -> float",
     )
-    eval_items: int = _f(100, "held-out items per task answered (greedy) at each evaluation: task_acc")
+    eval_items: int = _f(
+        100,
+        "validation items per task answered (greedy) at each evaluation: task_acc (never a test item: eval.py grades those)",
+    )
 
 
 @dataclass
@@ -652,7 +712,7 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
     )
     need(
         t.best_metric != "task_acc" or cfg.rl.enabled,
-        "training.best_metric = 'task_acc' is the held-out accuracy of an RL run: it needs rl.enabled",
+        "training.best_metric = 'task_acc' is the validation accuracy of an RL run: it needs rl.enabled",
     )
     errors += validate_rl(cfg, world_size)
     need(cfg.eval.hellaswag_limit >= 0, f"eval.hellaswag_limit = {cfg.eval.hellaswag_limit} must be >= 0 (0: all)")
@@ -726,6 +786,7 @@ def validate(cfg: Config, world_size: int = 1) -> list[str]:
         f"distributed.backend = {cfg.distributed.backend!r} must be nccl or gloo",
     )
     errors += validate_lora(cfg)
+    errors += validate_moe(m)
     device = cfg.run.device
     need(
         device == "auto"
@@ -823,6 +884,31 @@ def validate_rl(cfg: Config, world_size: int) -> list[str]:
             "rl.enabled starts from a chat model: set run.init_from (a chat fine-tune, e.g. checkpoints/base-chat)"
         )
     return errors
+
+
+def validate_moe(m: GPTConfig) -> list[str]:
+    """The rules of mixture-of-experts layers (model.n_experts > 0; quillgpt/moe.py)."""
+    if m.n_experts == 0:
+        return []
+    if m.n_experts < 0:
+        return [f"model.n_experts = {m.n_experts} must be >= 0 (0: dense MLPs)"]
+    rules = [
+        (
+            1 <= m.experts_per_token <= m.n_experts,
+            f"model.experts_per_token = {m.experts_per_token} must be in [1, n_experts = {m.n_experts}]",
+        ),
+        (m.expert_hidden is None or m.expert_hidden > 0, f"model.expert_hidden = {m.expert_hidden} must be positive"),
+        (m.shared_experts >= 0, f"model.shared_experts = {m.shared_experts} must be >= 0"),
+        (
+            0 <= m.dense_layers < m.n_layer,
+            f"model.dense_layers = {m.dense_layers} must be in [0, n_layer = {m.n_layer}): at least one layer is an MoE",
+        ),
+    ]
+    rules += [
+        (getattr(m, key) >= 0, f"model.{key} = {getattr(m, key)} must be >= 0")
+        for key in ("aux_loss_coef", "router_z_loss_coef", "bias_update_rate")
+    ]
+    return [msg for ok, msg in rules if not ok]
 
 
 # ---- output -------------------------------------------------------------------------------------

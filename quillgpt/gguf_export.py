@@ -19,7 +19,8 @@ does, so that llama.cpp's ids for a prompt are ours:
 - tiktoken (gpt2, r50k_base, p50k_base): pre-tokenizer "gpt-2";
 - bpe (rustbpe's GPT-4 split pattern): "llama-bpe", whose split is the same;
 - char: each character as the byte-level text of its UTF-8 bytes, with merges that join the bytes of each
-  multi-byte character (and only those), so every character is one token, as in ours;
+  multi-byte character (and only those), so every character is one token, as in ours; an ASCII-only vocabulary
+  has no merges, and its file holds an empty merges list (llama.cpp refuses a byte-level BPE without the key);
 - hf: a byte-level BPE tokenizer.json whose pre-tokenizer is GPT-2's, SmolLM's (digits one by one), Llama 3's or
   Qwen2's split. Anything else (a sentencepiece-style tokenizer, cl100k_base's split, which cuts trailing
   whitespace differently from every llama.cpp pre-tokenizer) is refused with one line.
@@ -33,6 +34,7 @@ reads the one in the GGUF), a plain-prompt TEMPLATE for a model without one.
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -44,6 +46,7 @@ import torch
 from model import GPT, rope_frequencies
 from quillgpt import hf
 from quillgpt.errors import UserError
+from quillgpt.families import export_family
 from quillgpt.files import atomic_write, atomic_write_text
 from quillgpt.tokenizer import CharTokenizer, Tokenizer, bytes_to_unicode, hf_files, tokenizer_from_dict
 
@@ -136,7 +139,7 @@ def plan_gguf(model: GPT, tokenizer: dict | None, outtype: str, source: str) -> 
 
 def gguf_family(model: GPT, source: str, tokenizer: dict | None) -> str:
     c = model.config
-    family = hf.export_family(c, source, tokenizer, target="GGUF")
+    family = export_family(c, source, tokenizer, target="GGUF")
     if family == "qwen2" and c.head_width * c.n_head != c.n_embd:
         return "llama"  # llama.cpp's Qwen2 has no head_dim of its own; Llama with q/k/v biases computes the same
     return family
@@ -363,7 +366,8 @@ def add_metadata(writer, plan: Plan, model: GPT, name: str) -> None:
     writer.add_tokenizer_pre(v.pre)
     writer.add_token_list(v.tokens)
     writer.add_token_types(v.types)
-    writer.add_token_merges(v.merges)
+    # gguf's add_array drops an empty list, and an ASCII char vocabulary has no merges: llama.cpp must find the key
+    writer.add_key_value(gguf.Keys.Tokenizer.MERGES, v.merges, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
     if v.bos_id is not None:
         writer.add_bos_token_id(v.bos_id)
     if v.eos_id is not None:
@@ -374,6 +378,20 @@ def add_metadata(writer, plan: Plan, model: GPT, name: str) -> None:
         writer.add_chat_template(v.chat_template)
 
 
+def writer_class():
+    """gguf's GGUFWriter, which also packs an empty array (the GGUF format has them; the gguf package refuses them)."""
+    import gguf
+
+    class Writer(gguf.GGUFWriter):
+        def _pack_val(self, val, vtype, add_vtype: bool, sub_type=None) -> bytes:
+            if vtype != gguf.GGUFValueType.ARRAY or len(val) or sub_type is None:
+                return super()._pack_val(val, vtype, add_vtype, sub_type)
+            head = self._pack("I", vtype) if add_vtype else b""
+            return head + self._pack("I", sub_type) + self._pack("Q", 0)  # the element type, then a count of 0
+
+    return Writer
+
+
 def model_name(source: str) -> str:
     """general.name: a run directory's name for its checkpoint, else the file or directory's."""
     path = Path(source)
@@ -381,11 +399,12 @@ def model_name(source: str) -> str:
 
 
 def write_gguf(model: GPT, plan: Plan, path: str | Path, name: str) -> Path:
-    """Write the GGUF file (atomically) and its Modelfile beside it; returns the Modelfile's path."""
+    """Write the GGUF file (atomically) and its Modelfile beside it; returns the Modelfile's path. Where llama.cpp is
+    installed it reads the file's vocabulary back first: a file it refuses is removed, and the error names why."""
     import gguf
 
     path = Path(path)
-    writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf_arch(plan.family)])
+    writer = writer_class()(None, gguf.MODEL_ARCH_NAMES[gguf_arch(plan.family)])
     add_metadata(writer, plan, model, name)
     with torch.no_grad():
         for tensor_name, data in gguf_tensors(plan.family, model):
@@ -397,6 +416,38 @@ def write_gguf(model: GPT, plan: Plan, path: str | Path, name: str) -> Path:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.fout = None  # atomic_write closes it
+    refusal = llama_cpp_refusal(path)
+    if refusal:  # a file no llama.cpp or Ollama can read is not left behind as if it were one
+        path.unlink()
+        raise UserError(f"llama.cpp cannot load the GGUF file written for {name} ({refusal}); nothing was kept")
     modelfile_at = modelfile_path(path)
     atomic_write_text(modelfile_at, modelfile(path.name, plan.vocab.chat_template))
     return modelfile_at
+
+
+def llama_cpp_refusal(path: str | Path) -> str | None:
+    """Why llama.cpp cannot load the file's vocabulary, where llama-cpp-python is installed; None when it loads (or
+    there is no llama.cpp to ask). Only the vocabulary is read: cheap, whatever the model's size."""
+    try:
+        import llama_cpp
+        import llama_cpp._logger
+    except (ImportError, OSError):  # not installed, or a build whose library does not load
+        return None
+    said: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def collect(level, text, user_data):
+        said.append(text.decode("utf-8", "replace"))
+
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))  # its lines, not on our stderr
+    try:
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    finally:
+        llama_cpp.llama_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))
+    if model:
+        llama_cpp.llama_model_free(model)
+        return None
+    errors = [line.strip() for line in said if "error" in line]
+    return errors[0] if errors else "llama.cpp could not load it"

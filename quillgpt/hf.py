@@ -1,10 +1,5 @@
-"""Hugging Face model directories, both ways: GPT-2, Llama, Qwen2 and Qwen3 as switches of model.py's one GPT.
-
-    family   HF class           what model.py uses for it
-    gpt2     GPT2LMHeadModel    learned positions, LayerNorm, GELU MLP, tied embeddings (HF's Conv1D weights transposed)
-    llama    LlamaForCausalLM   rope (theta, Llama 3 scaling), RMSNorm, SwiGLU of its own width, n_kv_head, tied or not
-    qwen2    Qwen2ForCausalLM   llama + bias on the query, key and value projections (qkv_bias)
-    qwen3    Qwen3ForCausalLM   llama + per-head RMSNorm of queries and keys (qk_norm) and its own head_dim
+"""Hugging Face model directories, both ways, for every family of quillgpt/families.py (GPT-2, Llama, Mistral,
+Qwen2, Qwen3, Gemma 3, Phi-3/4, OLMo 2, SmolLM3): each is a set of model.py's switches, and families.py says which.
 
 qkv_bias goes out as Qwen2 only with Qwen's own tokenizer: transformers 5 rebuilds a Qwen2 model's
 tokenizer with Qwen's split pattern and normaliser, whatever its tokenizer.json says. With any other
@@ -15,8 +10,8 @@ Reading needs no transformers: config.json, the weights from safetensors (model.
 shards model.safetensors.index.json lists) and tokenizer.json. A pytorch_model.bin is refused: it
 is a pickle, which can run code when loaded. A hub name is downloaded once (config, safetensors
 and tokenizer files only) when there is network; offline it is one line naming the local alternative.
-Writing (export_hf; export.py --hf) picks the family from the switches a model uses, or names each switch that
-no family expresses with the nearest setting that exports.
+Writing (export_hf; export.py --hf) writes the family the model came from, or the one its switches say, or names
+each switch the family does not express with the nearest setting that exports.
 """
 
 from __future__ import annotations
@@ -28,22 +23,16 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from model import GPT, rope_tables
+from model import GPT, mlp_hidden_width
 from quillgpt.config import GPTConfig, build_config
 from quillgpt.errors import UserError
+from quillgpt.families import FAMILIES, chunk_of, config_args, config_json, export_family, family_of, hf_names
 from quillgpt.files import atomic_write, atomic_write_json, atomic_write_text, read_json
 from quillgpt.network import check_hub_reachable
 from quillgpt.tokenizer import Tokenizer, hf_files, hf_tokenizer, tokenizer_from_dict
-from quillgpt.typecheck import required
 
-ARCHITECTURES = {
-    "gpt2": "GPT2LMHeadModel",
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-FAMILY_OF = {arch: family for family, arch in ARCHITECTURES.items()}
-NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+ARCHITECTURES = {key: f.architecture for key, f in FAMILIES.items()}
+NAMES = {key: f.name for key, f in FAMILIES.items()}
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 GPT2_TOKENIZER = {"kind": "tiktoken", "name": "gpt2"}
 GPT2_VOCAB_SIZE = 50257  # the last id is <|endoftext|>
@@ -57,29 +46,6 @@ HUB_FILES = [
 ]
 # HF's GPT-2 stores these as Conv1D weights, (in, out): the transpose of nn.Linear's (out, in)
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # HF activation -> GPTConfig.gelu_approx
-# model.py's names inside block i -> the Llama-family names inside model.layers.i (several: concatenated along dim 0)
-LLAMA_BLOCK = {
-    "ln_1.weight": ("input_layernorm.weight",),
-    "attn.c_attn.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "attn.c_attn.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "attn.c_proj.weight": ("self_attn.o_proj.weight",),
-    "attn.c_proj.bias": ("self_attn.o_proj.bias",),
-    "attn.q_norm.weight": ("self_attn.q_norm.weight",),
-    "attn.k_norm.weight": ("self_attn.k_norm.weight",),
-    "ln_2.weight": ("post_attention_layernorm.weight",),
-    "mlp.c_gate.weight": ("mlp.gate_proj.weight",),
-    "mlp.c_gate.bias": ("mlp.gate_proj.bias",),
-    "mlp.c_fc.weight": ("mlp.up_proj.weight",),
-    "mlp.c_fc.bias": ("mlp.up_proj.bias",),
-    "mlp.c_proj.weight": ("mlp.down_proj.weight",),
-    "mlp.c_proj.bias": ("mlp.down_proj.bias",),
-}
-LLAMA_TOP = {
-    "transformer.wte.weight": ("model.embed_tokens.weight",),
-    "transformer.ln_f.weight": ("model.norm.weight",),
-    "lm_head.weight": ("lm_head.weight",),
-}
 IGNORED = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # buffers some checkpoints carry
 
 
@@ -111,7 +77,7 @@ def load_hf(
     if config.tie_embeddings:  # assign gives each module its own Parameter: tie them again
         model.lm_head.weight = model.transformer.wte.weight
     if config.pos_emb == "rope":  # non-persistent buffers, still on the meta device
-        model.rope_cos, model.rope_sin = rope_tables(config)
+        model.set_rope_tables()
     return (model if dtype is None else model.to(dtype)), tokenizer
 
 
@@ -187,114 +153,12 @@ def read_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"cannot read {path}: {e}") from None
 
 
-def family_of(hf: dict, source: str) -> str:
-    archs = hf.get("architectures") or []
-    arch = (
-        archs[0] if isinstance(archs, list) and archs else ARCHITECTURES.get(hf.get("model_type"), hf.get("model_type"))
-    )
-    if arch not in FAMILY_OF:
-        raise UserError(
-            f"{source}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES.values())})"
-        )
-    return FAMILY_OF[arch]
-
-
 def config_from_hf(family: str, hf: dict, source: str, dropout: float) -> GPTConfig:
-    """config.json -> GPTConfig; a setting model.py would compute differently is refused, naming it."""
-
-    def need(key: str) -> int:
-        return required(
-            hf, key, int, f"{source}: config.json has no integer {key}, which a {NAMES[family]} model needs"
-        )
-
-    def refuse(what: str) -> UserError:
-        return UserError(f"{source}: {what}")
-
-    if family == "gpt2":
-        args = gpt2_args(hf, need, refuse)
-    else:
-        args = llama_args(family, hf, need, refuse)
-    args["dropout"] = dropout
+    """config.json -> GPTConfig by the family's switch table (families.py); a setting model.py would compute
+    differently is refused, naming it."""
+    args = {**config_args(family, hf, source), "dropout": dropout}
     build_config({"model": args}, source=f"{source} config.json")  # the schema's range checks
     return GPTConfig.from_dict(args)
-
-
-def gpt2_args(hf: dict, need, refuse) -> dict:
-    activation = hf.get("activation_function", "gelu_new")
-    if activation not in GELU:
-        raise refuse(f"activation_function is {activation!r} (supported: {', '.join(GELU)})")
-    for key, expected in (
-        ("scale_attn_weights", True),
-        ("scale_attn_by_inverse_layer_idx", False),
-        ("add_cross_attention", False),
-        ("tie_word_embeddings", True),
-    ):
-        if hf.get(key, expected) != expected:
-            raise refuse(f"{key} is {hf[key]}, which model.py cannot reproduce")
-    n_embd = need("n_embd")
-    return dict(
-        block_size=need("n_positions"),
-        vocab_size=need("vocab_size"),
-        n_layer=need("n_layer"),
-        n_head=need("n_head"),
-        n_embd=n_embd,
-        bias=True,
-        gelu_approx=GELU[activation],
-        mlp_hidden=None if hf.get("n_inner") in (None, 4 * n_embd) else hf["n_inner"],
-        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-    )
-
-
-def llama_args(family: str, hf: dict, need, refuse) -> dict:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise refuse(f"hidden_act is {hf['hidden_act']!r}, which model.py cannot reproduce (its SwiGLU uses silu)")
-    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
-        raise refuse("it uses sliding-window attention, which model.py cannot reproduce")
-    rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
-    rope_type = rope.get("rope_type") or rope.get("type") or "default"
-    if rope_type not in ("default", "llama3"):
-        raise refuse(f"rope scaling {rope_type!r} is not supported (supported: default, llama3)")
-    attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-    if mlp_bias and (family != "llama" or not attention_bias):
-        raise refuse(
-            "mlp_bias is true without attention_bias, which model.py cannot reproduce (model.bias switches both)"
-        )
-    n_embd, n_head = need("hidden_size"), need("num_attention_heads")
-    args = dict(
-        block_size=need("max_position_embeddings"),
-        vocab_size=need("vocab_size"),
-        n_layer=need("num_hidden_layers"),
-        n_head=n_head,
-        n_embd=n_embd,
-        mlp_hidden=need("intermediate_size"),
-        n_kv_head=hf.get("num_key_value_heads") or None,
-        head_dim=hf.get("head_dim") or None,
-        pos_emb="rope",
-        norm="rmsnorm",
-        mlp="swiglu",
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        bias=mlp_bias,
-        qkv_bias=family == "qwen2" or attention_bias and not mlp_bias,
-        qk_norm=family == "qwen3",
-    )
-    if args["n_kv_head"] == n_head:
-        args["n_kv_head"] = None
-    if args["head_dim"] == n_embd // n_head and n_embd % n_head == 0:
-        args["head_dim"] = None
-    if rope_type == "llama3":
-        try:
-            args.update(
-                rope_scaling="llama3",
-                rope_factor=float(rope["factor"]),
-                rope_low_freq_factor=float(rope["low_freq_factor"]),
-                rope_high_freq_factor=float(rope["high_freq_factor"]),
-                rope_original_context=int(rope["original_max_position_embeddings"]),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise refuse(f"config.json's llama3 rope scaling lacks a valid {e}") from None
-    return args
 
 
 def directory_tokenizer(family: str, directory: Path, hf_config: dict, vocab_size: int) -> dict | None:
@@ -313,16 +177,6 @@ def directory_tokenizer(family: str, directory: Path, hf_config: dict, vocab_siz
             f"{vocab_size} embedding rows: it is not this model's tokenizer"
         )
     return tok.to_dict()
-
-
-def hf_names(family: str, key: str) -> tuple[str, ...]:
-    """The HF tensor names that make up model.py's tensor `key`."""
-    if family == "gpt2":
-        return (key,)
-    block = re.fullmatch(r"transformer\.h\.(\d+)\.(.+)", key)
-    if block:
-        return tuple(f"model.layers.{block[1]}.{name}" for name in LLAMA_BLOCK[block[2]])
-    return LLAMA_TOP[key]
 
 
 def piece_sizes(model: GPT, key: str, names: tuple[str, ...]) -> list[int]:
@@ -355,18 +209,8 @@ def state_from_hf(family: str, model: GPT, hf_state: dict[str, torch.Tensor], so
         names = hf_names(family, key)
         parts = []
         for name, rows in zip(names, piece_sizes(model, key, names)):
-            if name not in hf_state:
-                raise UserError(
-                    f"{source}: tensor {name} is missing from its weights (config.json describes a model that has it)"
-                )
-            tensor = hf_state[name].t() if transposed(family, key) else hf_state[name]
-            expected = (rows, *target.shape[1:])
-            if tuple(tensor.shape) != expected:
-                flip = transposed(family, key)  # shapes as HF stores them
-                given, implied = (list(s)[::-1] if flip else list(s) for s in (tensor.shape, expected))
-                raise UserError(f"{source}: tensor {name} has shape {given}, but config.json implies {implied}")
-            parts.append(tensor)
-            used.add(name)
+            parts.append(hf_piece(family, hf_state, name, key, (rows, *target.shape[1:]), source))
+            used.add(name if chunk_of(name) is None else chunk_of(name)[0])
         state[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
     if tied:
         state["lm_head.weight"] = state["transformer.wte.weight"]
@@ -379,126 +223,55 @@ def state_from_hf(family: str, model: GPT, hf_state: dict[str, torch.Tensor], so
     return state
 
 
+def hf_piece(
+    family: str, hf_state: dict[str, torch.Tensor], name: str, key: str, expected: tuple, source: str
+) -> torch.Tensor:
+    """The HF tensor `name` (or its chunk, name[i/n]) as model.py's piece of `key`, of the shape `expected`."""
+    chunk = chunk_of(name)
+    whole, (i, n) = (chunk[0], chunk[1:]) if chunk else (name, (0, 1))
+    if whole not in hf_state:
+        raise UserError(
+            f"{source}: tensor {whole} is missing from its weights (config.json describes a model that has it)"
+        )
+    tensor = hf_state[whole].t() if transposed(family, key) else hf_state[whole]
+    implied = (expected[0] * n, *expected[1:])
+    if tuple(tensor.shape) != implied:
+        flip = transposed(family, key)  # shapes as HF stores them
+        given, implied = (list(s)[::-1] if flip else list(s) for s in (tensor.shape, implied))
+        raise UserError(f"{source}: tensor {whole} has shape {given}, but config.json implies {implied}")
+    return tensor.chunk(n)[i]
+
+
 # ---- out --------------------------------------------------------------------------------------------------
 
 
-def export_family(config: GPTConfig, source: str, tokenizer: dict | None = None, target: str = "Hugging Face") -> str:
-    """The HF family a model exports as; UserError naming each switch no family expresses (and the nearest that does).
-    tokenizer: the model's (Qwen2 needs Qwen's own, see the module docstring). target: the format named in the error
-    (GGUF files take the same architectures)."""
-    c = config
-    if c.pos_emb == "learned":
-        family = "gpt2"
-        nearest = {
-            "norm": "layernorm",
-            "qk_norm": False,
-            "mlp": "gelu",
-            "tie_embeddings": True,
-            "logit_softcap": 0.0,
-            "n_kv_head": None,
-            "head_dim": None,
-        }
-        if c.n_kv_head == c.n_head:
-            nearest.pop("n_kv_head")
-        if c.head_dim is not None and c.head_dim * c.n_head == c.n_embd:
-            nearest.pop("head_dim")
-    else:
-        family = (
-            "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias and not c.bias and qwen_tokenizer(tokenizer) else "llama"
-        )
-        nearest = {"norm": "rmsnorm", "mlp": "swiglu", "logit_softcap": 0.0}
-        if family == "qwen3":
-            nearest["bias"] = False  # Qwen3's MLP has no bias
-    blockers = [
-        f"model.{k} = {getattr(c, k)!r} (nearest that exports: {v!r})" for k, v in nearest.items() if getattr(c, k) != v
-    ]
-    if blockers:
-        raise UserError(
-            f"{source} cannot be exported as {target} {NAMES[family]}: {'; '.join(blockers)} "
-            "(export it with --safetensors instead)"
-        )
-    return family
-
-
-def qwen_tokenizer(tokenizer: dict | None) -> bool:
-    config = (tokenizer or {}).get("tokenizer_config") or {}
-    return str(config.get("tokenizer_class", "")).removesuffix("Fast") == "Qwen2Tokenizer"
-
-
 def hf_config(family: str, model: GPT, tokenizer: Tokenizer | None) -> dict:
-    """config.json for the family, with the tokenizer's BOS/EOS ids (an <|endoftext|> plays both, as in GPT-2)."""
-    c = model.config
+    """config.json for the family (families.config_json), with the tokenizer's BOS/EOS ids (an <|endoftext|> plays
+    both, as in GPT-2)."""
     eos = tokenizer.eot_id if tokenizer is not None else None
     bos = tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id is not None else eos
-    hidden = model.transformer.h[0].mlp.c_fc.out_features
-    common = {
-        "architectures": [ARCHITECTURES[family]],
-        "model_type": family,
-        "vocab_size": c.vocab_size,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "torch_dtype": "float32",
-    }
-    if family == "gpt2":
-        return {
-            **common,
-            "n_positions": c.block_size,
-            "n_embd": c.n_embd,
-            "n_layer": c.n_layer,
-            "n_head": c.n_head,
-            "n_inner": hidden,
-            "activation_function": "gelu_new" if c.gelu_approx == "tanh" else "gelu",
-            "layer_norm_epsilon": c.norm_eps,
-            "resid_pdrop": c.dropout,
-            "embd_pdrop": c.dropout,
-            "attn_pdrop": c.dropout,
-            "scale_attn_weights": True,
-            "tie_word_embeddings": True,
-        }
-    out = {
-        **common,
-        "hidden_size": c.n_embd,
-        "intermediate_size": hidden,
-        "num_hidden_layers": c.n_layer,
-        "num_attention_heads": c.n_head,
-        "num_key_value_heads": c.kv_heads,
-        "head_dim": c.head_width,
-        "hidden_act": "silu",
-        "max_position_embeddings": c.block_size,
-        "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": None,
-        "tie_word_embeddings": c.tie_embeddings,
-        "attention_dropout": 0.0,
-    }
-    if c.rope_scaling == "llama3":
-        out["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": c.rope_factor,
-            "low_freq_factor": c.rope_low_freq_factor,
-            "high_freq_factor": c.rope_high_freq_factor,
-            "original_max_position_embeddings": c.rope_original_context,
-        }
-    if family == "llama":
-        out.update(attention_bias=c.bias or c.qkv_bias, mlp_bias=c.bias)
-    if family == "qwen3":
-        out["attention_bias"] = c.qkv_bias
-    if family in ("qwen2", "qwen3"):
-        out.update(use_sliding_window=False, sliding_window=None)
-    return out
+    return config_json(family, model.config, mlp_hidden_width(model.config), bos, eos)
 
 
 def hf_state(family: str, model: GPT) -> dict[str, torch.Tensor]:
     """model.py's weights under the family's names and layout; the tied head left out, as HF saves it. Biases the HF
-    layout has and the model lacks are zeros, which compute the same function."""
+    layout has and the model lacks are zeros, which compute the same function. Chunks of one of theirs (name[i/n])
+    are joined in order."""
     own = model.state_dict()
-    out = {}
+    out, chunks = {}, {}
     for key, value in own.items():
         if key == "lm_head.weight" and model.config.tie_embeddings:
             continue
         names = hf_names(family, key)
         for name, piece in zip(names, value.split(piece_sizes(model, key, names))):
-            out[name] = (piece.t() if transposed(family, key) else piece).detach().cpu().contiguous()
+            piece = (piece.t() if transposed(family, key) else piece).detach().cpu()
+            chunk = chunk_of(name)
+            if chunk:
+                chunks.setdefault(chunk[0], {})[chunk[1]] = piece
+            else:
+                out[name] = piece.contiguous()
+    for name, parts in chunks.items():
+        out[name] = torch.cat([parts[i] for i in sorted(parts)])
     for name, size in missing_biases(family, model, own):
         out[name] = torch.zeros(size)
     return out

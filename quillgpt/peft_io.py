@@ -8,9 +8,9 @@ A LoRA model here (quillgpt/lora.py) holds each adapter in PEFT's own shape: A (
 of a Llama-family layer's q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (the first three are
 pieces of model.py's fused c_attn), so the files are a renaming: block i's target t is PEFT's
 `base_model.model.model.layers.{i}.{self_attn|mlp}.{t}.lora_{A|B}.weight`. Token rows a chat run added are PEFT's
-trainable tokens (trainable_token_indices): their full rows, as PEFT stores them. Bases that export as Llama, Qwen2
-or Qwen3 (hf.export_family) have these names; GPT-2's fused Conv1D c_attn has one PEFT adapter where we have three,
-and is refused.
+trainable tokens (trainable_token_indices): their full rows, as PEFT stores them. Bases that export as Llama,
+Mistral, Qwen2, Qwen3, Gemma 3, OLMo 2 or SmolLM3 (families.export_family) have these names; GPT-2's fused Conv1D
+c_attn and Phi-3's fused qkv_proj and gate_up_proj have one PEFT adapter where we have several, and are refused.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from model import GPT
-from quillgpt import hf
 from quillgpt.config import LORA_TARGET_GROUPS, GPTConfig
 from quillgpt.errors import UserError
+from quillgpt.families import export_family
 from quillgpt.files import atomic_write, atomic_write_json, read_json
 from quillgpt.lora import GrownEmbedding, GrownHead, LoraLinear, LoraSettings
 
@@ -73,13 +73,20 @@ def token_rows(model: GPT) -> dict[str, torch.nn.Parameter]:
 
 
 def check_family(config: GPTConfig, source: str) -> str:
-    family = hf.export_family(config, source, target="PEFT base")
-    if family == "gpt2":
+    family = export_family(config, source, target="PEFT base")
+    if family in FUSED:
         raise UserError(
-            f"{source}: PEFT adapters are written for Llama-family bases (Llama, Qwen2, Qwen3); this one exports as "
-            "GPT-2, whose fused c_attn holds one PEFT adapter where model.py has three: export.py --merge --hf instead"
+            f"{source}: PEFT adapters are written for bases with Llama's module names (Llama, Mistral, Qwen2, Qwen3, "
+            f"Gemma 3, OLMo 2, SmolLM3); this one exports as {FUSED[family]} one PEFT adapter where model.py has "
+            "several: export.py --merge --hf instead"
         )
     return family
+
+
+FUSED = {  # families whose fused projections hold one PEFT adapter where model.py has several
+    "gpt2": "GPT-2, whose fused c_attn holds",
+    "phi3": "Phi-3, whose fused qkv_proj and gate_up_proj hold",
+}
 
 
 # ---- out ----------------------------------------------------------------------------------------------

@@ -248,6 +248,48 @@ HF_FAMILY_CONFIGS = {
     ),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
+    # the families of the issue "The models people fine-tune now", each with its own switches at toy size: windows
+    # of 8 positions (the tests run past them), a query scale and rope bases of Gemma's, Phi's partial rotary and
+    # LongRoPE short factors (its original context, 64, is the context it loads with), a NoPE layer of SmolLM3's
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=8, head_dim=16)),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dict(
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "phi3": (
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        dict(
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10_000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.3, 1.9, 2.6],
+                "long_factor": [1.0, 3.0, 5.0, 9.0],
+                "original_max_position_embeddings": 64,
+            },
+            tie_word_embeddings=False,
+            pad_token_id=0,
+        ),
+    ),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(tie_word_embeddings=False)),
+    "smollm3": (
+        "SmolLM3ForCausalLM", "SmolLM3Config", dict(no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=0)
+    ),
 }
 HF_FAMILY_TINY = dict(
     hidden_size=64,

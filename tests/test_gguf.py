@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -30,9 +31,9 @@ from test_lora import lora_run
 
 import export
 from model import GPT, GPTConfig
-from quillgpt import hf
 from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.errors import UserError
+from quillgpt.families import hf_names
 from quillgpt.gguf_export import gguf_arch, modelfile
 from quillgpt.loading import load_model
 from quillgpt.tokenizer import tokenizer_from_dict, train_tokenizer
@@ -41,6 +42,9 @@ gguf = pytest.importorskip("gguf")
 
 PROMPT = "The king and the queen naïve café 🦙 said: 'hello'  \n\n  there 12345"
 TEXT = word_salad(20_000) + "naïve café — “quotes” 日本語 🦙 x: 'hello' 12345\n"
+# a char vocabulary of ASCII characters only has no merges (nanoGPT's Shakespeare char model's case)
+ASCII_PROMPT = "The king and the queen said: 'hello'  \n\n  there 12345"
+ASCII_TEXT = word_salad(20_000) + ASCII_PROMPT
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -61,6 +65,7 @@ ROUNDED_TOLERANCE = {"f16": 0.01, "bf16": 0.05, "q8_0": 0.15}
 FILE_WEIGHTS_TOLERANCE = {"f16": 0.01, "bf16": 0.05, "q8_0": 0.1, "q4_0": 0.1}
 OURS = {
     "gpt2-char": ("char", {}),
+    "gpt2-char-ascii": ("char", {}),  # trained on ASCII_TEXT: no merges
     "gpt2-char-chat": ("char", {}),  # with ChatML's <|im_start|> and <|im_end|> added (with_chat_tokens)
     "gpt2-tiktoken": ("gpt2", {}),
     "llama-char": (
@@ -88,6 +93,7 @@ OURS = {
 }
 ARCHITECTURE = {
     "gpt2-char": "gpt2",
+    "gpt2-char-ascii": "gpt2",
     "gpt2-char-chat": "gpt2",
     "gpt2-tiktoken": "gpt2",
     "llama-char": "llama",
@@ -122,7 +128,8 @@ def our_model(name: str, directory: Path) -> Path:
             pytest.skip(gpt2_encoding_error())
         tok = tokenizer_from_dict({"kind": "tiktoken", "name": "gpt2"})
     else:
-        tok = train_tokenizer(kind, [TEXT], 400 if kind == "bpe" else None, eot=True)
+        text = ASCII_TEXT if name.endswith("-ascii") else TEXT
+        tok = train_tokenizer(kind, [text], 400 if kind == "bpe" else None, eot=True)
     if name.endswith("-chat"):
         tok = with_chat_tokens(tok)
     torch.manual_seed(0)
@@ -223,6 +230,8 @@ def test_every_architecture_writes_its_metadata_tensors_and_modelfile(source, ex
     assert field(reader, "tokenizer.ggml.model") == "gpt2"
     assert field(reader, "tokenizer.ggml.pre") == PRE[loaded.tokenizer["kind"]]
     assert field(reader, "tokenizer.ggml.tokens") == c.vocab_size
+    if name.endswith("-ascii"):  # llama.cpp needs the key, empty or not
+        assert field(reader, "tokenizer.ggml.merges") == []
     assert field(reader, "tokenizer.ggml.add_bos_token") == (loaded.tokenizer.get("bos_id") is not None)
     tensors = {t.name: (t.tensor_type.name, [int(n) for n in t.shape]) for t in reader.tensors}
     assert tensors["token_embd.weight"] == ("F32", [c.n_embd, c.vocab_size])  # GGUF lists shapes innermost first
@@ -327,8 +336,14 @@ def test_modelfiles_follow_the_template_kind():
 
 @pytest.fixture
 def needs_llama_cpp():
-    """Skips before anything is exported when llama-cpp-python is not installed."""
-    pytest.importorskip("llama_cpp", exc_type=ImportError)  # a broken build skips too
+    """Skips before anything is exported when llama-cpp-python is not installed; fails instead where
+    QUILLGPT_REQUIRE_LLAMA_CPP is set (CI installs it: its parity cases must run there)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as e:  # a broken build too
+        if os.environ.get("QUILLGPT_REQUIRE_LLAMA_CPP"):
+            pytest.fail(f"QUILLGPT_REQUIRE_LLAMA_CPP is set but llama_cpp does not import: {e}")
+        pytest.skip(f"llama-cpp-python is not installed (pip install '.[llama]'): {e}")
 
 
 @contextmanager
@@ -382,9 +397,10 @@ def test_llama_cpp_tokenizes_and_decodes_greedily_as_we_do_in_f32(needs_llama_cp
     path = exported(name)
     loaded = load_model(source(name))
     tok = tokenizer_from_dict(loaded.tokenizer)
+    text = ASCII_PROMPT if name.endswith("-ascii") else PROMPT
     with llama_cpp_model(path) as llm:
-        prompt = tok.prompt_ids(PROMPT)
-        assert llm.tokenize(PROMPT.encode(), add_bos=True, special=False) == prompt
+        prompt = tok.prompt_ids(text)
+        assert llm.tokenize(text.encode(), add_bos=True, special=False) == prompt
         assert llm.tokenize(TEXT[:3000].encode(), add_bos=False, special=False) == tok.encode(TEXT[:3000])
         theirs, their_tokens = logits_and_greedy(llm, prompt, 32)
     mine, my_tokens = ours(loaded.model.eval(), prompt, 32)
@@ -403,7 +419,7 @@ def with_file_weights(model: GPT, path: Path) -> GPT:
     names = gguf.get_tensor_name_map(gguf_arch(family), model.config.n_layer)
     with torch.no_grad():
         for key, p in model.named_parameters():  # a tied head once, as the embedding
-            [qtype] = {types[names.get_name(n, try_suffixes=(".weight", ".bias"))] for n in hf.hf_names(family, key)}
+            [qtype] = {types[names.get_name(n, try_suffixes=(".weight", ".bias"))] for n in hf_names(family, key)}
             rounded = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qtype), qtype)
             p.copy_(torch.from_numpy(rounded).reshape(p.shape))
     return model
@@ -437,6 +453,24 @@ def test_llama_cpp_runs_q4_0_with_its_f16_fallbacks_as_our_model_with_the_files_
         theirs, _ = logits_and_greedy(llm, prompt, 0)
     rounded, _ = ours(with_file_weights(loaded.model.eval(), path), prompt, 0)
     assert np.abs(theirs - rounded).max() <= FILE_WEIGHTS_TOLERANCE["q4_0"] * np.abs(rounded).max()
+
+
+def test_a_file_llama_cpp_refuses_is_removed_and_named_in_one_line(needs_llama_cpp, source, tmp_path, monkeypatch):
+    """export.py reads each GGUF file's vocabulary back with llama.cpp where it is installed: a file it refuses (here,
+    as files of ASCII char models were, without the merges key) is not left behind with an 'ollama create' line."""
+    from quillgpt import gguf_export
+
+    add_metadata = gguf_export.add_metadata
+
+    def without_merges(writer, *args):
+        add_metadata(writer, *args)
+        del writer.kv_data[0]["tokenizer.ggml.merges"]
+
+    monkeypatch.setattr(gguf_export, "add_metadata", without_merges)
+    out = tmp_path / "out" / "m.gguf"
+    with pytest.raises(UserError, match=r"llama.cpp cannot load .*merges.*nothing was kept"):
+        export.main(["--ckpt", str(source("gpt2-char-ascii")), "--gguf", str(out)])
+    assert list(out.parent.iterdir()) == []
 
 
 @pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])

@@ -337,7 +337,7 @@ def test_finetuning_an_hf_llama_lowers_the_loss_and_resumes_bit_exact_after_sigt
 def breakages():
     def arch(d):
         cfg = json.loads((d / "config.json").read_text())
-        (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"]}))
+        (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["FalconForCausalLM"]}))
 
     def field(d):
         cfg = json.loads((d / "config.json").read_text())
@@ -375,8 +375,9 @@ def breakages():
     return [
         (
             arch,
-            "architecture 'MistralForCausalLM' is not supported (supported: GPT2LMHeadModel, LlamaForCausalLM, "
-            "Qwen2ForCausalLM, Qwen3ForCausalLM)",
+            "architecture 'FalconForCausalLM' is not supported (supported: GPT2LMHeadModel, LlamaForCausalLM, "
+            "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, "
+            "Olmo2ForCausalLM, SmolLM3ForCausalLM)",
         ),
         (field, "config.json has no integer num_attention_heads, which a Llama model needs"),
         (shard, "shard model-00002-of-00002.safetensors listed in model.safetensors.index.json is missing"),
@@ -480,16 +481,14 @@ def test_eval_scores_an_hf_directory_within_its_context(llama_dir, tmp_path):
 
 
 def test_every_preset_trains_a_model_that_exports_to_hugging_face():
-    from quillgpt import hf
     from quillgpt.config import build_config, load_toml
+    from quillgpt.families import export_family
 
     families = {}
     for path in sorted((REPO_ROOT / "configs").rglob("*.toml")):
         cfg = build_config(load_toml(path), source=str(path))
         if cfg.run.init_from == "scratch":
-            families[path.name] = hf.export_family(
-                GPTConfig.from_dict({**cfg.model_args(), "vocab_size": 65}), str(path)
-            )
+            families[path.name] = export_family(GPTConfig.from_dict({**cfg.model_args(), "vocab_size": 65}), str(path))
     assert families["speedrun_cpu.toml"] == "qwen3" and families["cpu.toml"] == "gpt2" and len(families) >= 5
 
 

@@ -1,0 +1,178 @@
+"""The families people fine-tune now (quillgpt/families.py): Mistral, Gemma 3, Phi-3/4, OLMo 2 and SmolLM3, each a
+set of model.py's switches, against transformers' own implementations on tiny random models transformers writes
+(tests/conftest.py's HF_FAMILY_CONFIGS: sliding windows of 8 positions, which every sequence here runs past, Gemma's
+query scale and two rope bases, Phi's partial rotary and LongRoPE, SmolLM3's NoPE layer). In: logits and 48 greedy
+tokens; out: export.py --hf writes the same family with our logits; a fine-tune step's loss and the step after it
+are transformers'; PEFT adapters go both ways; what model.py cannot reproduce is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import save_hf_family, save_hf_tokenizer, word_salad
+from test_lora import built_trainer, lora_overrides, lora_run
+
+import export
+import sample
+from quillgpt.errors import UserError, run_main
+from quillgpt.hf import export_hf
+from quillgpt.loading import load_model
+
+FAMILIES = ["mistral", "gemma3", "phi3", "olmo2", "smollm3"]
+WINDOW = 8  # the sliding windows of the tiny Mistral, Gemma 3 (its sliding layer) configs
+T = 60  # positions a test runs: past every window; Phi's original context (64) holds them
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, transformers, tmp_path_factory):
+    """(family, directory, transformers' model): a tiny random model of the family and a BPE tokenizer, saved."""
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = save_hf_family(transformers, request.param, directory)
+    save_hf_tokenizer(transformers, directory, word_salad(30_000))
+    return request.param, directory, hf
+
+
+def logits(model, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model.eval()(x)
+        return out.logits if hasattr(out, "logits") else out[0]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+X = torch.randint(0, 300, (2, T), generator=torch.Generator().manual_seed(0))
+
+
+def test_logits_and_greedy_decoding_equal_transformers(family_dir):
+    family, directory, hf = family_dir
+    model = load_model(directory).model.eval()
+    assert model.config.hf_family == family
+    assert max_diff(logits(model, X), logits(hf, X)) <= 1e-5
+    prompt = torch.randint(2, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    theirs = hf.generate(prompt, max_new_tokens=48, min_new_tokens=48, do_sample=False, eos_token_id=None)
+    assert torch.equal(model.generate(prompt, 48, temperature=0), theirs)  # the KV cache past every window
+
+
+def test_export_writes_the_same_family_with_our_logits(family_dir, transformers, tmp_path):
+    family, directory, hf = family_dir
+    loaded = load_model(directory)
+    assert export_hf(loaded.model, loaded.tokenizer, tmp_path, str(directory)) == []
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(back).__name__ == type(hf).__name__
+    assert max_diff(logits(back, X), logits(loaded.model, X)) <= 1e-5
+    assert max_diff(logits(load_model(tmp_path).model, X), logits(loaded.model, X)) <= 1e-5  # and back in
+
+
+def test_a_fine_tune_step_gives_transformers_losses(family_dir, transformers):
+    """The loss of a batch, and after one SGD step on it (their gradients, our gradients), the loss again: equal to
+    transformers' within 1e-5, attention windows and all."""
+    family, directory, _ = family_dir
+    ours = load_model(directory).model.train()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory).train()
+    losses = []
+    for model, loss_of in (
+        (ours, lambda: ours(X[:, :-1], targets=X[:, 1:])[1]),
+        (theirs, lambda: theirs(input_ids=X, labels=X).loss),
+    ):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        first = loss_of()
+        first.backward()
+        optimizer.step()
+        with torch.no_grad():
+            losses.append((first.item(), loss_of().item()))
+    (a0, a1), (b0, b1) = losses
+    assert abs(a0 - b0) <= 1e-5 and abs(a1 - b1) <= 1e-5 and abs(a1 - a0) > 1e-3
+
+
+def test_peft_adapters_go_out_and_come_back_with_peft_s_logits(family_dir, transformers, tmp_path):
+    peft = pytest.importorskip("peft")
+    family, directory, _ = family_dir
+    x = X[:, :24]  # within the LoRA runs' context
+    if family == "phi3":  # its fused qkv_proj and gate_up_proj hold one PEFT adapter where model.py has several
+        run = lora_run(directory, tmp_path, **{"training.max_iters": 1})
+        with pytest.raises(UserError, match="PEFT adapters are written for"):
+            export.main(["--ckpt", str(run), "--peft", str(tmp_path / "adapter")])
+        return
+    run = lora_run(directory, tmp_path, **{"training.max_iters": 2})
+    assert export.main(["--ckpt", str(run), "--peft", str(tmp_path / "adapter")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    assert max_diff(logits(theirs, x), logits(load_model(run, keep_adapters=True).model, x)) <= 1e-5
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "up_proj"], init_lora_weights=False)
+    written = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory), config)
+    written.save_pretrained(tmp_path / "theirs")
+    over = lora_overrides(directory, tmp_path / "in", **{"lora.adapters": str(tmp_path / "theirs")})
+    assert max_diff(logits(built_trainer(over).raw_model, x), logits(written.eval(), x)) <= 1e-5
+
+
+@pytest.mark.parametrize("family_dir", ["mistral", "gemma3"], indirect=True)
+def test_a_window_hides_what_lies_past_it_in_training_packed_rows_and_batched_decoding(family_dir):
+    """The window's band mask changes the logits past it and only there; packed rows see it within each document;
+    decode_rows (the server's batched step, a masked cache) gives the full pass's logits."""
+    family, directory, _ = family_dir
+    model, x = load_model(directory).model.eval(), X[:1]
+    windowed = logits(model, x)
+    unwindowed = load_model(directory).model
+    for block in unwindowed.transformer.h:
+        block.attn.window = 0
+    full = logits(unwindowed, x)
+    assert max_diff(windowed[:, :WINDOW], full[:, :WINDOW]) <= 1e-6 < max_diff(windowed[:, WINDOW:], full[:, WINDOW:])
+    split = 20  # two documents in one row, at their own positions
+    positions = torch.cat([torch.arange(split), torch.arange(T - split)])[None]
+    with torch.no_grad():
+        packed = model(x, positions=positions)[0]
+    alone = torch.cat([logits(model, x[:, :split]), logits(model, x[:, split:])], dim=1)
+    assert max_diff(packed, alone) <= 1e-5
+    cache = model.new_cache(1)
+    with torch.no_grad():
+        steps = [model.decode_rows(x[:, i : i + 1], torch.tensor([i]), cache) for i in range(T)]
+    assert max_diff(torch.stack(steps, dim=1), windowed) <= 1e-5
+
+
+def test_a_lora_fine_tune_of_gemma3_trains_and_samples(transformers, tmp_path, capsys):
+    directory = tmp_path / "gemma3"
+    save_hf_family(transformers, "gemma3", directory)
+    save_hf_tokenizer(transformers, directory, word_salad(30_000))
+    run = lora_run(directory, tmp_path, **{"training.max_iters": 6})
+    history = json.loads((run / "train_log.json").read_text())["history"]
+    assert [p["iter"] for p in history if p["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    capsys.readouterr()
+    assert sample.main(["--ckpt", str(run), "--prompt", "the king", "--max-new-tokens", "8", "--seed", "1"]) == 0
+    assert capsys.readouterr().out.startswith("the king")
+
+
+def edited(directory, tmp_path, **changes):
+    copy = tmp_path / "edited"
+    shutil.copytree(directory, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, **changes}))
+    return copy
+
+
+@pytest.mark.parametrize(
+    "family, changes, message",
+    [
+        ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is 50.0, which model.py cannot"),
+        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention is True"),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 8}, "it uses sliding-window attention"),
+        ("phi3", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope scaling 'yarn' is not supported"),
+        ("mistral", {"hidden_act": "gelu"}, "hidden_act is 'gelu', which model.py cannot reproduce"),
+    ],
+)
+def test_what_model_py_cannot_reproduce_is_refused_in_one_line(
+    transformers, tmp_path, capsys, family, changes, message
+):
+    directory = tmp_path / family
+    save_hf_family(transformers, family, directory)
+    save_hf_tokenizer(transformers, directory, word_salad(5_000))
+    broken = edited(directory, tmp_path, **changes)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_main(lambda: sample.main(["--ckpt", str(broken), "--prompt", "the", "--max-new-tokens", "2"]))
+    [line] = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and line.startswith(f"error: {broken}") and message in line
