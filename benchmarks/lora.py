@@ -66,6 +66,33 @@ LLAMA_3_2_1B = GPTConfig(
     rope_factor=32.0,
     rope_original_context=8192,
 )
+# google/gemma-3-270m's config.json, as model.py's switches (268M parameters, the embedding tied)
+GEMMA3_270M = GPTConfig(
+    block_size=32768,
+    vocab_size=262144,
+    n_layer=18,
+    n_head=4,
+    n_kv_head=1,
+    head_dim=256,
+    n_embd=640,
+    mlp_hidden=2048,
+    bias=False,
+    pos_emb="rope",
+    norm="rmsnorm",
+    mlp="geglu",
+    gelu_approx="tanh",
+    norm_plus_one=True,
+    embed_scale=True,
+    post_norm=True,
+    qk_norm=True,
+    sliding_window=512,
+    global_layers=[5, 11, 17],
+    rope_theta=1_000_000.0,
+    rope_theta_local=10_000.0,
+    attn_scale=256**-0.5,
+    norm_eps=1e-6,
+    hf_family="gemma3",
+)
 TINY = GPTConfig(
     block_size=256,
     vocab_size=512,
@@ -90,13 +117,21 @@ VARIANTS = {
 }
 BIG = ["--model.block_size", "512", "--training.batch_size", "2", "--training.grad_accum_steps", "1"]
 BIG += ["--training.loss_chunks", "8", "--training.eval_iters", "2"]
-SHAPES = {"smollm2-135m": (SMOLLM2_135M, [], list(VARIANTS)), "llama-3.2-1b": (LLAMA_3_2_1B, BIG, list(VARIANTS)[2:])}
+GEMMA3_LORA_PRESET = REPO / "configs" / "finetune" / "gemma3_270m_lora.toml"
+# shape -> (its switches, flags, the variants measured, the LoRA preset they run)
+SHAPES = {
+    "smollm2-135m": (SMOLLM2_135M, [], list(VARIANTS), LORA_PRESET),
+    "llama-3.2-1b": (LLAMA_3_2_1B, BIG, list(VARIANTS)[2:], LORA_PRESET),
+    "gemma3-270m": (GEMMA3_270M, [], ["LoRA + checkpointing"], GEMMA3_LORA_PRESET),
+}
 TINY_FLAGS = ["--model.block_size", "64", "--training.batch_size", "2", "--training.grad_accum_steps", "1"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--part", choices=("memory", "kernels", "demo"), default="memory", help="(default %(default)s)")
-    p.add_argument("--shapes", default=",".join(SHAPES), help="memory: the shapes measured (default %(default)s)")
+    p.add_argument(
+        "--shapes", default="smollm2-135m,llama-3.2-1b", help=f"memory: of {', '.join(SHAPES)} (default %(default)s)"
+    )
     p.add_argument("--variants", help=f"memory: comma-separated, a subset of {', '.join(VARIANTS)} (default: all)")
     p.add_argument("--warmup", type=int, default=1, help="memory: untimed steps first (default %(default)s)")
     p.add_argument("--iters", type=int, default=2, help="memory: timed steps (default %(default)s)")
@@ -122,7 +157,7 @@ def memory(args: argparse.Namespace, cli: list[str]) -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_lora_") as tmp:
         for name in args.shapes.split(","):
-            shape, flags, variants = SHAPES[name]
+            shape, flags, variants, lora_preset = SHAPES[name]
             if args.tiny:
                 shape, flags = TINY, TINY_FLAGS
             model_dir = write_random_model(shape, Path(tmp) / name)
@@ -135,6 +170,7 @@ def memory(args: argparse.Namespace, cli: list[str]) -> None:
             full = None
             for variant in [v for v in variants if not args.variants or v in args.variants.split(",")]:
                 preset, extra = VARIANTS[variant]
+                preset = lora_preset if preset == LORA_PRESET else preset
                 measured = measure(preset, [*common, *extra], args, Path(tmp))
                 full = full or measured
                 rows.append(

@@ -14,7 +14,7 @@ import time
 import psutil
 import torch
 
-from model import GPT
+from model import GATED, GPT, mlp_hidden_width
 from quillgpt.config import Config
 from quillgpt.errors import UserError
 from quillgpt.lora import trainable_summary
@@ -37,8 +37,9 @@ def memory_estimate(cfg: Config, model: GPT, precision: str, world_size: int) ->
     c = model.config
     B, T, C, L, H, V = cfg.training.batch_size, c.block_size, c.n_embd, c.n_layer, c.n_head, c.vocab_size
     act_bytes = BYTES[precision]
-    # per layer ~ B*T*(34*C + 5*H*T) values in 16-bit (Korthikanti et al. 2022), scaled for fp32
-    per_layer = B * T * (34 * C + 5 * H * T) * act_bytes / 2
+    # per layer: the values its backward keeps (layer_activations: GPT-2's come to Korthikanti et al. 2022's 34 bytes
+    # per token and width in 16-bit), and the attention scores, 5 bytes per head and pair of positions in 16-bit
+    per_layer = B * T * (layer_activations(c) * act_bytes + 5 * H * T * act_bytes / 2)
     if cfg.training.gradient_checkpointing:
         activations = (
             L * B * T * C * 4 + per_layer
@@ -69,6 +70,20 @@ def memory_estimate(cfg: Config, model: GPT, precision: str, world_size: int) ->
     est["allocator"] = ALLOCATOR_SLACK * sum(est.values())
     est["total"] = sum(est.values())
     return est
+
+
+def layer_activations(c) -> int:
+    """Values per token one block keeps for its backward, by the family's own widths: each norm's input (before
+    and, or, after attention and the MLP), attention's input, queries, keys and values (grouped-query heads are
+    fewer), its output and the projection's; the MLP's input, hidden values (a gated MLP keeps its gate, its up
+    projection, the activation and their product) and output. A mixture of experts keeps each routed copy."""
+    attention_width, kv_width = c.n_head * c.head_width, 2 * c.kv_heads * c.head_width
+    norms = 2 * (c.pre_norm + c.post_norm) * c.n_embd
+    attention = c.n_embd + attention_width + kv_width + attention_width + c.n_embd
+    hidden = mlp_hidden_width(c) if not c.n_experts else (c.expert_hidden or mlp_hidden_width(c))
+    copies = c.experts_per_token + c.shared_experts if c.n_experts else 1
+    mlp = copies * (c.n_embd + (4 if c.mlp in GATED else 2) * hidden) + c.n_embd
+    return norms + attention + mlp
 
 
 def free_memory(device: torch.device) -> float:
