@@ -155,7 +155,8 @@ async function connect() {
     useModel(models.data[0]);
   } catch (e) {
     if (e.status === 401) askForKey("The server refused that key.");
-    showError(e.message);
+    else $("model-info").textContent = "not connected";
+    showError(e instanceof ServerError ? e.message : "cannot reach the server: " + e.message);
   }
 }
 
@@ -338,12 +339,19 @@ function apiContent(message) {
   return parts.map(({ type, text }) => ({ type, text }));
 }
 
-// A calculator call and its output, folded: "calculator" until opened, then "calculator: 32+36 → 68"
+// A calculator call and its output, folded: "calculator" until clicked, then "calculator: 32+36 → 68" on one line
 function toolElement(call, output) {
-  const details = element("details", "tool");
   const result = output === undefined || output.open ? "…" : output.text;
-  details.append(element("summary", "", "calculator"), element("span", "call", `${call.text} → ${result}`));
-  return details;
+  const detail = element("span", "call", `: ${call.text} → ${result}`);
+  detail.hidden = true;
+  const name = button("calculator", () => {
+    detail.hidden = !detail.hidden;
+    name.setAttribute("aria-expanded", String(!detail.hidden));
+  }, "tool-name");
+  name.setAttribute("aria-expanded", "false");
+  const tool = element("span", "tool");
+  tool.append(name, detail);
+  return tool;
 }
 
 function renderContent(container, message) {
