@@ -15,6 +15,10 @@ the directories; gguf_export.py and peft_io.py take the family from here.
     phi3      Phi3ForCausalLM       fused qkv_proj and gate_up_proj; partial rotary; LongRoPE (its short factors)
     olmo2     Olmo2ForCausalLM      norms after attention and the MLP only, qk_norm over the whole projection
     smollm3   SmolLM3ForCausalLM    no rotary in some layers (no_rope_layers: every 4th)
+    qwen3_moe Qwen3MoeForCausalLM   Qwen3 with mixture-of-experts MLPs (quillgpt/moe.py): top-k of a softmax router,
+                                    renormalised or not (norm_topk_prob), dense layers first (mlp_only_layers)
+    olmoe     OlmoeForCausalLM      experts, the top-k weights as the softmax gives them; qk-norm over all heads
+    mixtral   MixtralForCausalLM    Mistral with experts, the top-k weights renormalised
 
 A setting a family's config.json holds that model.py would compute differently is refused in one line naming it,
 never loaded approximately. LongRoPE is reproduced within the original context (Phi's short factors): a Phi model
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 
 from quillgpt.config import GPTConfig
 from quillgpt.errors import UserError
+from quillgpt.moe import expert_hidden
 from quillgpt.typecheck import required
 
 
@@ -78,6 +83,21 @@ OLMO2_BLOCK = {
     "post_attn_norm.weight": ("post_attention_layernorm.weight",),
     "post_mlp_norm.weight": ("post_feedforward_layernorm.weight",),
 }
+# model.py's stacked experts (E, ...) -> their experts, one tensor each ({e}: the expert's index)
+QWEN3_MOE_BLOCK = {
+    **LLAMA_BLOCK,
+    "mlp.router.weight": ("mlp.gate.weight",),
+    "mlp.w_gate": ("mlp.experts.{e}.gate_proj.weight",),
+    "mlp.w_up": ("mlp.experts.{e}.up_proj.weight",),
+    "mlp.w_down": ("mlp.experts.{e}.down_proj.weight",),
+}
+MIXTRAL_BLOCK = {
+    **LLAMA_BLOCK,
+    "mlp.router.weight": ("block_sparse_moe.gate.weight",),
+    "mlp.w_gate": ("block_sparse_moe.experts.{e}.w1.weight",),
+    "mlp.w_up": ("block_sparse_moe.experts.{e}.w3.weight",),
+    "mlp.w_down": ("block_sparse_moe.experts.{e}.w2.weight",),
+}
 PHI3_BLOCK = {
     **LLAMA_BLOCK,
     "attn.c_attn.weight": ("self_attn.qkv_proj.weight",),  # q, k and v fused as model.py's c_attn
@@ -107,7 +127,9 @@ PLAIN = dict(
     rope_scaling="none",
     attn_scale=None,
     n_experts=0,
+    shared_experts=0,
 )
+MOE = ("n_experts", "experts_per_token", "expert_hidden", "aux_loss_coef")  # what every MoE family carries
 GPT2_SWITCHES = dict(
     PLAIN,
     pos_emb="learned",
@@ -166,6 +188,30 @@ FAMILIES = {
         ATTENTION_SHAPE,
     ),
     "smollm3": Family("SmolLM3", "SmolLM3ForCausalLM", "smollm3", LLAMA_BLOCK, {}, (*ATTENTION_SHAPE, "nope_layers")),
+    "qwen3_moe": Family(
+        "Qwen3-MoE",
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        QWEN3_MOE_BLOCK,
+        {"qk_norm": True},
+        (*ATTENTION_SHAPE, *MOE, "qkv_bias", "router_renormalize", "dense_layers"),
+    ),
+    "olmoe": Family(
+        "OLMoE",
+        "OlmoeForCausalLM",
+        "olmoe",
+        QWEN3_MOE_BLOCK,
+        dict(qk_norm=True, qk_norm_scope="all", dense_layers=0),
+        (*ATTENTION_SHAPE, *MOE, "router_renormalize"),
+    ),
+    "mixtral": Family(
+        "Mixtral",
+        "MixtralForCausalLM",
+        "mixtral",
+        MIXTRAL_BLOCK,
+        dict(router_renormalize=True, dense_layers=0),
+        (*ATTENTION_SHAPE, *MOE, "sliding_window"),
+    ),
 }
 BY_ARCHITECTURE = {f.architecture: key for key, f in FAMILIES.items()}
 BY_MODEL_TYPE = {f.model_type: key for key, f in FAMILIES.items()}
@@ -248,7 +294,7 @@ def rope_family_args(family: str, hf: dict, need, refuse) -> dict:
         raise refuse(
             "mlp_bias is true without attention_bias, which model.py cannot reproduce (model.bias switches both)"
         )
-    if attention_bias and family not in ("llama", "qwen3"):
+    if attention_bias and family not in ("llama", "qwen3", "qwen3_moe"):
         raise refuse(f"attention_bias is true, which model.py does not read for {FAMILIES[family].name}")
     n_embd, n_head = need("hidden_size"), need("num_attention_heads")
     args = dict(
@@ -343,7 +389,7 @@ def window_args(family: str, hf: dict, n_layer: int, refuse) -> dict:
     window = hf.get("sliding_window")
     if family in ("qwen2", "qwen3", "llama") and (hf.get("use_sliding_window") or "sliding_attention" in types):
         raise refuse("it uses sliding-window attention, which model.py reproduces for Mistral, Gemma 3 and Phi-3 only")
-    if family in ("mistral", "phi3"):
+    if family in ("mistral", "phi3", "mixtral"):
         return dict(sliding_window=int(window or 0))
     if "sliding_attention" not in types or (family == "smollm3" and not hf.get("use_sliding_window")):
         return {}
@@ -375,7 +421,47 @@ def smollm3_args(hf: dict, need, refuse) -> dict:
     return dict(nope_layers=[i for i, rope in enumerate(uses_rope) if not rope])
 
 
-FAMILY_ARGS = {"gemma3": gemma3_args, "smollm3": smollm3_args}
+def experts_args(hf: dict, need, refuse, width_key: str) -> dict:
+    """The mixture of experts every MoE family's config.json describes: how many (num_experts, or as transformers 5
+    writes it num_local_experts), how many a token takes, their width, the auxiliary loss's weight."""
+    if hf.get("router_jitter_noise"):
+        raise refuse(f"router_jitter_noise is {hf['router_jitter_noise']}, which model.py does not add in training")
+    return dict(
+        n_experts=need("num_experts" if "num_experts" in hf else "num_local_experts"),
+        experts_per_token=need("num_experts_per_tok"),
+        expert_hidden=need(width_key),
+        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)),
+    )
+
+
+def qwen3_moe_args(hf: dict, need, refuse) -> dict:
+    dense = list(hf.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))) or int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise refuse(
+            "its dense layers are not the first ones (mlp_only_layers, decoder_sparse_step), as model.py has them"
+        )
+    args = experts_args(hf, need, refuse, "moe_intermediate_size")
+    return {**args, "router_renormalize": bool(hf.get("norm_topk_prob", False)), "dense_layers": len(dense)}
+
+
+def olmoe_args(hf: dict, need, refuse) -> dict:
+    if hf.get("clip_qkv") is not None:
+        raise refuse(f"clip_qkv is {hf['clip_qkv']}, which model.py cannot reproduce")
+    args = experts_args(hf, need, refuse, "intermediate_size")
+    return {**args, "router_renormalize": bool(hf.get("norm_topk_prob", False))}
+
+
+def mixtral_args(hf: dict, need, refuse) -> dict:
+    return experts_args(hf, need, refuse, "intermediate_size")
+
+
+FAMILY_ARGS = {
+    "gemma3": gemma3_args,
+    "smollm3": smollm3_args,
+    "qwen3_moe": qwen3_moe_args,
+    "olmoe": olmoe_args,
+    "mixtral": mixtral_args,
+}
 
 
 # ---- out: switches -> a family, and its config.json ----------------------------------------------------------
@@ -414,8 +500,12 @@ def expected_switches(family: str, config: GPTConfig) -> dict:
             out.pop("head_dim")
     if family == "gemma3":
         out["gelu_approx"] = "tanh"
-    if family in ("mistral", "phi3"):  # their windows are every layer's
+    if family in ("mistral", "phi3", "mixtral"):  # their windows are every layer's
         out["global_layers"] = []
+    if config.n_experts and config.balance == "bias":  # the per-expert bias routes too: no HF family has it
+        out["balance"] = "aux_loss"
+    if family in ("qwen3_moe", "olmoe", "mixtral") and not config.n_experts:
+        out["n_experts"] = "at least 1"
     if family == "llama" and config.rope_scaling not in ("none", "llama3"):
         out["rope_scaling"] = "none"
     return out
@@ -426,6 +516,8 @@ def likely_family(config: GPTConfig, tokenizer: dict | None) -> str:
     c = config
     if c.pos_emb == "learned":
         return "gpt2"
+    if c.n_experts:
+        return "qwen3_moe" if c.qk_norm and c.qk_norm_scope == "head" else "olmoe" if c.qk_norm else "mixtral"
     if c.embed_scale or c.norm_plus_one or (c.post_norm and c.pre_norm) or c.mlp == "geglu":
         return "gemma3"
     if c.post_norm:
@@ -558,7 +650,41 @@ FAMILY_JSON = {
         attention_bias=False,
         mlp_bias=False,
     ),
+    "qwen3_moe": lambda c: dict(
+        **experts_json(c),
+        num_experts=c.n_experts,
+        moe_intermediate_size=expert_width(c),
+        norm_topk_prob=c.router_renormalize,
+        mlp_only_layers=list(range(c.dense_layers)),
+        decoder_sparse_step=1,
+        attention_bias=c.qkv_bias,
+        use_sliding_window=False,
+        sliding_window=None,
+    ),
+    "olmoe": lambda c: dict(
+        **experts_json(c),
+        num_experts=c.n_experts,
+        intermediate_size=expert_width(c),
+        norm_topk_prob=c.router_renormalize,
+        clip_qkv=None,
+        attention_bias=False,
+    ),
+    "mixtral": lambda c: dict(
+        **experts_json(c),
+        num_local_experts=c.n_experts,
+        intermediate_size=expert_width(c),
+        sliding_window=c.sliding_window or None,
+        router_jitter_noise=0.0,
+    ),
 }
+
+
+def experts_json(c: GPTConfig) -> dict:
+    return dict(num_experts_per_tok=c.experts_per_token, router_aux_loss_coef=c.aux_loss_coef)
+
+
+def expert_width(c: GPTConfig) -> int:
+    return expert_hidden(c)
 
 
 # ---- the layout: where each of model.py's tensors lives among the family's -------------------------------------

@@ -184,6 +184,14 @@ def piece_sizes(model: GPT, key: str, names: tuple[str, ...]) -> list[int]:
     return list(model.transformer.h[0].attn.widths) if len(names) == 3 else [model.state_dict()[key].shape[0]]
 
 
+def their_names(name: str, rows: int) -> list[str]:
+    """The HF tensors a piece's name reads: itself, the one it is a chunk of, or each expert's of `rows`."""
+    if "{e}" in name:
+        return [name.format(e=e) for e in range(rows)]
+    chunk = chunk_of(name)
+    return [chunk[0] if chunk else name]
+
+
 def transposed(family: str, key: str) -> bool:
     return family == "gpt2" and key.endswith(CONV1D_WEIGHTS)
 
@@ -210,7 +218,7 @@ def state_from_hf(family: str, model: GPT, hf_state: dict[str, torch.Tensor], so
         parts = []
         for name, rows in zip(names, piece_sizes(model, key, names)):
             parts.append(hf_piece(family, hf_state, name, key, (rows, *target.shape[1:]), source))
-            used.add(name if chunk_of(name) is None else chunk_of(name)[0])
+            used.update(their_names(name, rows))
         state[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
     if tied:
         state["lm_head.weight"] = state["transformer.wte.weight"]
@@ -226,7 +234,11 @@ def state_from_hf(family: str, model: GPT, hf_state: dict[str, torch.Tensor], so
 def hf_piece(
     family: str, hf_state: dict[str, torch.Tensor], name: str, key: str, expected: tuple, source: str
 ) -> torch.Tensor:
-    """The HF tensor `name` (or its chunk, name[i/n]) as model.py's piece of `key`, of the shape `expected`."""
+    """The HF tensor `name` (or its chunk, name[i/n]; or every expert's, name with {e}, stacked) as model.py's piece of
+    `key`, of the shape `expected`."""
+    if "{e}" in name:  # (E, ...) from their E tensors
+        experts = [hf_piece(family, hf_state, name.format(e=e), key, expected[1:], source) for e in range(expected[0])]
+        return torch.stack(experts)
     chunk = chunk_of(name)
     whole, (i, n) = (chunk[0], chunk[1:]) if chunk else (name, (0, 1))
     if whole not in hf_state:
@@ -266,7 +278,9 @@ def hf_state(family: str, model: GPT) -> dict[str, torch.Tensor]:
         for name, piece in zip(names, value.split(piece_sizes(model, key, names))):
             piece = (piece.t() if transposed(family, key) else piece).detach().cpu()
             chunk = chunk_of(name)
-            if chunk:
+            if "{e}" in name:
+                out.update({name.format(e=e): expert.contiguous() for e, expert in enumerate(piece)})
+            elif chunk:
                 chunks.setdefault(chunk[0], {})[chunk[1]] = piece
             else:
                 out[name] = piece.contiguous()

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from model import GPT
+from model import GATED, GPT
 from quillgpt.config import GPTConfig, LoraConfig, lora_targets
 from quillgpt.errors import UserError
 from quillgpt.kernels import Dropout
@@ -83,12 +83,17 @@ class LoraSettings:
     @classmethod
     def from_config(cls, lo: LoraConfig, model: GPTConfig) -> LoraSettings:
         """The [lora] section's adapters on this model: a group (mlp, all-linear) leaves out the gate an MLP without
-        SwiGLU lacks; naming gate_proj itself there is a UserError."""
+        a gate (SwiGLU, GeGLU) lacks; naming gate_proj itself there is a UserError."""
         targets = lora_targets(lo.targets)
-        if model.mlp != "swiglu":
+        if model.mlp not in GATED:
             if "gate_proj" in lo.targets:
                 raise UserError(no_gate(model))
             targets = tuple(t for t in targets if t != "gate_proj")
+        if model.n_experts:
+            named = [t for t in lo.targets if t in MLP_TARGETS or t == "mlp"]
+            if named:
+                raise UserError(no_expert_adapters(named))
+            targets = tuple(t for t in targets if t not in MLP_TARGETS)
         return cls(lo.rank, float(lo.alpha), targets, lo.quantize, lo.dropout)
 
     def as_config(self) -> LoraConfig:
@@ -309,7 +314,7 @@ def add_adapters(
     every use (the same numbers, half the memory). UserError for a target the model lacks (gate_proj without SwiGLU)."""
     for p in model.parameters():
         p.requires_grad_(False)
-    if model.config.mlp != "swiglu" and "gate_proj" in settings.targets:
+    if model.config.mlp not in GATED and "gate_proj" in settings.targets:
         raise UserError(no_gate(model.config))
     kept = set()  # the frozen linear maps' tensors, in base_dtype or quantized
     for block in model.transformer.h:
@@ -334,6 +339,17 @@ def add_adapters(
         add_token_rows(model, vocab_size)
     model.lora = settings
     return model
+
+
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+def no_expert_adapters(named: list[str]) -> str:
+    return (
+        f"lora.targets: {', '.join(named)}: a mixture of experts' MLPs stay frozen, without adapters (PEFT maps "
+        "gate_proj, up_proj and down_proj onto transformers' fused experts, which adapters here do not hold); "
+        "target attention: q_proj, k_proj, v_proj, o_proj (all-linear takes those)"
+    )
 
 
 def no_gate(config: GPTConfig) -> str:

@@ -143,6 +143,13 @@ def read_peft(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     kind = config.get("peft_type")
     if kind != "LORA":
         raise UserError(f"{directory} holds a PEFT {kind} adapter, not LoRA: only LoRA adapters load here")
+    experts = [t for t in config.get("target_parameters") or [] if "experts" in t]
+    experts += [p for p in config.get("rank_pattern") or {} if "gate_up_proj" in p or "experts" in p]
+    if experts:
+        raise UserError(
+            f"{directory}: adapters on a mixture of experts' experts ({experts[0]}), which LoRA here does not hold "
+            "(a mixture of experts gets adapters on attention only)"
+        )
     for key, what in UNSUPPORTED.items():
         if config.get(key):
             raise UserError(f"{directory}: {what} are not supported here ({key} = {config[key]!r})")

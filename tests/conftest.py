@@ -287,8 +287,32 @@ HF_FAMILY_CONFIGS = {
         ),
     ),
     "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(tie_word_embeddings=False)),
+    # mixtures of experts: 4 experts, 2 a token; Qwen3-MoE with its first layer dense and the weights renormalised,
+    # OLMoE's as the softmax gives them, Mixtral's renormalised
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            head_dim=32,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+        ),
+    ),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0)),
+    "mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8, pad_token_id=0),
+    ),
     "smollm3": (
-        "SmolLM3ForCausalLM", "SmolLM3Config", dict(no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=0)
+        "SmolLM3ForCausalLM",
+        "SmolLM3Config",
+        dict(no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=0),
     ),
 }
 HF_FAMILY_TINY = dict(

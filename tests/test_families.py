@@ -20,8 +20,9 @@ import sample
 from quillgpt.errors import UserError, run_main
 from quillgpt.hf import export_hf
 from quillgpt.loading import load_model
+from quillgpt.moe import moe_layers
 
-FAMILIES = ["mistral", "gemma3", "phi3", "olmo2", "smollm3"]
+FAMILIES = ["mistral", "gemma3", "phi3", "olmo2", "smollm3", "qwen3_moe", "olmoe", "mixtral"]
 WINDOW = 8  # the sliding windows of the tiny Mistral, Gemma 3 (its sliding layer) configs
 T = 60  # positions a test runs: past every window; Phi's original context (64) holds them
 
@@ -73,6 +74,8 @@ def test_a_fine_tune_step_gives_transformers_losses(family_dir, transformers):
     transformers' within 1e-5, attention windows and all."""
     family, directory, _ = family_dir
     ours = load_model(directory).model.train()
+    for layer in moe_layers(ours):  # transformers' loss is the cross-entropy alone (output_router_logits false)
+        layer.aux_loss_coef = layer.z_loss_coef = 0.0
     theirs = transformers.AutoModelForCausalLM.from_pretrained(directory).train()
     losses = []
     for model, loss_of in (
@@ -103,11 +106,24 @@ def test_peft_adapters_go_out_and_come_back_with_peft_s_logits(family_dir, trans
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory)
     theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
     assert max_diff(logits(theirs, x), logits(load_model(run, keep_adapters=True).model, x)) <= 1e-5
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "up_proj"], init_lora_weights=False)
-    written = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory), config)
+    moe = family in ("qwen3_moe", "olmoe", "mixtral")  # its MLPs are experts: adapters on attention only
+    written = peft_adapter(
+        peft, transformers, directory, ["q_proj", "o_proj"] if moe else ["q_proj", "o_proj", "up_proj"]
+    )
     written.save_pretrained(tmp_path / "theirs")
     over = lora_overrides(directory, tmp_path / "in", **{"lora.adapters": str(tmp_path / "theirs")})
     assert max_diff(logits(built_trainer(over).raw_model, x), logits(written.eval(), x)) <= 1e-5
+    if family in ("qwen3_moe", "olmoe"):  # PEFT's adapters on transformers' fused experts: refused in one line
+        peft_adapter(peft, transformers, directory, ["gate_proj", "up_proj"]).save_pretrained(tmp_path / "experts")
+        over = lora_overrides(directory, tmp_path / "ex", **{"lora.adapters": str(tmp_path / "experts")})
+        with pytest.raises(UserError, match="adapters on a mixture of experts' experts"):
+            built_trainer(over)
+
+
+def peft_adapter(peft, transformers, directory, targets: list[str]):
+    """PEFT's own LoRA adapters (random B: not the identity) on the directory's model."""
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    return peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory), config)
 
 
 @pytest.mark.parametrize("family_dir", ["mistral", "gemma3"], indirect=True)
