@@ -125,6 +125,8 @@ class PageServer(ServerProcess):
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     missing = missing_browser()
+    if missing and os.environ.get("QUILLGPT_REQUIRE_BROWSER"):  # CI installs them: there the tests must run
+        pytest.fail("QUILLGPT_REQUIRE_BROWSER is set but the browser tests lack " + ", ".join(missing))
     if missing:
         pytest.skip("the browser tests need " + ", ".join(missing))
     driver = start_browser(str(tmp_path_factory.mktemp("chromium-profile")))
