@@ -346,6 +346,11 @@ def mlp_hidden_width(config: GPTConfig) -> int:
     return config.mlp_hidden or hidden
 
 
+def expert_hidden_width(config: GPTConfig) -> int:
+    """A mixture-of-experts layer's expert width: expert_hidden, or the dense MLP's (mlp_hidden_width)."""
+    return config.expert_hidden or mlp_hidden_width(config)
+
+
 GATED = ("swiglu", "geglu")  # MLPs whose activation gates a second projection (c_gate)
 
 
@@ -378,7 +383,10 @@ def make_mlp(config: GPTConfig, layer: int) -> nn.Module:
     if config.n_experts and layer >= config.dense_layers:
         from quillgpt.moe import MoE
 
-        return MoE(config)
+        # experts of the dense MLP's kind; they come from here because moe.py imports nothing from model.py
+        hidden = expert_hidden_width(config)
+        shared = MLP(config, hidden=config.shared_experts * hidden) if config.shared_experts else None
+        return MoE(config, hidden, activation(config), gated=config.mlp in GATED, shared=shared)
     return MLP(config)
 
 

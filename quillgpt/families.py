@@ -31,9 +31,9 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from model import expert_hidden_width
 from quillgpt.config import GPTConfig
 from quillgpt.errors import UserError
-from quillgpt.moe import expert_hidden
 from quillgpt.typecheck import required
 
 
@@ -684,7 +684,7 @@ def experts_json(c: GPTConfig) -> dict:
 
 
 def expert_width(c: GPTConfig) -> int:
-    return expert_hidden(c)
+    return expert_hidden_width(c)
 
 
 # ---- the layout: where each of model.py's tensors lives among the family's -------------------------------------

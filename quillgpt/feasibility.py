@@ -102,7 +102,9 @@ def check_memory(cfg: Config, rt: Runtime, plan: ModelPlan) -> dict:
     free = free_memory(rt.device)
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     block = model.config.block_size
-    print(f"model: {model.num_params() / 1e6:.2f}M parameters, block {block}, vocab {model.config.vocab_size}")
+    active = model.active_params()  # an MoE's FLOPs count the experts a token is routed to; its memory, all of them
+    routed = f" ({active / 1e6:.2f}M active per token)" if active < model.num_params() else ""
+    print(f"model: {model.num_params() / 1e6:.2f}M parameters{routed}, block {block}, vocab {model.config.vocab_size}")
     if plan.lora is not None:
         quantized = f", the base's linear weights {cfg.lora.quantize}" if cfg.lora.quantize != "none" else ""
         print(f"lora: {trainable_summary(model)} (rank {plan.lora.settings.rank}){quantized}")

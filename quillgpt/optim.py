@@ -170,8 +170,10 @@ class Muon(torch.optim.Optimizer):
         update = grads[0].new_empty((len(params), *params[0].shape))  # (G, m, n)
         for grad, buf, out in zip(grads, bufs, update.unbind(0)):
             torch.lerp(grad, buf, momentum, out=out)
-        ortho = zeropower_via_newtonschulz(update, group["ns_steps"], dtype=self.ns_dtype).to(params[0].dtype)
-        scale = 0.2 * math.sqrt(max(params[0].shape))
+        # a stack of matrices (an MoE's experts, (E, m, n)) is orthogonalised matrix by matrix: (G * E, m, n)
+        ortho = zeropower_via_newtonschulz(update.flatten(0, -3), group["ns_steps"], dtype=self.ns_dtype)
+        ortho = ortho.view_as(update).to(params[0].dtype)
+        scale = 0.2 * math.sqrt(max(params[0].shape[-2:]))
         if keep is None:
             torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
             for p, u in zip(params, ortho.unbind(0)):
