@@ -16,6 +16,7 @@ A mode flag picks another benchmark, one at a time:
     python bench.py --chat --rows 120    # chat: masked vs unmasked loss step time; packed vs padded rows, 120 s each
     python bench.py --dpo                # DPO on the chat demo's model: held-out accuracy and margin, before and after
     python bench.py --muon               # Muon's step: a Newton-Schulz chain per matrix vs one per shape
+    python bench.py --moe                # MoE vs dense at equal active FLOPs: a layer's dispatch cost; 3 seeds each
     python bench.py --finetune           # SmolLM2-135M's shape (random): fine-tuning tokens/s and RSS vs --validate
     python bench.py --lora               # LoRA, QLoRA vs full: peak RSS, s/step (SmolLM2-135M, a 1B shape) vs --validate
     python bench.py --lora --part demo   # the CPU chat demo: LoRA rank 8 and 32 vs the full SFT in the same wall time
@@ -46,6 +47,7 @@ from benchmarks import (
     kernel_times,
     lora,
     memory,
+    moe,
     muon,
     precision_curves,
     prepare_speed,
@@ -71,6 +73,7 @@ MODES = [
         memory,
         precision_curves,
         muon,
+        moe,
         finetune,
         lora,
         chat_rows,
