@@ -1,10 +1,14 @@
 """GGUF files for llama.cpp and Ollama (export.py --gguf), written with the gguf package llama.cpp ships.
 
-The architecture is the Hugging Face one hf.py picks from the model's switches (GPT-2, Llama, Qwen2, Qwen3), and the
-tensors are built from hf.hf_state's HF-named state dict the way llama.cpp's convert_hf_to_gguf.py builds them:
-GPT-2's Conv1D weights back to (out, in), Llama's query and key rows reordered for llama.cpp's interleaved rotary
-pairs (Qwen2 and Qwen3 rotate halves, as model.py does), Llama 3's rope scaling as a rope_freqs tensor. A switch no
-architecture expresses is refused before anything is written, naming it.
+The architecture is the Hugging Face family hf.py picks from the model's switches (GPT-2, Llama, Qwen2, Qwen3,
+Gemma 3, Phi-3, OLMo 2, SmolLM3; Mistral as llama.cpp's llama), and the tensors are built from hf.hf_state's HF-named
+state dict the way llama.cpp's convert_hf_to_gguf.py builds them: GPT-2's Conv1D weights back to (out, in), Llama's
+and SmolLM3's query and key rows reordered for llama.cpp's interleaved rotary pairs (the others rotate halves, as
+model.py does), Llama 3's rope scaling as a rope_freqs tensor, Gemma's norm weights with its 1 added, Phi's LongRoPE
+factors as rope_factors tensors. What llama.cpp fixes in its code rather than reading from the file (SmolLM3's NoPE
+layers, Gemma 3's query scale and window pattern, no window at all in llama and phi3) bounds what it reproduces: a
+model outside those bounds is refused before anything is written, naming the switch, as is a switch no architecture
+expresses. Only what llama-cpp-python 0.3.36's llama.cpp computes exactly is written (tests/test_gguf.py, docs/gguf.md).
 
     outtype  weights of the matrices          norms, biases, positions
     f32      float32 (the model as it is)     float32
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,8 +48,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model import GPT, rope_frequencies
+from model import GPT, layer_window, rope_frequencies, rotary_width
 from quillgpt import hf
+from quillgpt.config import GPTConfig
 from quillgpt.errors import UserError
 from quillgpt.families import export_family
 from quillgpt.files import atomic_write, atomic_write_text
@@ -140,9 +146,108 @@ def plan_gguf(model: GPT, tokenizer: dict | None, outtype: str, source: str) -> 
 def gguf_family(model: GPT, source: str, tokenizer: dict | None) -> str:
     c = model.config
     family = export_family(c, source, tokenizer, target="GGUF")
+    if family not in GGUF_ARCHITECTURES:  # the mixtures of experts: llama.cpp has them, this writer has no experts
+        raise UserError(
+            f"{source} cannot be exported as GGUF {hf.NAMES[family]}: quillgpt writes no GGUF mixture of experts "
+            "(export it with --hf and convert it with llama.cpp's convert_hf_to_gguf.py)"
+        )
     if family == "qwen2" and c.head_width * c.n_head != c.n_embd:
         return "llama"  # llama.cpp's Qwen2 has no head_dim of its own; Llama with q/k/v biases computes the same
+    refusals = [why for check in LLAMA_CPP_LIMITS.get(family, ()) if (why := check(c))]
+    if refusals:
+        raise UserError(
+            f"{source} cannot be exported as GGUF {hf.NAMES[family]}: {'; '.join(refusals)} (export it with --hf instead)"
+        )
     return family
+
+
+# ---- what llama.cpp fixes in its code ---------------------------------------------------------------------------
+# Each check: why llama.cpp (llama-cpp-python 0.3.36's) would compute the model otherwise than model.py, or None.
+
+
+def windowed_layers(c: GPTConfig) -> list[int]:
+    """The layers whose window is shorter than the context (a longer one is no window)."""
+    return [i for i in range(c.n_layer) if layer_window(c, i)]
+
+
+def no_window(arch: str):
+    """llama.cpp's llama has no window, and its phi3 reads sliding_window but logs "Phi SWA is currently disabled"."""
+
+    def check(c: GPTConfig) -> str | None:
+        if not windowed_layers(c):
+            return None
+        return (
+            f"model.sliding_window = {c.sliding_window}, shorter than its context ({c.block_size}), and llama.cpp's "
+            f"{arch} attends to every position"
+        )
+
+    return check
+
+
+def rope_scalings(arch: str, kinds: tuple[str, ...]):
+    """The rope scalings llama.cpp's arch reads from the file: gemma3 linear (global layers), phi3 LongRoPE."""
+
+    def check(c: GPTConfig) -> str | None:
+        if c.rope_scaling in kinds:
+            return None
+        return f"model.rope_scaling = {c.rope_scaling!r}, and llama.cpp's {arch} takes {' or '.join(kinds)}"
+
+    return check
+
+
+def smollm3_nope_layers(c: GPTConfig) -> str | None:
+    """llama.cpp's smollm3 leaves rope out of every 4th layer: n_no_rope_layer_step, set in its code, read from no
+    key (SmolLM3's own no_rope_layer_interval)."""
+    fixed = [i for i in range(c.n_layer) if (i + 1) % SMOLLM3_NOPE_STEP == 0]
+    if sorted(c.nope_layers) == fixed:
+        return None
+    here = ", ".join(map(str, fixed)) or "none"
+    return (
+        f"model.nope_layers = {c.nope_layers}, and llama.cpp's smollm3 leaves rope out of every 4th layer and no "
+        f"other (here: {here})"
+    )
+
+
+def gemma3_global_layers(c: GPTConfig) -> str | None:
+    """llama.cpp's gemma3 makes the last layer of each period global (sliding_window_pattern, gemma3_window_period)."""
+    if gemma3_window_period(c) is not None:
+        return None
+    return (
+        f"model.global_layers = {c.global_layers}, and llama.cpp's gemma3 takes as global the last layer of each "
+        "period of layers only (p-1, 2p-1, ...)"
+    )
+
+
+def gemma3_local_rope(c: GPTConfig) -> str | None:
+    """llama.cpp's gemma3 never scales the sliding layers' rope; model.py scales it where they share the global base
+    (rope_theta_local unset)."""
+    if c.rope_scaling == "none" or c.rope_theta_local is not None or not windowed_layers(c):
+        return None
+    return (
+        f"model.rope_theta_local = None with model.rope_scaling = {c.rope_scaling!r}: its sliding layers' rope is "
+        "scaled, and llama.cpp's gemma3 scales the global layers' only"
+    )
+
+
+def gemma3_window_period(c: GPTConfig) -> int | None:
+    """sliding_window_pattern as llama.cpp's gemma3 reads it: layer i is global when i % p == p - 1, every layer has
+    the window at p = 0. The p that gives the model's layers, or None where none does."""
+    windowed = windowed_layers(c)
+    if len(windowed) == c.n_layer:
+        return 0
+    for period in range(1, c.n_layer + 1):
+        if windowed == [i for i in range(c.n_layer) if i % period < period - 1]:
+            return period
+    return None
+
+
+SMOLLM3_NOPE_STEP = 4
+LLAMA_CPP_LIMITS = {
+    "mistral": (no_window("llama"),),  # as llama.cpp's converter writes Mistral: llama
+    "phi3": (no_window("phi3"), rope_scalings("phi3", ("none", "longrope"))),
+    "smollm3": (smollm3_nope_layers,),
+    "gemma3": (gemma3_global_layers, rope_scalings("gemma3", ("none", "linear")), gemma3_local_rope),
+}
 
 
 # ---- tokenizer ------------------------------------------------------------------------------------------------
@@ -267,38 +372,96 @@ def gguf_tensors(family: str, model: GPT) -> Iterator[tuple[str, np.ndarray]]:
 
     c = model.config
     names = gguf.get_tensor_name_map(gguf_arch(family), c.n_layer)
+    interleaved = GGUF_ARCHITECTURES[family] in INTERLEAVED_ROPE
     for hf_name, tensor in hf.hf_state(family, model).items():
         tensor = tensor.float()
         if hf.transposed(family, hf_name):
             tensor = tensor.t()  # HF's Conv1D (in, out) back to (out, in)
-        if family == "llama" and ".self_attn.q_proj." in hf_name:
+        if interleaved and ".self_attn.q_proj." in hf_name:
             tensor = interleave_rope(tensor, c.n_head)
-        if family == "llama" and ".self_attn.k_proj." in hf_name:
+        if interleaved and ".self_attn.k_proj." in hf_name:
             tensor = interleave_rope(tensor, c.kv_heads)
+        if family == "gemma3":
+            tensor = gemma3_tensor(hf_name, tensor, c)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise RuntimeError(f"no GGUF name for {hf_name}")  # a tensor hf_state gained that this module lacks
         yield name, tensor.contiguous().numpy()
+    if c.tie_embeddings and writes_output(family, c):
+        yield "output.weight", model.lm_head.weight.detach().float().numpy()
+    yield from rope_tensors(c)
+
+
+def rope_tensors(c: GPTConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Llama 3's scaling as rope_freqs (llama.cpp divides each rotary frequency by its factor); LongRoPE's factors as
+    rope_factors_short and _long, both the short ones: llama.cpp takes the long ones past the original context, where
+    model.py never goes (block_size is that context), so within it and past it llama.cpp computes with the factors
+    our model has."""
+    import gguf
+
     if c.pos_emb == "rope" and c.rope_scaling == "llama3":
-        # llama.cpp divides each rotary frequency by its factor
         factors = rope_frequencies(replace(c, rope_scaling="none")) / rope_frequencies(c)
         yield gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors.numpy()
+    if c.rope_scaling == "longrope":
+        factors = np.array(c.rope_factors, dtype=np.float32)
+        for kind in (gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT):
+            yield gguf.TENSOR_NAMES[kind] + ".weight", factors
+
+
+def gemma3_tensor(hf_name: str, tensor: torch.Tensor, c: GPTConfig) -> torch.Tensor:
+    """Gemma's RMSNorm multiplies by 1 + w, llama.cpp's by w: every norm weight gets its 1, as llama.cpp's converter
+    adds it. The query norm also carries the ratio of our query scale (query_pre_attn_scalar ** -0.5) to the one
+    llama.cpp's gemma3 applies, which it derives from the shape and reads from no key: the query is scaled after its
+    norm and rope, both linear in the norm's weight, so scaling the weight scales the query."""
+    if not hf_name.endswith("norm.weight"):
+        return tensor
+    tensor = tensor + 1.0
+    if hf_name.endswith("self_attn.q_norm.weight"):
+        tensor = tensor * ((c.attn_scale or c.head_width**-0.5) / gemma3_llama_cpp_query_scale(c))
+    return tensor
+
+
+def gemma3_llama_cpp_query_scale(c: GPTConfig) -> float:
+    """The query scale llama.cpp's gemma3 applies: 1/sqrt(head_dim), or for a 62-layer model (its "27B")
+    1/sqrt(n_embd / n_head) in integers, Gemma 3 27B's query_pre_attn_scalar."""
+    return (c.n_embd // c.n_head if c.n_layer == 62 else c.head_width) ** -0.5
+
+
+GGUF_ARCHITECTURES = {  # family -> gguf.MODEL_ARCH's name of the architecture it goes out as
+    "gpt2": "GPT2",
+    "llama": "LLAMA",
+    "mistral": "LLAMA",  # as llama.cpp's converter writes Mistral's models
+    "qwen2": "QWEN2",
+    "qwen3": "QWEN3",
+    "gemma3": "GEMMA3",
+    "phi3": "PHI3",
+    "olmo2": "OLMO2",
+    "smollm3": "SMOLLM3",
+}
+# the architectures whose rope rotates adjacent pairs (llama.cpp's LLAMA_ROPE_TYPE_NORM): their query and key rows are
+# reordered, as the converter's LlamaModel (SmolLM3Model's base) permutes them; the others rotate halves, as model.py
+INTERLEAVED_ROPE = ("LLAMA", "SMOLLM3")
 
 
 def gguf_arch(family: str):
+    """The GGUF architecture of a family (or of an architecture's own name, as a file's general.architecture)."""
     import gguf
 
-    return {
-        "gpt2": gguf.MODEL_ARCH.GPT2,
-        "llama": gguf.MODEL_ARCH.LLAMA,
-        "qwen2": gguf.MODEL_ARCH.QWEN2,
-        "qwen3": gguf.MODEL_ARCH.QWEN3,
-    }[family]
+    return gguf.MODEL_ARCH[GGUF_ARCHITECTURES[family]]
 
 
-def head_name(model: GPT) -> str:
+def head_name(family: str, model: GPT) -> str:
     """The GGUF tensor that computes the logits: output.weight, or token_embd.weight when the head is tied to it."""
-    return "token_embd.weight" if model.config.tie_embeddings else "output.weight"
+    return "output.weight" if writes_output(family, model.config) else "token_embd.weight"
+
+
+def writes_output(family: str, c: GPTConfig) -> bool:
+    """Whether the file holds output.weight: an untied head, or a tied one where llama.cpp's architecture requires
+    the tensor (its olmo2 does not fall back to token_embd): there a copy of the embedding."""
+    return not c.tie_embeddings or family in OUTPUT_REQUIRED
+
+
+OUTPUT_REQUIRED = ("olmo2",)
 
 
 def tensor_type(name: str, data: np.ndarray, outtype: str, head: str):
@@ -344,7 +507,7 @@ def add_metadata(writer, plan: Plan, model: GPT, name: str) -> None:
     import gguf
 
     c, v = model.config, plan.vocab
-    writer.add_name(name)
+    writer.add_name(llama_cpp_neutral_name(name))
     writer.add_file_type(file_type(plan.outtype))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_context_length(c.block_size)
@@ -358,10 +521,11 @@ def add_metadata(writer, plan: Plan, model: GPT, name: str) -> None:
     else:
         writer.add_layer_norm_rms_eps(c.norm_eps)
         writer.add_rope_freq_base(c.rope_theta)
-        writer.add_rope_dimension_count(c.head_width)
+        writer.add_rope_dimension_count(rotary_width(c))  # Phi's partial rotary: the rotating dimensions only
         writer.add_key_length(c.head_width)
         writer.add_value_length(c.head_width)
         writer.add_vocab_size(c.vocab_size)
+        FAMILY_METADATA.get(plan.family, lambda writer, c: None)(writer, c)
     writer.add_tokenizer_model("gpt2")  # llama.cpp's byte-level BPE
     writer.add_tokenizer_pre(v.pre)
     writer.add_token_list(v.tokens)
@@ -376,6 +540,42 @@ def add_metadata(writer, plan: Plan, model: GPT, name: str) -> None:
     writer.add_add_eos_token(False)
     if v.chat_template is not None:
         writer.add_chat_template(v.chat_template)
+
+
+def gemma3_metadata(writer, c: GPTConfig) -> None:
+    """Gemma 3's windows (the window, and the period whose last layer is global), its sliding layers' rope base and
+    its global layers' linear scaling (llama.cpp scales those only); the embedding scale is llama.cpp's own."""
+    import gguf
+
+    if windowed_layers(c):
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_sliding_window_pattern(gemma3_window_period(c))
+        writer.add_rope_freq_base_swa(c.rope_theta_local or c.rope_theta)
+    if c.rope_scaling == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(c.rope_factor)
+    if c.logit_softcap:
+        writer.add_final_logit_softcapping(c.logit_softcap)
+
+
+def phi3_metadata(writer, c: GPTConfig) -> None:
+    """No window (refused when there is one), and LongRoPE's attention factor and original context as llama.cpp's
+    converter writes them; its factors are tensors (rope_tensors)."""
+    writer.add_sliding_window(0)  # the converter's 0: no window
+    longrope = c.rope_scaling == "longrope"
+    writer.add_rope_scaling_orig_ctx_len(c.rope_original_context if longrope else c.block_size)
+    if longrope:
+        writer.add_rope_scaling_attn_factors(c.rope_attention_factor)
+
+
+FAMILY_METADATA = {"gemma3": gemma3_metadata, "phi3": phi3_metadata}
+
+
+def llama_cpp_neutral_name(name: str) -> str:
+    """general.name as llama.cpp reads no more into it: a name holding "phi-3" or "phi3" (any case) makes llama.cpp's
+    vocabulary loader give the special tokens Phi-3's right-strip (text after one tokenizes otherwise than ours) and
+    look up <unk>, <s>, <|endoftext|> and </s>, failing on a vocabulary without them; "phi 3" does neither."""
+    return re.sub(r"(?i)(phi)(-?3)", r"\1 \2", name)
 
 
 def writer_class():
@@ -408,7 +608,7 @@ def write_gguf(model: GPT, plan: Plan, path: str | Path, name: str) -> Path:
     add_metadata(writer, plan, model, name)
     with torch.no_grad():
         for tensor_name, data in gguf_tensors(plan.family, model):
-            data, qtype = stored(tensor_name, data, plan.outtype, head_name(model))
+            data, qtype = stored(tensor_name, data, plan.outtype, head_name(plan.family, model))
             writer.add_tensor(tensor_name, data, raw_dtype=qtype)
     with atomic_write(path) as f:
         writer.fout, writer.state = [f], gguf.gguf_writer.WriterState.EMPTY  # our temp file, renamed into place

@@ -6,10 +6,12 @@ tokenize a prompt as we do, give our logits (f32 within F32_TOLERANCE; f16, bf16
 rounded outtype q4_0 included within FILE_WEIGHTS_TOLERANCE of our model holding the file's rounded weights) and
 greedy-decode the same 32 tokens from an f32 file.
 
-Models: tiny random Llama, Qwen2 and Qwen3 directories saved by transformers (with a byte-level BPE tokenizer.json),
-and our own tiny models in a .safetensors file: GPT-2 with a char tokenizer and with tiktoken's gpt2, Llama with
-q/k/v biases and a char tokenizer, and the modern recipe (rope, RMSNorm, SwiGLU, QK-norm: Qwen3) with our BPE; and a
-LoRA run on the Llama directory, exported merged (--merge).
+Models: tiny random Llama, Qwen2, Qwen3, Mistral, Gemma 3, Phi-3, OLMo 2 and SmolLM3 directories saved by
+transformers (with a byte-level BPE tokenizer.json; Mistral without its window and SmolLM3 with four layers, the
+shapes llama.cpp reproduces), and our own tiny models in a .safetensors file: GPT-2 with a char tokenizer and with
+tiktoken's gpt2, Llama with q/k/v biases and a char tokenizer, the modern recipe (rope, RMSNorm, SwiGLU, QK-norm:
+Qwen3) with our BPE, OLMo 2's switches with a tied head; and a LoRA run on the Llama directory, exported merged
+(--merge). What llama.cpp fixes in its code (windows, NoPE layers, Gemma 3's global layers) is refused in one line.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import export
 from model import GPT, GPTConfig
 from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.errors import UserError
-from quillgpt.families import hf_names
+from quillgpt.families import chunk_of, hf_names
 from quillgpt.gguf_export import gguf_arch, modelfile
 from quillgpt.loading import load_model
 from quillgpt.tokenizer import tokenizer_from_dict, train_tokenizer
@@ -49,11 +51,13 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# Llama, Qwen2 and Qwen3 files in f32 give our logits to about 1e-5. llama.cpp's GPT-2 computes GELU through a
-# float16 table (ggml's GGML_GELU_FP16) whatever GELU form the model has, which rounds each activation: its logits
-# differ from ours by about 5e-4 of the largest logit (a tanh GELU rounded through float16 here comes within 2e-4)
+# Llama, Qwen2, Qwen3, Mistral, Phi-3, OLMo 2 and SmolLM3 files in f32 give our logits to about 1e-5. llama.cpp's
+# GPT-2 and Gemma 3 compute GELU through a float16 table (ggml's GGML_GELU_FP16) whatever GELU form the model has,
+# which rounds each activation: GPT-2's logits differ from ours by about 5e-4 of the largest logit, Gemma 3's by 2e-4
+# (a tanh GELU rounded through float16 here comes within 2e-4 and 7e-5)
 F32_TOLERANCE = 1e-3
-GPT2_F32_TOLERANCE = 1e-3  # of the largest logit
+GELU_TABLE_F32_TOLERANCE = 1e-3  # of the largest logit
+GELU_TABLE_ARCHITECTURES = ("gpt2", "gemma3")
 # f16, bf16 and q8_0 round the weights (and q8_0 the activations in its dot products): the largest logit difference
 # as a fraction of the largest logit (measured on these models: at most 0.0034, 0.028 and 0.095). q4_0 has none: its
 # rounding alone moves these random models' logits by 25-80% of the largest one (our model with the file's weights,
@@ -63,33 +67,21 @@ ROUNDED_TOLERANCE = {"f16": 0.01, "bf16": 0.05, "q8_0": 0.15}
 # the activations too, to float16, bfloat16 or (for q8_0 and q4_0 matrices) 8-bit blocks (measured: at most 0.0027,
 # 0.016, 0.053 and 0.053 of the largest logit)
 FILE_WEIGHTS_TOLERANCE = {"f16": 0.01, "bf16": 0.05, "q8_0": 0.1, "q4_0": 0.1}
+ROPE_SWITCHES = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False)  # Llama's, off GPTConfig's GPT-2
 OURS = {
     "gpt2-char": ("char", {}),
     "gpt2-char-ascii": ("char", {}),  # trained on ASCII_TEXT: no merges
     "gpt2-char-chat": ("char", {}),  # with ChatML's <|im_start|> and <|im_end|> added (with_chat_tokens)
     "gpt2-tiktoken": ("gpt2", {}),
-    "llama-char": (
+    "llama-char": ("char", dict(ROPE_SWITCHES, qkv_bias=True, n_kv_head=2)),
+    "qwen3-bpe": ("bpe", dict(ROPE_SWITCHES, qk_norm=True, n_kv_head=2, head_dim=32)),
+    # OLMo 2's switches with a tied head, which llama.cpp's olmo2 reads only as output.weight
+    "olmo2-char-tied": (
         "char",
-        dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, qkv_bias=True, n_kv_head=2),
-    ),
-    "qwen3-bpe": (
-        "bpe",
-        dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, qk_norm=True, n_kv_head=2, head_dim=32),
+        dict(ROPE_SWITCHES, qk_norm=True, qk_norm_scope="all", pre_norm=False, post_norm=True, n_kv_head=2),
     ),
     # rows of 48, which no 32-value block divides, but for ffn_down's 128; an untied head
-    "llama-char-48": (
-        "char",
-        dict(
-            pos_emb="rope",
-            norm="rmsnorm",
-            mlp="swiglu",
-            bias=False,
-            n_kv_head=2,
-            n_embd=48,
-            mlp_hidden=128,
-            tie_embeddings=False,
-        ),
-    ),
+    "llama-char-48": ("char", dict(ROPE_SWITCHES, n_kv_head=2, n_embd=48, mlp_hidden=128, tie_embeddings=False)),
 }
 ARCHITECTURE = {
     "gpt2-char": "gpt2",
@@ -99,11 +91,26 @@ ARCHITECTURE = {
     "llama-char": "llama",
     "qwen3-bpe": "qwen3",
     "llama-char-48": "llama",
+    "olmo2-char-tied": "olmo2",
     "llama-hf": "llama",
     "qwen2-hf": "qwen2",
     "qwen3-hf": "qwen3",
     "llama-hf-lora": "llama",  # a LoRA run on llama-hf, exported with --merge (its adapters folded in)
+    # the later families (LATER_FAMILIES)
+    "mistral-hf": "llama",  # as llama.cpp's converter writes Mistral
+    "gemma3-hf": "gemma3",
+    "phi3-hf": "phi3",
+    "olmo2-hf": "olmo2",
+    "smollm3-hf": "smollm3",
 }
+# conftest's family configs as llama.cpp reproduces them: Mistral without its window (llama.cpp's llama has none),
+# SmolLM3 with four layers, the 4th without rope (llama.cpp's smollm3 leaves rope out of every 4th layer, no other)
+HF_OVERRIDES = {
+    "mistral": dict(sliding_window=None),
+    "smollm3": dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0]),
+}
+LATER_FAMILIES = ("mistral-hf", "gemma3-hf", "phi3-hf", "olmo2-hf", "smollm3-hf")
+IN_PROCESS_F32 = (*LATER_FAMILIES, "olmo2-char-tied")  # see exported
 PRE = {"char": "gpt-2", "tiktoken": "gpt-2", "bpe": "llama-bpe", "hf": "gpt-2"}  # by tokenizer kind
 CASES = [name for name in ARCHITECTURE if name != "llama-char-48"]  # that one is for q4_0's fallbacks
 
@@ -146,7 +153,7 @@ def our_model(name: str, directory: Path) -> Path:
 
 def hf_model(transformers, name: str, directory: Path) -> Path:
     family = name.removesuffix("-hf")
-    save_hf_family(transformers, family, directory)
+    save_hf_family(transformers, family, directory, **HF_OVERRIDES.get(family, {}))
     save_hf_tokenizer(transformers, directory, TEXT)
     state = load_file(directory / "model.safetensors")
     sharpen_state = {k: v * 10 if v.ndim == 2 else v for k, v in state.items()}  # transformers' 0.02 init: tiny logits
@@ -185,7 +192,8 @@ def run_export(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def exported(source, tmp_path_factory):
     """(case, outtype) -> the GGUF file. f32 goes through export.py in a subprocess (the command a user runs); the
-    other outtypes through export.main in this process, which keeps the file's runtime short."""
+    other outtypes, and the later families' files, through export.main in this process, which keeps the file's
+    runtime short (a subprocess costs ~5 s of CPU to import torch)."""
     made = {}
 
     def make(name: str, outtype: str = "f32") -> Path:
@@ -193,7 +201,7 @@ def exported(source, tmp_path_factory):
             out = tmp_path_factory.mktemp(f"{name}-{outtype}") / f"{name}.gguf"
             args = ["--ckpt", str(source(name)), "--gguf", str(out), "--outtype", outtype]
             args += ["--merge"] if name.endswith("-lora") else []
-            if outtype == "f32":
+            if outtype == "f32" and name not in IN_PROCESS_F32:
                 result = run_export(*args)
                 assert result.returncode == 0, result.stderr
                 assert f"wrote {out}" in result.stdout and "ollama create NAME -f" in result.stdout
@@ -236,8 +244,12 @@ def test_every_architecture_writes_its_metadata_tensors_and_modelfile(source, ex
     tensors = {t.name: (t.tensor_type.name, [int(n) for n in t.shape]) for t in reader.tensors}
     assert tensors["token_embd.weight"] == ("F32", [c.n_embd, c.vocab_size])  # GGUF lists shapes innermost first
     assert all(kind == "F32" for kind, _ in tensors.values())
-    per_block = {"gpt2": 12, "llama": 9 + 4 * c.qkv_bias, "qwen2": 12, "qwen3": 11}[arch]  # Llama: a zero o_proj bias
-    top = 2 + (arch == "gpt2") * 2 + (not c.tie_embeddings) + (c.rope_scaling == "llama3")
+    # Llama: a zero o_proj bias with q/k/v biases; Gemma 3: four norms and qk-norm; Phi-3: fused qkv and gate-up
+    per_block = {"gpt2": 12, "llama": 9 + 4 * c.qkv_bias, "qwen2": 12, "qwen3": 11, "gemma3": 13, "phi3": 6}
+    per_block = {**per_block, "olmo2": 11, "smollm3": 9}[arch]
+    rope_tensors = {"none": 0, "llama3": 1, "longrope": 2, "linear": 0}[c.rope_scaling]  # rope_freqs, or rope_factors
+    output = not c.tie_embeddings or arch == "olmo2"  # a tied olmo2 head goes in as output.weight too
+    top = 2 + (arch == "gpt2") * 2 + output + rope_tensors
     assert len(tensors) == c.n_layer * per_block + top
     if arch == "qwen3":
         assert tensors["blk.1.attn_q_norm.weight"] == ("F32", [c.head_width])
@@ -246,6 +258,94 @@ def test_every_architecture_writes_its_metadata_tensors_and_modelfile(source, ex
     modelfile_text = path.with_suffix(".Modelfile").read_text()
     assert modelfile_text.startswith(f"# ollama create NAME -f {name}.Modelfile\nFROM ./{name}.gguf\n")
     assert sorted(p.name for p in path.parent.iterdir()) == [f"{name}.Modelfile", f"{name}.gguf"]  # no temp file left
+
+
+# what llama.cpp reads of each later family beyond the keys every file has (None: the key must be absent), and tensor
+# shapes as GGUF lists them, innermost first (None: the tensor must be absent)
+FAMILY_KEYS = {
+    "mistral-hf": {"llama.attention.sliding_window": None},
+    "gemma3-hf": {
+        "gemma3.attention.sliding_window": 8,
+        "gemma3.attention.sliding_window_pattern": 2,  # layer 1 of each 2 is global
+        "gemma3.rope.freq_base": 1e6,
+        "gemma3.rope.freq_base_swa": 1e4,
+        "gemma3.rope.scaling.type": "linear",  # the global layers' only, in llama.cpp's gemma3
+        "gemma3.rope.scaling.factor": 2.0,
+        "gemma3.final_logit_softcapping": 30.0,
+        "gemma3.attention.key_length": 32,
+        "gemma3.attention.scale": None,  # llama.cpp's gemma3 derives its own: ours goes into attn_q_norm
+    },
+    "phi3-hf": {
+        "phi3.context_length": 64,  # the original context, as our model loads Phi
+        "phi3.rope.dimension_count": 8,  # half of the head's 16 (partial_rotary_factor 0.5)
+        "phi3.rope.scaling.original_context_length": 64,
+        "phi3.rope.scaling.attn_factor": (1 + np.log(2) / np.log(64)) ** 0.5,  # from 128 / 64
+        "phi3.attention.sliding_window": 0,
+    },
+    "olmo2-hf": {"olmo2.attention.sliding_window": None},
+    "smollm3-hf": {"smollm3.block_count": 4, "smollm3.rope.dimension_count": 16},
+}
+FAMILY_SHAPES = {
+    "gemma3-hf": {"blk.0.attn_q_norm.weight": [32], "blk.1.post_ffw_norm.weight": [64], "output.weight": None},
+    "phi3-hf": {
+        "blk.0.attn_qkv.weight": [64, 128],  # q 64, k 32, v 32
+        "blk.0.ffn_up.weight": [64, 192],  # gate then up
+        "blk.0.attn_q.weight": None,
+        "rope_factors_long.weight": [4],
+        "rope_factors_short.weight": [4],
+    },
+    "olmo2-hf": {"blk.0.attn_q_norm.weight": [64], "blk.0.attn_k_norm.weight": [32], "blk.0.attn_norm.weight": None},
+    "smollm3-hf": {"blk.3.attn_q.weight": [64, 64]},
+}
+
+
+@pytest.mark.parametrize("name", LATER_FAMILIES)
+def test_later_families_write_the_keys_and_tensors_llama_cpp_reads_of_them(exported, name):
+    reader = gguf.GGUFReader(exported(name))
+    tensors = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    for key, value in FAMILY_KEYS[name].items():
+        assert (field(reader, key) if key in reader.fields else None) == pytest.approx(value), key
+    for tensor, shape in FAMILY_SHAPES.get(name, {}).items():
+        assert tensors.get(tensor) == shape, tensor
+
+
+def gguf_tensor(reader, name: str) -> np.ndarray:
+    [t] = [t for t in reader.tensors if t.name == name]
+    return np.asarray(t.data)
+
+
+def test_a_tied_olmo2_head_goes_in_as_output_weight_too(exported):
+    """llama.cpp's olmo2 does not fall back to token_embd for its head (check_tensor_dims: tensor 'output.weight' not
+    found): a tied head is written twice, the same numbers."""
+    reader = gguf.GGUFReader(exported("olmo2-char-tied"))
+    np.testing.assert_array_equal(gguf_tensor(reader, "output.weight"), gguf_tensor(reader, "token_embd.weight"))
+
+
+def test_gemma3_norms_carry_their_1_and_the_query_norm_our_query_scale(source, exported):
+    """llama.cpp multiplies by the norm's weight, Gemma by 1 + it; llama.cpp scales the query by head_dim ** -0.5,
+    Gemma by query_pre_attn_scalar ** -0.5 (24 here): the ratio rides on the query norm's weight."""
+    reader = gguf.GGUFReader(exported("gemma3-hf"))
+    block = load_model(source("gemma3-hf")).model.transformer.h[1]
+    for theirs, ours_ in (
+        ("attn_norm", block.ln_1),
+        ("post_ffw_norm", block.post_mlp_norm),
+        ("attn_k_norm", block.attn.k_norm),
+    ):
+        np.testing.assert_allclose(gguf_tensor(reader, f"blk.1.{theirs}.weight"), ours_.weight.detach() + 1, rtol=1e-6)
+    q_norm = (block.attn.q_norm.weight.detach() + 1) * (24**-0.5 / 32**-0.5)
+    np.testing.assert_allclose(gguf_tensor(reader, "blk.1.attn_q_norm.weight"), q_norm, rtol=1e-6)
+
+
+def test_phi3_longrope_factors_go_in_as_both_sets_and_its_name_stays_clear_of_llama_cpps_phi_3_rule(source, exported):
+    """Within the original context llama.cpp takes the short factors, past it the long ones, where our model never
+    goes: both are the short ones ours has. A general.name holding "phi3" would give the special tokens Phi-3's
+    right-strip in llama.cpp (and fail without <unk>): the directory's name phi3-hf0 goes in as "phi 3-hf0"."""
+    path = exported("phi3-hf")
+    reader = gguf.GGUFReader(path)
+    for kind in ("long", "short"):
+        factors = gguf_tensor(reader, f"rope_factors_{kind}.weight")
+        np.testing.assert_array_equal(factors, np.float32([1.0, 1.3, 1.9, 2.6]))
+    assert field(reader, "general.name") == source("phi3-hf").name.replace("phi3", "phi 3")
 
 
 def test_outtypes_round_matrices_only_and_shrink_the_file(exported):
@@ -402,31 +502,42 @@ def test_llama_cpp_tokenizes_and_decodes_greedily_as_we_do_in_f32(needs_llama_cp
         prompt = tok.prompt_ids(text)
         assert llm.tokenize(text.encode(), add_bos=True, special=False) == prompt
         assert llm.tokenize(TEXT[:3000].encode(), add_bos=False, special=False) == tok.encode(TEXT[:3000])
+        # the 32 tokens within our context, Phi-3's 64 (its original one): past it ours slides, llama.cpp's doesn't
+        prompt = prompt[: loaded.model.config.block_size - 32]
         theirs, their_tokens = logits_and_greedy(llm, prompt, 32)
     mine, my_tokens = ours(loaded.model.eval(), prompt, 32)
-    tolerance = GPT2_F32_TOLERANCE * np.abs(mine).max() if ARCHITECTURE[name] == "gpt2" else F32_TOLERANCE
+    relative = ARCHITECTURE[name] in GELU_TABLE_ARCHITECTURES
+    tolerance = GELU_TABLE_F32_TOLERANCE * np.abs(mine).max() if relative else F32_TOLERANCE
     assert np.abs(theirs - mine).max() <= tolerance
     assert their_tokens == my_tokens
 
 
 def with_file_weights(model: GPT, path: Path) -> GPT:
     """The model holding each weight as the GGUF file rounds it (the gguf package's quantize, then dequantize, in the
-    type the file stores it in). Each GGUF tensor is a row split or row reordering of one of ours, and every type
-    rounds each row on its own, so rounding ours along its rows rounds theirs."""
+    type the file stores it in). Each GGUF tensor is a row split, row reordering or row concatenation (Phi's fused
+    ones, name[i/n] in the layout) of ours, and every type rounds each row on its own, so rounding ours along its rows
+    rounds theirs."""
     reader = gguf.GGUFReader(path)
     family = field(reader, "general.architecture")
     types = {t.name: t.tensor_type for t in reader.tensors}
     names = gguf.get_tensor_name_map(gguf_arch(family), model.config.n_layer)
     with torch.no_grad():
         for key, p in model.named_parameters():  # a tied head once, as the embedding
-            [qtype] = {types[names.get_name(n, try_suffixes=(".weight", ".bias"))] for n in hf_names(family, key)}
+            whole = [(chunk_of(n) or (n,))[0] for n in hf_names(family, key)]
+            [qtype] = {types[names.get_name(n, try_suffixes=(".weight", ".bias"))] for n in whole}
             rounded = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qtype), qtype)
             p.copy_(torch.from_numpy(rounded).reshape(p.shape))
     return model
 
 
-@pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0", "q4_0"])
-@pytest.mark.parametrize("name", ["gpt2-char", "llama-hf", "qwen2-hf", "qwen3-bpe"])
+ROUNDED_CASES = [
+    (name, outtype)
+    for name in ("gpt2-char", "llama-hf", "qwen2-hf", "qwen3-bpe")
+    for outtype in ("f16", "bf16", "q8_0", "q4_0")
+] + [("gemma3-hf", "q8_0")]  # one of the later families: its norms (+1, the query scale) stay float32
+
+
+@pytest.mark.parametrize("name, outtype", ROUNDED_CASES)
 def test_llama_cpp_logits_of_rounded_outtypes_stay_within_their_tolerance(
     needs_llama_cpp, source, exported, name, outtype
 ):
@@ -503,7 +614,8 @@ def test_quantized_files_are_llama_cpps_own_quantization_of_the_f32_file(
 
 def unexportable(directory: Path, **switches) -> Path:
     tok = train_tokenizer("char", [TEXT[:2000]], None, eot=True)
-    model = GPT(GPTConfig(block_size=16, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32, **switches))
+    shape = dict(block_size=16, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32)
+    model = GPT(GPTConfig(**{**shape, **switches}))
     path = directory / "m.safetensors"
     export.export_safetensors(model, tok.to_dict(), path)
     return path
@@ -537,6 +649,53 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, make, args, message)
     assert result.returncode == 2 and result.stdout == ""
     [line] = result.stderr.splitlines()
     assert line.startswith("error: ") and message in line
+    assert not (tmp_path / "out").exists()
+
+
+GEMMA3_SWITCHES = dict(
+    mlp="geglu", gelu_approx="tanh", qk_norm=True, norm_plus_one=True, embed_scale=True, post_norm=True, bias=False
+)
+
+
+@pytest.mark.parametrize(
+    "switches, message",
+    [
+        (
+            dict(sliding_window=8),
+            "GGUF Mistral: model.sliding_window = 8, shorter than its context (16), and llama.cpp's llama attends to "
+            "every position (export it with --hf instead)",
+        ),
+        (dict(sliding_window=8, rope_fraction=0.5), "GGUF Phi-3: model.sliding_window = 8, shorter than"),
+        (
+            dict(rope_scaling="linear", rope_factor=2.0, rope_fraction=0.5),
+            "model.rope_scaling = 'linear', and llama.cpp's phi3 takes none or longrope",
+        ),
+        (
+            dict(nope_layers=[0]),
+            "GGUF SmolLM3: model.nope_layers = [0], and llama.cpp's smollm3 leaves rope out of every 4th layer and no "
+            "other (here: none)",
+        ),
+        (
+            dict(GEMMA3_SWITCHES, n_layer=3, sliding_window=8, global_layers=[0]),
+            "GGUF Gemma 3: model.global_layers = [0], and llama.cpp's gemma3 takes as global the last layer of each "
+            "period of layers only",
+        ),
+        (
+            dict(GEMMA3_SWITCHES, sliding_window=8, rope_scaling="linear", rope_factor=2.0),
+            "model.rope_theta_local = None with model.rope_scaling = 'linear'",
+        ),
+        (dict(n_experts=4, experts_per_token=2), "GGUF Mixtral: quillgpt writes no GGUF mixture of experts"),
+    ],
+    ids=["mistral-window", "phi3-window", "phi3-linear", "smollm3-nope", "gemma3-pattern", "gemma3-local-rope", "moe"],
+)
+def test_what_llama_cpp_computes_otherwise_is_refused_in_one_line(tmp_path, switches, message):
+    """llama.cpp fixes these in its code, reading no key for them: a model outside them would run there otherwise.
+    And the mixtures of experts, which this writer does not write."""
+    ckpt = unexportable(tmp_path, **{**ROPE_SWITCHES, **switches})
+    out = tmp_path / "out" / "m.gguf"
+    with pytest.raises(UserError) as refused:
+        export.main(["--ckpt", str(ckpt), "--gguf", str(out)])
+    assert message in str(refused.value) and "\n" not in str(refused.value)
     assert not (tmp_path / "out").exists()
 
 
