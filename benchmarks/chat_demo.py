@@ -11,7 +11,8 @@ The stages, each a fresh process of the scripts a user runs, timed from launch t
 4. `eval.py --chat-task arithmetic,reverse,count --chat-items 200` of the chat model: arithmetic with the tool, and
    RL's starting point for count and reverse;
 5. RL: configs/chat/base_chat_rl.toml (--force), whose wall time is the figure the target is for (<= 10 minutes);
-6. the same eval.py of the RL run's last checkpoint (not its best by task_acc: that one is picked on held-out items).
+6. the same eval.py of the RL run's best checkpoint, picked by task_acc on the tasks' validation items (never a test
+   item), and of its last.
 The report (--out, JSON) holds each stage's seconds and the accuracies before and after; the RL run's
 loss_curve.png (reward and held-out accuracy against steps) is copied beside it as rl_curve.png.
 """
@@ -70,15 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     seconds["sft"] = timed("train.py", "--config", SFT, "--force")
     before, seconds["eval_chat"] = accuracies("checkpoints/base-chat", out.with_suffix(".chat.json"), args.items)
     seconds["rl"] = timed("train.py", "--config", RL, "--force")
-    last = "checkpoints/base-chat-rl/ckpt_last.pt"
-    after, seconds["eval_rl"] = accuracies(last, out.with_suffix(".rl.json"), args.items)
+    best = "checkpoints/base-chat-rl/ckpt_best.pt"
+    after, seconds["eval_rl"] = accuracies(best, out.with_suffix(".rl.json"), args.items)
+    last, _ = accuracies("checkpoints/base-chat-rl/ckpt_last.pt", out.with_suffix(".rl_last.json"), args.items)
     with atomic_write(out.with_name("rl_curve.png")) as f:
         f.write((REPO_ROOT / "checkpoints" / "base-chat-rl" / "loss_curve.png").read_bytes())
-    report = {"seconds": seconds, "chat_model": before, "rl_model": after, "load": [load_before, load_average()]}
+    load = [load_before, load_average()]
+    report = {"seconds": seconds, "chat_model": before, "rl_model": after, "rl_last": last, "load": load}
     atomic_write_json(out, report)
-    print("| task | chat model (SFT, with the tool) | after RL |\n| --- | ---: | ---: |")
+    print("| task | chat model (SFT, with the tool) | after RL (best on val) | after RL (last) |")
+    print("| --- | ---: | ---: | ---: |")
     for task in before:
-        print(f"| {task} | {before[task]:.1%} | {after[task]:.1%} |")
+        print(f"| {task} | {before[task]:.1%} | {after[task]:.1%} | {last[task]:.1%} |")
     print(f"stages (s): {json.dumps({k: round(v, 1) for k, v in seconds.items()})}; report {out}")
     return 0
 

@@ -238,10 +238,10 @@ class MetricsLog:
 
     def evaluation(self, it: int, metrics: dict[str, float], improved: bool, tokens: int) -> None:
         hellaswag = f" | hellaswag {metrics['hellaswag_acc_norm']:.4f}" if "hellaswag_acc_norm" in metrics else ""
-        if "task_acc" in metrics:  # an RL run's held-out accuracy, per task
+        if "task_acc" in metrics:  # an RL run's validation accuracy, per task
             tasks = [k.removesuffix("_acc") for k in metrics if k.endswith("_acc") and k not in NOT_TASKS]
             hellaswag += (
-                f" | held-out acc {metrics['task_acc']:.3f} ("
+                f" | val acc {metrics['task_acc']:.3f} ("
                 + ", ".join(f"{t} {metrics[t + '_acc']:.3f}" for t in tasks)
                 + ")"
             )
@@ -270,7 +270,8 @@ class MetricsLog:
             print(f"warning: training log not saved: {e}", file=sys.stderr, flush=True)
 
     def write_plot(self) -> None:
-        """Redraw loss_curve.png in a child process (`python -m quillgpt.metrics --plot`), in the background.
+        """Redraw loss_curve.png (and an MoE run's router_balance.png) in a child process (`python -m quillgpt.metrics
+        --plot`), in the background.
 
         matplotlib's renderer grows a long-lived process's resident memory with each redraw of a lengthening
         curve (benchmarks/soak.py showed it; docs/LOG.md); a child's memory goes with it, and training
@@ -355,6 +356,36 @@ def render_loss_curve(history: list[dict], path: Path, title: str) -> None:
         draw_rl(axes[0][1], rewards, evals)
     elif scores:  # the figures runs are compared by, each on its own axis
         draw_scores(axes[0][1], evals, scores)
+    save_png(fig, path)
+
+
+def render_router_balance(history: list[dict], path: Path, title: str) -> None:
+    """An MoE run's router at each logged step (trainer.step_figures): the most tokens an expert got over the mean
+    (the worst layer's; 1 is an even load), and the layers' mean aux loss and z-loss (unweighted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for p in history if p["kind"] == "train" and "expert_load" in p]
+    steps = [p["iter"] for p in points]
+    fig, (load, losses) = plt.subplots(1, 2, figsize=(12, 4), dpi=100)
+    load.plot(steps, [p["expert_load"] for p in points], linewidth=1, label="busiest expert / mean (worst layer)")
+    load.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="even load")
+    load.set(xlabel="iteration", ylabel="tokens per expert, max / mean", title=f"{title}: router balance")
+    for key, label in (("aux_loss", "aux loss (Switch; k when even)"), ("z_loss", "router z-loss")):
+        losses.plot(steps, [p[key] for p in points], linewidth=1, label=label)
+    losses.set(xlabel="iteration", title="router losses (unweighted, mean over layers)")
+    for ax in (load, losses):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    save_png(fig, path)
+
+
+def save_png(fig, path: Path) -> None:
+    """Write a figure as a PNG, atomically (a reader never sees half a file), and close it."""
+    import matplotlib.pyplot as plt
+
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")
     plt.close(fig)
@@ -423,8 +454,11 @@ def main() -> None:
     if sys.argv[1:2] != ["--plot"] or len(sys.argv) != 4:
         raise UserError("usage: python -m quillgpt.metrics --plot PNG TITLE < history.json")
     history = json.load(sys.stdin)
+    png = Path(sys.argv[2])
     try:
-        render_loss_curve(history, Path(sys.argv[2]), sys.argv[3])
+        render_loss_curve(history, png, sys.argv[3])
+        if any("expert_load" in p for p in history):  # an MoE run: router_balance.png beside the loss curve
+            render_router_balance(history, png.with_name("router_balance.png"), sys.argv[3])
     except WriteError as e:
         print(f"warning: loss curve not saved: {e}", file=sys.stderr, flush=True)
 

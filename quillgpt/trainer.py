@@ -44,8 +44,16 @@ from quillgpt.files import atomic_write_text
 from quillgpt.lora import adapter_state, trainable_summary
 from quillgpt.machine import keep_freed_memory
 from quillgpt.metrics import MetricsLog, default_peak_flops, rss_mb
+from quillgpt.moe import RouterTally, moe_line
 from quillgpt.optim import lr_multiplier, make_optimizers, set_lr
-from quillgpt.precision import PRECISIONS, MatmulRates, cuda_has_native_bf16, emulation_warning, measure_cpu_rates
+from quillgpt.precision import (
+    PRECISIONS,
+    MatmulRates,
+    cuda_has_native_bf16,
+    emulation_warning,
+    kept_peak,
+    measure_cpu_rates,
+)
 from quillgpt.precision import autocast as precision_autocast
 from quillgpt.run_model import ModelPlan, build_model, plan_model
 from quillgpt.scoring import HellaSwagItem, hellaswag_items, score_hellaswag
@@ -67,6 +75,7 @@ class Runtime:
     requested_precision: str = ""  # training.precision as configured (auto, or what precision was forced to)
     requested_compile: bool | None = None  # training.compile as configured (None: on for CUDA)
     precision_kept: bool = False  # resumed on the device type it began on: the precision it resolved to then
+    peak_source: str = ""  # what one device's peak_flops is (the device line says it)
 
 
 def setup(cfg: Config, dist: DistInfo, resumed: Resolution | None = None) -> Runtime:
@@ -110,9 +119,21 @@ def setup(cfg: Config, dist: DistInfo, resumed: Resolution | None = None) -> Run
     if device.type == "cpu":
         keep_freed_memory()  # steps re-allocate the same tensors: reuse them, not fresh zeroed pages (docs/LOG.md)
     torch.manual_seed(cfg.run.seed + dist.rank)
-    peak = mfu_peak(cfg, device, precision, rates) * dist.world_size
+    peak, peak_source = mfu_peak(cfg, device, precision, rates)
     autocast = precision_autocast(device.type, precision)
-    return Runtime(device, precision, dist, compile, peak, autocast, rates, t.precision, t.compile, precision_kept)
+    return Runtime(
+        device,
+        precision,
+        dist,
+        compile,
+        peak * dist.world_size,
+        autocast,
+        rates,
+        t.precision,
+        t.compile,
+        precision_kept,
+        peak_source,
+    )
 
 
 def use_deterministic_algorithms(device: torch.device) -> None:
@@ -152,15 +173,19 @@ def probe_matmuls(cfg: Config, device: torch.device, dist: DistInfo) -> MatmulRa
     return distributed.broadcast_object(rates, dist)
 
 
-def mfu_peak(cfg: Config, device: torch.device, precision: str, rates: MatmulRates | None) -> float:
-    """One device's peak FLOP/s for MFU: logging.peak_tflops; on the CPU the measured matmul rate of the precision
-    in use (a nominal CPU peak says little: emulated bf16, AMX tiles and clock speeds put the reachable rate
-    anywhere from 1% to 100% of it); else a default per device (metrics.default_peak_flops)."""
+def mfu_peak(cfg: Config, device: torch.device, precision: str, rates: MatmulRates | None) -> tuple[float, str]:
+    """One device's peak FLOP/s for MFU, and what it is: logging.peak_tflops; on the CPU the best matmul rate of the
+    precision in use that this machine has shown at the model's shape, kept between runs (a nominal CPU peak says
+    little: emulated bf16, AMX tiles and clock speeds put the reachable rate anywhere from 1% to 100% of it; and this
+    run's reading alone moves with the load at start-up); else a default per device (metrics.default_peak_flops)."""
     if cfg.logging.peak_tflops:
-        return cfg.logging.peak_tflops * 1e12
+        return cfg.logging.peak_tflops * 1e12, "logging.peak_tflops"
     if rates and precision in ("fp32", "bf16"):
-        return rates.rate(precision)
-    return default_peak_flops(device, precision)
+        return kept_peak(rates, precision)
+    nominal = (
+        "the card's nominal dense peak" if device.type == "cuda" else "a nominal CPU peak (cores x 3 GHz x FMA width)"
+    )
+    return default_peak_flops(device, precision), nominal
 
 
 def resolve_precision(requested: str, device: torch.device, rates: MatmulRates | None = None) -> str:
@@ -236,6 +261,7 @@ class Trainer:
     # rl.enabled: quillgpt.rl.RL (train.py sets it), whose step() fit() takes instead of train_step, and whose
     # metrics() (held-out task accuracy) eval_metrics adds
     rl: Any = None
+    routing: RouterTally | None = None  # an MoE's router balance over each step (moe.py); None: dense, or DPO
 
     @property
     def tokens_per_step(self) -> int:
@@ -325,6 +351,7 @@ def build_trainer(
         evaluation,
         dpo,
         plan.lora.record() if plan.lora else None,
+        routing=None if dpo else RouterTally.of(raw_model, distributed.all_reduce_sum),  # DPO's loss has no router's
     )
 
 
@@ -414,6 +441,8 @@ def print_startup(tr: Trainer, state: TrainState) -> None:
     print(f"model: {model.num_params() / 1e6:.2f}M parameters | {model.flops_per_token() / 1e6:.1f} MFLOPs/token")
     if tr.lora:
         print(lora_line(tr))
+    if model.config.n_experts:
+        print(moe_line(model))
     if tr.rl is not None:
         r = tr.cfg.rl
         print(
@@ -476,6 +505,8 @@ def device_line(rt: Runtime) -> str:
                 chosen = "as configured"
             line += f"; {chosen}: {rt.matmul_rates.describe()}"
         line += ")"
+    if rt.peak_source:
+        line += f"; MFU against {rt.peak_flops / rt.dist.world_size / 1e9:,.1f} GFLOP/s: {rt.peak_source}"
     return line
 
 
@@ -501,10 +532,14 @@ def train_step(tr: Trainer, it: int) -> tuple[torch.Tensor, torch.Tensor, torch.
                 loss = micro_batch_loss(tr, batch) / accum
             tr.scaler.scale(loss).backward()
         total_loss += loss.detach()
+        if tr.routing is not None:  # an MoE: the loss reported is the cross-entropy, the router's losses apart
+            total_loss -= tr.routing.add() / accum
     for opt in tr.optimizers:
         tr.scaler.unscale_(opt)
     norm = clip_gradients(tr.model, tr.cfg.optimizer.grad_clip)
     skipped = step_unless_nonfinite(tr.optimizers, tr.scaler, norm)
+    if tr.routing is not None:
+        tr.routing.end_step(skipped)  # DeepSeek-V3's biases move after the weights, by the step's loads
     for opt in tr.optimizers:
         opt.zero_grad(set_to_none=True)
     return total_loss, norm, skipped
@@ -934,6 +969,13 @@ def log_step(
             tokens_per_s,
             tr.raw_model.estimate_mfu(tokens_per_s, tr.rt.peak_flops),
             state.tokens_seen,
-            tr.rl.figures() if tr.rl is not None else None,
+            step_figures(tr),
         )
     return mean_loss
+
+
+def step_figures(tr: Trainer) -> dict[str, float] | None:
+    """The step line's figures besides the loss: an RL run's rewards, an MoE's router balance (moe.RouterTally)."""
+    if tr.rl is not None:
+        return tr.rl.figures()
+    return tr.routing.figures() if tr.routing is not None else None
