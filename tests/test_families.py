@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 from conftest import save_hf_family, save_hf_tokenizer, word_salad
-from test_lora import built_trainer, lora_overrides, lora_run
+from test_lora import built_trainer, logits, lora_overrides, lora_run, max_diff
 
 import export
 import sample
@@ -34,16 +34,6 @@ def family_dir(request, transformers, tmp_path_factory):
     hf = save_hf_family(transformers, request.param, directory)
     save_hf_tokenizer(transformers, directory, word_salad(30_000))
     return request.param, directory, hf
-
-
-def logits(model, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        out = model.eval()(x)
-        return out.logits if hasattr(out, "logits") else out[0]
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
 
 
 X = torch.randint(0, 300, (2, T), generator=torch.Generator().manual_seed(0))
