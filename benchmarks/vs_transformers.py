@@ -1,5 +1,6 @@
-"""--vs-transformers: batch-1 greedy decoding of the same exported model by sample.py and by transformers' `generate`,
-each a fresh process, so that start-up, loading and any compile count as a user pays them. Our side is
+"""--vs-transformers: batch-1 greedy decoding of the same exported model by sample.py, by transformers' `generate` and,
+where llama-cpp-python is installed, by llama.cpp on export.py --gguf's f32 and bf16 files (the same threads), each a
+fresh process, so that start-up, loading and any compile count as a user pays them. Our side is
 `python sample.py --ckpt DIR --prompt TEXT --temperature 0 --max-new-tokens N --device D` (everything else sample.py's
 default: dtype auto, no --compile); theirs a Python process that imports transformers, loads the directory with
 AutoModelForCausalLM onto D (in bf16 on a CUDA device, as sample.py's auto; else fp32) and calls generate on the
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+import export
 from benchmarks.common import GPU_PRESET, PROMPT_TOKENS, REPO, Mode, add_config, decoding_model_args, print_table
 from benchmarks.conditions import load_average
 from model import GPT, GPTConfig
@@ -51,6 +53,20 @@ with torch.no_grad():  # an explicit mask: generate would take the pad id (0, a 
                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     seconds = time.perf_counter() - t0  # generate returns its tokens on the host's side of a sync: all were made
 print(json.dumps({"ids": out[0, len(prompt):].tolist(), "seconds": seconds}))
+"""
+# llama.cpp through llama-cpp-python: its greedy sampler on the file, the threads torch uses, the prompt's ids
+LLAMA_CPP = """
+import json, sys, time
+import llama_cpp
+path, new_tokens, prompt, threads = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+ids, t0 = [], time.perf_counter()
+for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+    ids.append(token)
+    if len(ids) == new_tokens:
+        break
+seconds = time.perf_counter() - t0
+print(json.dumps({"ids": ids, "seconds": seconds}))
 """
 
 
@@ -104,6 +120,21 @@ def run_ours(side: Side, directory: str, new_tokens: int, compile: bool, device:
     side.record(wall, new_tokens / float(rate.replace(",", "")), text)
 
 
+def run_llama_cpp(side: Side, path: str, new_tokens: int, prompt_ids: list[int], tokenizer) -> None:
+    cmd = [sys.executable, "-c", LLAMA_CPP, path, str(new_tokens), json.dumps(prompt_ids), str(torch.get_num_threads())]
+    wall, output, _ = run_child(cmd)
+    result = json.loads(output.strip().splitlines()[-1])
+    side.record(wall, result["seconds"], tokenizer.decode(result["ids"]))
+
+
+def llama_cpp_installed() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
 def their_dtype(device: str) -> str:
     """transformers' dtype: bf16 on a CUDA device that has it (sample.py's auto there), else fp32 (the CPU's)."""
     if (
@@ -139,15 +170,13 @@ class Comparison:
     new_tokens: int
     repeats: int
     device: str
-    sides: list[Side]  # ours (and compiled), then transformers'
-
-    @property
-    def theirs(self) -> Side:
-        return self.sides[-1]
+    sides: list[Side]  # ours (and compiled), transformers', then llama.cpp's (f32, bf16) where installed
+    theirs: Side
 
     @property
     def same_text(self) -> bool:
-        return all(s.text == self.theirs.text for s in self.sides)
+        """Whether every side in fp32 wrote transformers' text (bf16 rounds differently, and may differ)."""
+        return all(s.text == self.theirs.text for s in self.sides if "bf16" not in s.name + s.note)
 
 
 def compare(config: str, cli: list[str], new_tokens: int, repeats: int, with_compile: bool, device: str) -> Comparison:
@@ -169,21 +198,29 @@ def compare(config: str, cli: list[str], new_tokens: int, repeats: int, with_com
             f"a vocabulary of {margs.vocab_size} can't be compared"
         )
     ours = Side("sample.py's default (KV cache, eager step)")
-    compiled = Side("sample.py --compile")
+    sides = [ours, *([Side("sample.py --compile")] if with_compile else [])]
     theirs = Side(f"transformers generate ({their_dtype(device).replace('float', 'fp').replace('bfloat', 'bf')})")
+    llama_cpp = llama_cpp_installed() and device == "cpu"
+    gguf = {outtype: Side(f"llama.cpp, --gguf {outtype}") for outtype in (("f32", "bf16") if llama_cpp else ())}
     with tempfile.TemporaryDirectory(prefix="vs_transformers_") as directory:
         torch.manual_seed(0)
-        export_hf(GPT(margs), CharTokenizer(list(SHAKESPEARE_CHARS)).to_dict(), directory)
+        model, chars = GPT(margs), CharTokenizer(list(SHAKESPEARE_CHARS)).to_dict()
+        export_hf(model, chars, directory)
+        export.export_safetensors(model, chars, f"{directory}/ours.safetensors")  # GGUF takes the char vocabulary
         tokenizer = tokenizer_from_dict(load_model(directory).tokenizer)
         prompt_ids = tokenizer.encode(PROMPT)
-        runs = [lambda: run_ours(ours, directory, new_tokens, False, device)]
-        if with_compile:
-            runs.append(lambda: run_ours(compiled, directory, new_tokens, True, device))
+        runs = [
+            lambda side=side: run_ours(side, directory, new_tokens, "compile" in side.name, device) for side in sides
+        ]
         runs.append(lambda: run_theirs(theirs, directory, new_tokens, prompt_ids, tokenizer, device))
+        for outtype, side in gguf.items():
+            path = f"{directory}/model-{outtype}.gguf"
+            export.main(["--ckpt", f"{directory}/ours.safetensors", "--gguf", path, "--outtype", outtype])
+            runs.append(lambda side=side, path=path: run_llama_cpp(side, path, new_tokens, prompt_ids, tokenizer))
         for i in range(repeats):  # alternating, in ABBA order, so that drift hits every side alike
             for run_side in runs if i % 2 == 0 else runs[::-1]:
                 run_side()
-    return Comparison(margs, new_tokens, repeats, device, [ours, *([compiled] if with_compile else []), theirs])
+    return Comparison(margs, new_tokens, repeats, device, [*sides, theirs, *gguf.values()], theirs)
 
 
 def print_comparison(c: Comparison) -> None:
@@ -193,8 +230,16 @@ def print_comparison(c: Comparison) -> None:
         f"{m.n_layer} layers, n_embd {m.n_embd}, context {m.block_size}, {n} new tokens after a {PROMPT_TOKENS}-token "
         f"prompt, batch 1, greedy, on {c.device}{threads}; a fresh process per run, best of {c.repeats}"
     )
+    llama_f32 = next((s for s in c.sides if s.name == "llama.cpp, --gguf f32"), None)
     print_table(
-        ["decoder", "process wall (s)", "vs transformers", "generation tokens/s", "vs transformers"],
+        [
+            "decoder",
+            "process wall (s)",
+            "vs transformers",
+            "generation tokens/s",
+            "vs transformers",
+            "vs llama.cpp f32",
+        ],
         [
             [
                 s.name + (f" ({s.note})" if s.note else ""),
@@ -202,6 +247,7 @@ def print_comparison(c: Comparison) -> None:
                 f"{theirs.wall / s.wall:.2f}x",
                 f"{n / s.generation:,.0f}",
                 f"{theirs.generation / s.generation:.2f}x",
+                f"{llama_f32.generation / s.generation:.2f}x" if llama_f32 else "",
             ]
             for s in c.sides
         ],

@@ -16,6 +16,7 @@ import bench
 import speedrun
 from benchmarks.common import write_repeated
 from benchmarks.training_step import LoopBatchSource
+from benchmarks.vs_transformers import llama_cpp_installed
 from quillgpt.checkpoint import RunDir, load_checkpoint
 from quillgpt.data import BatchSource, load_dataset
 from quillgpt.errors import UserError
@@ -487,6 +488,8 @@ def test_vs_transformers_decodes_the_same_greedy_tokens_as_transformers_generate
     rows = {row[0]: row for row in table_rows(out)}
     assert any(name.startswith("sample.py's default") for name in rows) and "transformers generate (fp32)" in rows
     assert "greedy tokens equal: True" in out
+    if llama_cpp_installed():  # llama.cpp on the same model's GGUF files, beside them
+        assert {"llama.cpp, --gguf f32", "llama.cpp, --gguf bf16"} <= set(rows)
     with pytest.raises(UserError, match="exceed the context 32"):
         bench.main(["--vs-transformers", "--new-tokens", "30", *small])
 
