@@ -1,14 +1,17 @@
 """GGUF files for llama.cpp and Ollama (export.py --gguf), written with the gguf package llama.cpp ships.
 
 The architecture is the Hugging Face family hf.py picks from the model's switches (GPT-2, Llama, Qwen2, Qwen3,
-Gemma 3, Phi-3, OLMo 2, SmolLM3; Mistral as llama.cpp's llama), and the tensors are built from hf.hf_state's HF-named
-state dict the way llama.cpp's convert_hf_to_gguf.py builds them: GPT-2's Conv1D weights back to (out, in), Llama's
-and SmolLM3's query and key rows reordered for llama.cpp's interleaved rotary pairs (the others rotate halves, as
-model.py does), Llama 3's rope scaling as a rope_freqs tensor, Gemma's norm weights with its 1 added, Phi's LongRoPE
-factors as rope_factors tensors. What llama.cpp fixes in its code rather than reading from the file (SmolLM3's NoPE
-layers, Gemma 3's query scale and window pattern, no window at all in llama and phi3) bounds what it reproduces: a
-model outside those bounds is refused before anything is written, naming the switch, as is a switch no architecture
-expresses. Only what llama-cpp-python 0.3.36's llama.cpp computes exactly is written (tests/test_gguf.py, docs/gguf.md).
+Gemma 3, Phi-3, OLMo 2, SmolLM3, Qwen3-MoE, OLMoE; Mistral as llama.cpp's llama, Mixtral as llama with experts), and
+the tensors are built from hf.hf_state's HF-named state dict the way llama.cpp's convert_hf_to_gguf.py builds them:
+GPT-2's Conv1D weights back to (out, in), Llama's, SmolLM3's and Mixtral's query and key rows reordered for
+llama.cpp's interleaved rotary pairs (the others rotate halves, as model.py does), Llama 3's rope scaling as a
+rope_freqs tensor, Gemma's norm weights with its 1 added, Phi's LongRoPE factors as rope_factors tensors, each layer's
+experts stacked into one tensor per projection. What llama.cpp fixes in its code rather than reading from the file
+(SmolLM3's NoPE layers, Gemma 3's query scale and window pattern, no window at all in llama and phi3, experts in
+every qwen3moe layer, whether each MoE architecture renormalises the chosen experts' weights) bounds what it
+reproduces: a model outside those bounds is refused before anything is written, naming the switch, as is a switch no
+architecture expresses. Only what llama-cpp-python 0.3.36's llama.cpp computes exactly is written (tests/test_gguf.py,
+docs/gguf.md).
 
     outtype  weights of the matrices          norms, biases, positions
     f32      float32 (the model as it is)     float32
@@ -17,6 +20,8 @@ expresses. Only what llama-cpp-python 0.3.36's llama.cpp computes exactly is wri
     q8_0     8-bit blocks of 32, one scale    float32   (a row whose length is not a multiple of 32: float16)
     q4_0     4-bit blocks of 32, one scale;   float32   (a row whose length is not a multiple of 32: float16)
              the output head (or the tied embedding) q8_0, as llama.cpp's quantizer gives the head more bits
+             (and an 8-expert model's keys and values)
+The experts' router (ffn_gate_inp) stays float32 in every outtype, as llama.cpp's converter and quantizer keep it.
 
 The tokenizer goes in as llama.cpp's byte-level BPE ("gpt2" model) with the pre-tokenizer that splits text as ours
 does, so that llama.cpp's ids for a prompt are ours:
@@ -48,7 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model import GPT, layer_window, rope_frequencies, rotary_width
+from model import GPT, expert_hidden_width, layer_window, mlp_hidden_width, rope_frequencies, rotary_width
 from quillgpt import hf
 from quillgpt.config import GPTConfig
 from quillgpt.errors import UserError
@@ -146,11 +151,6 @@ def plan_gguf(model: GPT, tokenizer: dict | None, outtype: str, source: str) -> 
 def gguf_family(model: GPT, source: str, tokenizer: dict | None) -> str:
     c = model.config
     family = export_family(c, source, tokenizer, target="GGUF")
-    if family not in GGUF_ARCHITECTURES:  # the mixtures of experts: llama.cpp has them, this writer has no experts
-        raise UserError(
-            f"{source} cannot be exported as GGUF {hf.NAMES[family]}: quillgpt writes no GGUF mixture of experts "
-            "(export it with --hf and convert it with llama.cpp's convert_hf_to_gguf.py)"
-        )
     if family == "qwen2" and c.head_width * c.n_head != c.n_embd:
         return "llama"  # llama.cpp's Qwen2 has no head_dim of its own; Llama with q/k/v biases computes the same
     refusals = [why for check in LLAMA_CPP_LIMITS.get(family, ()) if (why := check(c))]
@@ -241,9 +241,50 @@ def gemma3_window_period(c: GPTConfig) -> int | None:
     return None
 
 
+def qwen3moe_dense_layers(c: GPTConfig) -> str | None:
+    """llama.cpp's qwen3moe builds every layer with experts: it has no dense MLP for Qwen3-MoE's mlp_only_layers."""
+    if not c.dense_layers:
+        return None
+    return (
+        f"model.dense_layers = {c.dense_layers}, and llama.cpp's qwen3moe has experts in every layer (no dense MLP "
+        "for Qwen3-MoE's mlp_only_layers)"
+    )
+
+
+def renormalized(arch: str, renormalizes: bool):
+    """llama.cpp's MoE architectures fix in their code whether the chosen experts' weights are renormalised to sum
+    to 1 (qwen3moe always, olmoe never; llama always, as Mixtral), reading no key (expert_weights_norm is read by other
+    architectures only): the model's router_renormalize must be the one its architecture has."""
+
+    def check(c: GPTConfig) -> str | None:
+        if c.router_renormalize == renormalizes:
+            return None
+        does = "always renormalises" if renormalizes else "never renormalises"
+        return (
+            f"model.router_renormalize = {c.router_renormalize}, and llama.cpp's {arch} {does} the chosen experts' "
+            "weights"
+        )
+
+    return check
+
+
+def olmoe_attention_shape(c: GPTConfig) -> str | None:
+    """llama.cpp's olmoe sizes its query, key and value projections and both qk-norms n_embd wide: heads of
+    n_embd / n_head, as many key heads as heads (OLMoE's own)."""
+    if c.head_width * c.n_head == c.n_embd and c.kv_heads == c.n_head:
+        return None
+    return (
+        f"model.n_kv_head = {c.kv_heads} and head_dim = {c.head_width} with {c.n_head} heads of n_embd {c.n_embd}, "
+        "and llama.cpp's olmoe has as many key heads as heads, each n_embd / n_head wide"
+    )
+
+
 SMOLLM3_NOPE_STEP = 4
 LLAMA_CPP_LIMITS = {
     "mistral": (no_window("llama"),),  # as llama.cpp's converter writes Mistral: llama
+    "mixtral": (no_window("llama"),),  # llama with experts, as the converter writes it (renormalised, as Mixtral)
+    "qwen3_moe": (qwen3moe_dense_layers, renormalized("qwen3moe", True)),
+    "olmoe": (renormalized("olmoe", False), olmoe_attention_shape),
     "phi3": (no_window("phi3"), rope_scalings("phi3", ("none", "longrope"))),
     "smollm3": (smollm3_nope_layers,),
     "gemma3": (gemma3_global_layers, rope_scalings("gemma3", ("none", "linear")), gemma3_local_rope),
@@ -373,7 +414,7 @@ def gguf_tensors(family: str, model: GPT) -> Iterator[tuple[str, np.ndarray]]:
     c = model.config
     names = gguf.get_tensor_name_map(gguf_arch(family), c.n_layer)
     interleaved = GGUF_ARCHITECTURES[family] in INTERLEAVED_ROPE
-    for hf_name, tensor in hf.hf_state(family, model).items():
+    for hf_name, tensor in merged_experts(hf.hf_state(family, model), c.n_experts):
         tensor = tensor.float()
         if hf.transposed(family, hf_name):
             tensor = tensor.t()  # HF's Conv1D (in, out) back to (out, in)
@@ -390,6 +431,25 @@ def gguf_tensors(family: str, model: GPT) -> Iterator[tuple[str, np.ndarray]]:
     if c.tie_embeddings and writes_output(family, c):
         yield "output.weight", model.lm_head.weight.detach().float().numpy()
     yield from rope_tensors(c)
+
+
+EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(.+)")  # an expert's tensor: model.layers.0.mlp.experts.3.up_proj.weight
+
+
+def merged_experts(state: dict[str, torch.Tensor], n_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """hf_state's tensors with each layer's experts stacked into one (E, out, in) tensor per projection, named as
+    convert_hf_to_gguf.py names the stack (model.layers.0.mlp.experts.up_proj.weight), which gguf's name map takes to
+    llama.cpp's blk.0.ffn_up_exps.weight. hf_state gives a layer's experts in order, 0 to E-1."""
+    stacks: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in state.items():
+        expert = EXPERT.fullmatch(name)
+        if expert is None:
+            yield name, tensor
+            continue
+        merged = f"{expert[1]}.{expert[3]}"
+        stacks.setdefault(merged, []).append(tensor)
+        if len(stacks[merged]) == n_experts:
+            yield merged, torch.stack(stacks.pop(merged))
 
 
 def rope_tensors(c: GPTConfig) -> Iterator[tuple[str, np.ndarray]]:
@@ -437,6 +497,9 @@ GGUF_ARCHITECTURES = {  # family -> gguf.MODEL_ARCH's name of the architecture i
     "phi3": "PHI3",
     "olmo2": "OLMO2",
     "smollm3": "SMOLLM3",
+    "qwen3_moe": "QWEN3MOE",
+    "olmoe": "OLMOE",
+    "mixtral": "LLAMA",  # llama with experts, as llama.cpp's converter writes Mixtral's models
 }
 # the architectures whose rope rotates adjacent pairs (llama.cpp's LLAMA_ROPE_TYPE_NORM): their query and key rows are
 # reordered, as the converter's LlamaModel (SmolLM3Model's base) permutes them; the others rotate halves, as model.py
@@ -457,35 +520,47 @@ def head_name(family: str, model: GPT) -> str:
 
 def writes_output(family: str, c: GPTConfig) -> bool:
     """Whether the file holds output.weight: an untied head, or a tied one where llama.cpp's architecture requires
-    the tensor (its olmo2 does not fall back to token_embd): there a copy of the embedding."""
+    the tensor (its olmo2 and olmoe do not fall back to token_embd): there a copy of the embedding."""
     return not c.tie_embeddings or family in OUTPUT_REQUIRED
 
 
-OUTPUT_REQUIRED = ("olmo2",)
+OUTPUT_REQUIRED = ("olmo2", "olmoe")
 
 
-def tensor_type(name: str, data: np.ndarray, outtype: str, head: str):
-    """The GGMLQuantizationType a tensor is meant for. Vectors, norms and positions stay float32, as in
-    convert_hf_to_gguf.py. In q4_0 the head (output.weight, or the tied token_embd.weight) is q8_0: llama.cpp's
-    quantizer gives it Q6_K, or Q8_0 where Q6_K's blocks of 256 don't divide its rows (llama_tensor_get_type_impl and
-    tensor_type_fallback in src/llama-quant.cpp), and the gguf package can't write Q6_K."""
+def eight_bit_in_q4_0(family: str, model: GPT) -> frozenset[str]:
+    """The matrices llama.cpp's quantizer gives 8 bits in a Q4_0 file (llama_tensor_get_type_impl and
+    tensor_type_fallback in src/llama-quant.cpp): the head (output.weight, or the tied token_embd.weight), which it
+    gives Q6_K, or Q8_0 where Q6_K's blocks of 256 don't divide its rows (the gguf package can't write Q6_K: always
+    Q8_0 here); and in a model of exactly 8 experts (Mixtral's count) every layer's key and value projections, which
+    it bumps to Q8_0 whatever the file type ("for the 8-expert model, bumping this to Q8_0 trades just ~128MB")."""
+    c = model.config
+    keys_values = [f"blk.{i}.attn_{kv}.weight" for i in range(c.n_layer) for kv in "kv"] if c.n_experts == 8 else []
+    return frozenset([head_name(family, model), *keys_values])
+
+
+def tensor_type(name: str, data: np.ndarray, outtype: str, eight_bit: frozenset[str]):
+    """The GGMLQuantizationType a tensor is meant for. Vectors, norms, positions and the experts' router
+    (ffn_gate_inp) stay float32, as convert_hf_to_gguf.py writes them and llama.cpp's quantizer leaves them. In q4_0
+    the tensors llama.cpp's quantizer gives more bits (eight_bit_in_q4_0) are q8_0."""
     import gguf
 
     q = gguf.GGMLQuantizationType
     if data.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") or name.startswith("position_"):
         return q.F32
-    if outtype == "q4_0" and name == head:
+    if name.endswith(".ffn_gate_inp.weight"):
+        return q.F32
+    if outtype == "q4_0" and name in eight_bit:
         return q.Q8_0
     return {"f32": q.F32, "f16": q.F16, "bf16": q.BF16, "q8_0": q.Q8_0, "q4_0": q.Q4_0}[outtype]
 
 
-def stored(name: str, data: np.ndarray, outtype: str, head: str) -> tuple[np.ndarray, object]:
+def stored(name: str, data: np.ndarray, outtype: str, eight_bit: frozenset[str]) -> tuple[np.ndarray, object]:
     """(bytes as the file holds them, GGMLQuantizationType). A matrix whose rows the type's blocks don't divide (q8_0
     and q4_0: a row not a multiple of 32) falls back to float16, as convert_hf_to_gguf.py falls back when the gguf
     package's quantize refuses a shape."""
     import gguf
 
-    qtype = tensor_type(name, data, outtype, head)
+    qtype = tensor_type(name, data, outtype, eight_bit)
     try:
         return gguf.quants.quantize(data, qtype), qtype
     except gguf.QuantError:
@@ -513,7 +588,7 @@ def add_metadata(writer, plan: Plan, model: GPT, name: str) -> None:
     writer.add_context_length(c.block_size)
     writer.add_embedding_length(c.n_embd)
     writer.add_block_count(c.n_layer)
-    writer.add_feed_forward_length(model.transformer.h[0].mlp.c_fc.out_features)
+    writer.add_feed_forward_length(feed_forward_length(plan.family, c))
     writer.add_head_count(c.n_head)
     writer.add_head_count_kv(c.kv_heads)
     if plan.family == "gpt2":
@@ -525,6 +600,8 @@ def add_metadata(writer, plan: Plan, model: GPT, name: str) -> None:
         writer.add_key_length(c.head_width)
         writer.add_value_length(c.head_width)
         writer.add_vocab_size(c.vocab_size)
+        if c.n_experts:
+            experts_metadata(writer, plan.family, c)
         FAMILY_METADATA.get(plan.family, lambda writer, c: None)(writer, c)
     writer.add_tokenizer_model("gpt2")  # llama.cpp's byte-level BPE
     writer.add_tokenizer_pre(v.pre)
@@ -540,6 +617,21 @@ def add_metadata(writer, plan: Plan, model: GPT, name: str) -> None:
     writer.add_add_eos_token(False)
     if v.chat_template is not None:
         writer.add_chat_template(v.chat_template)
+
+
+def feed_forward_length(family: str, c: GPTConfig) -> int:
+    """feed_forward_length: the dense MLP's width; llama.cpp's llama (Mixtral) and olmoe take their experts' width
+    from it, qwen3moe from expert_feed_forward_length."""
+    return expert_hidden_width(c) if family in ("mixtral", "olmoe") else mlp_hidden_width(c)
+
+
+def experts_metadata(writer, family: str, c: GPTConfig) -> None:
+    """How many experts, how many a token takes, and (qwen3moe) their width. How the chosen weights are normalised
+    is the architecture's own (LLAMA_CPP_LIMITS: renormalized)."""
+    writer.add_expert_count(c.n_experts)
+    writer.add_expert_used_count(c.experts_per_token)
+    if family == "qwen3_moe":
+        writer.add_expert_feed_forward_length(expert_hidden_width(c))
 
 
 def gemma3_metadata(writer, c: GPTConfig) -> None:
@@ -606,9 +698,10 @@ def write_gguf(model: GPT, plan: Plan, path: str | Path, name: str) -> Path:
     path = Path(path)
     writer = writer_class()(None, gguf.MODEL_ARCH_NAMES[gguf_arch(plan.family)])
     add_metadata(writer, plan, model, name)
+    eight_bit = eight_bit_in_q4_0(plan.family, model)
     with torch.no_grad():
         for tensor_name, data in gguf_tensors(plan.family, model):
-            data, qtype = stored(tensor_name, data, plan.outtype, head_name(plan.family, model))
+            data, qtype = stored(tensor_name, data, plan.outtype, eight_bit)
             writer.add_tensor(tensor_name, data, raw_dtype=qtype)
     with atomic_write(path) as f:
         writer.fout, writer.state = [f], gguf.gguf_writer.WriterState.EMPTY  # our temp file, renamed into place

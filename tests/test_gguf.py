@@ -6,12 +6,14 @@ tokenize a prompt as we do, give our logits (f32 within F32_TOLERANCE; f16, bf16
 rounded outtype q4_0 included within FILE_WEIGHTS_TOLERANCE of our model holding the file's rounded weights) and
 greedy-decode the same 32 tokens from an f32 file.
 
-Models: tiny random Llama, Qwen2, Qwen3, Mistral, Gemma 3, Phi-3, OLMo 2 and SmolLM3 directories saved by
-transformers (with a byte-level BPE tokenizer.json; Mistral without its window and SmolLM3 with four layers, the
-shapes llama.cpp reproduces), and our own tiny models in a .safetensors file: GPT-2 with a char tokenizer and with
+Models: tiny random Llama, Qwen2, Qwen3, Mistral, Gemma 3, Phi-3, OLMo 2, SmolLM3, Qwen3-MoE, OLMoE and Mixtral
+directories saved by transformers (with a byte-level BPE tokenizer.json; Mistral and Mixtral without their window,
+SmolLM3 with four layers, Qwen3-MoE without its dense first layer, OLMoE without grouped-query attention: the shapes
+llama.cpp reproduces), and our own tiny models in a .safetensors file: GPT-2 with a char tokenizer and with
 tiktoken's gpt2, Llama with q/k/v biases and a char tokenizer, the modern recipe (rope, RMSNorm, SwiGLU, QK-norm:
 Qwen3) with our BPE, OLMo 2's switches with a tied head; and a LoRA run on the Llama directory, exported merged
-(--merge). What llama.cpp fixes in its code (windows, NoPE layers, Gemma 3's global layers) is refused in one line.
+(--merge). What llama.cpp fixes in its code (windows, NoPE layers, Gemma 3's global layers, dense layers among
+experts, whether the experts' weights are renormalised) is refused in one line.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.errors import UserError
 from quillgpt.families import chunk_of, hf_names
 from quillgpt.gguf_export import gguf_arch, modelfile
+from quillgpt.hf import piece_sizes
 from quillgpt.loading import load_model
 from quillgpt.tokenizer import tokenizer_from_dict, train_tokenizer
 
@@ -102,17 +105,30 @@ ARCHITECTURE = {
     "phi3-hf": "phi3",
     "olmo2-hf": "olmo2",
     "smollm3-hf": "smollm3",
+    # the mixtures of experts (MOE_FAMILIES)
+    "qwen3_moe-hf": "qwen3moe",
+    "olmoe-hf": "olmoe",
+    "mixtral-hf": "llama",  # llama with experts, as llama.cpp's converter writes Mixtral
+    "mixtral-8x-hf": "llama",  # 8 experts, Mixtral's count: for q4_0's 8-bit keys and values
 }
 # conftest's family configs as llama.cpp reproduces them: Mistral without its window (llama.cpp's llama has none),
 # SmolLM3 with four layers, the 4th without rope (llama.cpp's smollm3 leaves rope out of every 4th layer, no other)
+# The mixtures of experts: Qwen3-MoE without its dense first layer (llama.cpp's qwen3moe has experts in every layer),
+# OLMoE with as many key heads as heads (llama.cpp's olmoe has no grouped-query attention), Mixtral without its window
 HF_OVERRIDES = {
     "mistral": dict(sliding_window=None),
     "smollm3": dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0]),
+    "qwen3_moe": dict(mlp_only_layers=[]),
+    "olmoe": dict(num_key_value_heads=4),
+    "mixtral": dict(sliding_window=None),
 }
+HF_VARIANTS = {"mixtral-8x": ("mixtral", dict(num_local_experts=8))}  # case -> (family, its config beyond conftest's)
 LATER_FAMILIES = ("mistral-hf", "gemma3-hf", "phi3-hf", "olmo2-hf", "smollm3-hf")
-IN_PROCESS_F32 = (*LATER_FAMILIES, "olmo2-char-tied")  # see exported
+MOE_FAMILIES = ("qwen3_moe-hf", "olmoe-hf", "mixtral-hf")
+IN_PROCESS_F32 = (*LATER_FAMILIES, *MOE_FAMILIES, "mixtral-8x-hf", "olmo2-char-tied")  # see exported
 PRE = {"char": "gpt-2", "tiktoken": "gpt-2", "bpe": "llama-bpe", "hf": "gpt-2"}  # by tokenizer kind
-CASES = [name for name in ARCHITECTURE if name != "llama-char-48"]  # that one is for q4_0's fallbacks
+# llama-char-48 is for q4_0's fallbacks, mixtral-8x-hf for q4_0's 8-bit keys and values
+CASES = [name for name in ARCHITECTURE if name not in ("llama-char-48", "mixtral-8x-hf")]
 
 
 def sharpen(model: torch.nn.Module) -> None:
@@ -152,8 +168,8 @@ def our_model(name: str, directory: Path) -> Path:
 
 
 def hf_model(transformers, name: str, directory: Path) -> Path:
-    family = name.removesuffix("-hf")
-    save_hf_family(transformers, family, directory, **HF_OVERRIDES.get(family, {}))
+    family, variant = HF_VARIANTS.get(name.removesuffix("-hf"), (name.removesuffix("-hf"), {}))
+    save_hf_family(transformers, family, directory, **HF_OVERRIDES.get(family, {}), **variant)
     save_hf_tokenizer(transformers, directory, TEXT)
     state = load_file(directory / "model.safetensors")
     sharpen_state = {k: v * 10 if v.ndim == 2 else v for k, v in state.items()}  # transformers' 0.02 init: tiny logits
@@ -244,11 +260,12 @@ def test_every_architecture_writes_its_metadata_tensors_and_modelfile(source, ex
     tensors = {t.name: (t.tensor_type.name, [int(n) for n in t.shape]) for t in reader.tensors}
     assert tensors["token_embd.weight"] == ("F32", [c.n_embd, c.vocab_size])  # GGUF lists shapes innermost first
     assert all(kind == "F32" for kind, _ in tensors.values())
-    # Llama: a zero o_proj bias with q/k/v biases; Gemma 3: four norms and qk-norm; Phi-3: fused qkv and gate-up
-    per_block = {"gpt2": 12, "llama": 9 + 4 * c.qkv_bias, "qwen2": 12, "qwen3": 11, "gemma3": 13, "phi3": 6}
-    per_block = {**per_block, "olmo2": 11, "smollm3": 9}[arch]
+    # Llama: a zero o_proj bias with q/k/v biases; Gemma 3: four norms and qk-norm; Phi-3: fused qkv and gate-up;
+    # experts: the router and three stacks in place of the three projections (Mixtral: llama with experts)
+    per_block = {"gpt2": 12, "llama": 9 + 4 * c.qkv_bias + bool(c.n_experts), "qwen2": 12, "qwen3": 11, "gemma3": 13}
+    per_block = {**per_block, "phi3": 6, "olmo2": 11, "smollm3": 9, "qwen3moe": 12, "olmoe": 12}[arch]
     rope_tensors = {"none": 0, "llama3": 1, "longrope": 2, "linear": 0}[c.rope_scaling]  # rope_freqs, or rope_factors
-    output = not c.tie_embeddings or arch == "olmo2"  # a tied olmo2 head goes in as output.weight too
+    output = not c.tie_embeddings or arch in ("olmo2", "olmoe")  # a tied head goes in as output.weight too there
     top = 2 + (arch == "gpt2") * 2 + output + rope_tensors
     assert len(tensors) == c.n_layer * per_block + top
     if arch == "qwen3":
@@ -284,6 +301,28 @@ FAMILY_KEYS = {
     },
     "olmo2-hf": {"olmo2.attention.sliding_window": None},
     "smollm3-hf": {"smollm3.block_count": 4, "smollm3.rope.dimension_count": 16},
+    # the experts: how many, how many a token takes, their width; whether the chosen weights are renormalised is
+    # each architecture's own (qwen3moe and llama: always, olmoe: never), read from no key
+    "qwen3_moe-hf": {
+        "qwen3moe.expert_count": 4,
+        "qwen3moe.expert_used_count": 2,
+        "qwen3moe.expert_feed_forward_length": 48,
+        "qwen3moe.feed_forward_length": 96,  # the dense MLP's, as the converter writes it (unused: no dense layer)
+        "qwen3moe.expert_weights_norm": None,
+    },
+    "olmoe-hf": {
+        "olmoe.expert_count": 4,
+        "olmoe.expert_used_count": 2,
+        "olmoe.feed_forward_length": 96,  # the experts' width
+        "olmoe.expert_feed_forward_length": None,
+        "olmoe.attention.head_count_kv": 4,
+    },
+    "mixtral-hf": {
+        "llama.expert_count": 4,
+        "llama.expert_used_count": 2,
+        "llama.feed_forward_length": 96,  # the experts' width
+        "llama.attention.sliding_window": None,
+    },
 }
 FAMILY_SHAPES = {
     "gemma3-hf": {"blk.0.attn_q_norm.weight": [32], "blk.1.post_ffw_norm.weight": [64], "output.weight": None},
@@ -296,10 +335,26 @@ FAMILY_SHAPES = {
     },
     "olmo2-hf": {"blk.0.attn_q_norm.weight": [64], "blk.0.attn_k_norm.weight": [32], "blk.0.attn_norm.weight": None},
     "smollm3-hf": {"blk.3.attn_q.weight": [64, 64]},
+    # each layer's experts stacked (E, H, C), listed innermost first; the router (E, C) as ffn_gate_inp
+    "qwen3_moe-hf": {
+        "blk.0.ffn_gate_inp.weight": [64, 4],
+        "blk.0.ffn_gate_exps.weight": [64, 48, 4],
+        "blk.0.ffn_up_exps.weight": [64, 48, 4],
+        "blk.0.ffn_down_exps.weight": [48, 64, 4],
+        "blk.0.ffn_gate.weight": None,
+        "blk.0.attn_q_norm.weight": [32],
+    },
+    "olmoe-hf": {
+        "blk.1.ffn_gate_exps.weight": [64, 96, 4],
+        "blk.1.ffn_down_exps.weight": [96, 64, 4],
+        "blk.0.attn_q_norm.weight": [64],  # over the whole projection
+        "blk.0.attn_k_norm.weight": [64],
+    },
+    "mixtral-hf": {"blk.1.ffn_gate_inp.weight": [64, 4], "blk.1.ffn_up_exps.weight": [64, 96, 4]},
 }
 
 
-@pytest.mark.parametrize("name", LATER_FAMILIES)
+@pytest.mark.parametrize("name", [*LATER_FAMILIES, *MOE_FAMILIES])
 def test_later_families_write_the_keys_and_tensors_llama_cpp_reads_of_them(exported, name):
     reader = gguf.GGUFReader(exported(name))
     tensors = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
@@ -381,6 +436,28 @@ def test_q4_0_keeps_rows_its_blocks_cannot_divide_in_f16_as_llama_cpps_converter
     assert types["token_embd.weight"] == types["output.weight"] == "F16"
     assert types["blk.0.attn_norm.weight"] == "F32"
     assert field(reader, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_0
+
+
+def test_experts_go_in_stacked_and_their_router_in_float32(source, exported):
+    """convert_hf_to_gguf.py stacks each layer's experts into one tensor per projection, expert e at index e, and
+    keeps the router (ffn_gate_inp) in float32 whatever the outtype, as llama.cpp's quantizer does."""
+    reader = gguf.GGUFReader(exported("qwen3_moe-hf", "f16"))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.1.ffn_gate_inp.weight"] == "F32" and types["blk.1.ffn_down_exps.weight"] == "F16"
+    mlp = load_model(source("qwen3_moe-hf")).model.transformer.h[1].mlp
+    np.testing.assert_array_equal(gguf_tensor(reader, "blk.1.ffn_gate_inp.weight"), mlp.router.weight.detach())
+    for theirs, stack in (("ffn_gate_exps", mlp.w_gate), ("ffn_up_exps", mlp.w_up), ("ffn_down_exps", mlp.w_down)):
+        np.testing.assert_array_equal(gguf_tensor(reader, f"blk.1.{theirs}.weight"), stack.detach().half())
+
+
+def test_q4_0_gives_an_8_expert_models_keys_and_values_8_bits_as_llama_cpps_quantizer_does(exported):
+    """llama.cpp's quantizer bumps the key and value projections of a model of exactly 8 experts (Mixtral's count)
+    to Q8_0 in every file type; the other matrices stay q4_0."""
+    reader = gguf.GGUFReader(exported("mixtral-8x-hf", "q4_0"))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_k.weight"] == types["blk.1.attn_v.weight"] == "Q8_0"
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_up_exps.weight"] == "Q4_0"
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32"
 
 
 def test_a_chat_template_goes_into_the_gguf_and_a_chatml_modelfile(exported):
@@ -515,42 +592,84 @@ def test_llama_cpp_tokenizes_and_decodes_greedily_as_we_do_in_f32(needs_llama_cp
 def with_file_weights(model: GPT, path: Path) -> GPT:
     """The model holding each weight as the GGUF file rounds it (the gguf package's quantize, then dequantize, in the
     type the file stores it in). Each GGUF tensor is a row split, row reordering or row concatenation (Phi's fused
-    ones, name[i/n] in the layout) of ours, and every type rounds each row on its own, so rounding ours along its rows
+    ones, name[i/n] in the layout) of ours, or a stack of a layer's experts, and every type rounds each row on its
+    own, so rounding ours along its rows, each of its pieces (c_attn's query, key, value) in its tensor's type,
     rounds theirs."""
     reader = gguf.GGUFReader(path)
-    family = field(reader, "general.architecture")
+    family = model.config.hf_family or field(reader, "general.architecture")  # ours: the architecture's own family
     types = {t.name: t.tensor_type for t in reader.tensors}
     names = gguf.get_tensor_name_map(gguf_arch(family), model.config.n_layer)
     with torch.no_grad():
         for key, p in model.named_parameters():  # a tied head once, as the embedding
-            whole = [(chunk_of(n) or (n,))[0] for n in hf_names(family, key)]
-            [qtype] = {types[names.get_name(n, try_suffixes=(".weight", ".bias"))] for n in whole}
-            rounded = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qtype), qtype)
-            p.copy_(torch.from_numpy(rounded).reshape(p.shape))
+            theirs = hf_names(family, key)
+            rounded = []
+            for name, piece in zip(theirs, p.split(piece_sizes(model, key, theirs))):
+                # an expert's tensor (name with {e}) is a slice of the layer's stack, merged as the converter does
+                whole = (chunk_of(name) or (name,))[0].replace(".{e}", "")
+                qtype = types[names.get_name(whole, try_suffixes=(".weight", ".bias"))]
+                rounded.append(gguf.quants.dequantize(gguf.quants.quantize(piece.numpy(), qtype), qtype))
+            p.copy_(torch.from_numpy(np.concatenate(rounded)).reshape(p.shape))
     return model
 
 
-ROUNDED_CASES = [
-    (name, outtype)
-    for name in ("gpt2-char", "llama-hf", "qwen2-hf", "qwen3-bpe")
-    for outtype in ("f16", "bf16", "q8_0", "q4_0")
-] + [("gemma3-hf", "q8_0")]  # one of the later families: its norms (+1, the query scale) stay float32
+def expert_choices(model: GPT, prompt: list[int]) -> np.ndarray:
+    """(MoE layers, positions, k): the experts each position's token goes to in each layer, in ascending order
+    (a dense model: none)."""
+    from quillgpt.moe import MoE
+
+    chosen = []
+
+    def keep(layer, args, output):
+        x = args[0]
+        chosen.append(layer.route(x.reshape(-1, x.shape[-1])).experts.sort(-1).values)
+
+    hooks = [m.register_forward_hook(keep) for m in model.modules() if isinstance(m, MoE)]
+    try:
+        ours(model, prompt, 0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.stack(chosen).numpy() if chosen else np.zeros((0, len(prompt), 0))
+
+
+def routed_alike(model: GPT, other: GPT, prompt: list[int]) -> np.ndarray:
+    """(positions,) whether both models send each position's token to the same experts in every layer."""
+    return np.all(expert_choices(model, prompt) == expert_choices(other, prompt), axis=(0, 2))
+
+
+ROUNDED_CASES = (
+    [
+        (name, outtype)
+        for name in ("gpt2-char", "llama-hf", "qwen2-hf", "qwen3-bpe")
+        for outtype in ("f16", "bf16", "q8_0", "q4_0")
+    ]
+    + [("gemma3-hf", "q8_0")]  # one of the later families: its norms (+1, the query scale) stay float32
+    + [(name, "f16") for name in MOE_FAMILIES]  # llama.cpp's float16 activations route as ours (docs/gguf.md)
+)
 
 
 @pytest.mark.parametrize("name, outtype", ROUNDED_CASES)
 def test_llama_cpp_logits_of_rounded_outtypes_stay_within_their_tolerance(
     needs_llama_cpp, source, exported, name, outtype
 ):
+    """Against our model with the file's weights, every position; against our model itself, the positions whose
+    route the rounded weights leave as it was: a token between two experts whose router probabilities are nearly
+    equal (here 7e-4 apart) goes to the other one in our own model with the rounded weights, and its logits jump by
+    14% of the largest (Mixtral in f16). A dense model has no route: every position."""
     path = exported(name, outtype)
     loaded = load_model(source(name))
     prompt = tokenizer_from_dict(loaded.tokenizer).prompt_ids(PROMPT)
     with llama_cpp_model(path) as llm:
         theirs, _ = logits_and_greedy(llm, prompt, 0)
-    rounded, _ = ours(with_file_weights(loaded.model.eval(), path), prompt, 0)
+    file_weights = with_file_weights(loaded.model.eval(), path)
+    rounded, _ = ours(file_weights, prompt, 0)
     assert np.abs(theirs - rounded).max() <= FILE_WEIGHTS_TOLERANCE[outtype] * np.abs(rounded).max()
     if outtype in ROUNDED_TOLERANCE:
-        mine, _ = ours(load_model(source(name)).model.eval(), prompt, 0)
-        assert np.abs(theirs - mine).max() <= ROUNDED_TOLERANCE[outtype] * np.abs(mine).max()
+        model = load_model(source(name)).model.eval()
+        mine, _ = ours(model, prompt, 0)
+        alike = routed_alike(model, file_weights, prompt)
+        assert alike.mean() > 0.9  # a few positions at most, each one the rounding sends to another expert
+        assert np.abs(theirs - mine)[alike].max() <= ROUNDED_TOLERANCE[outtype] * np.abs(mine).max()
 
 
 def test_llama_cpp_runs_q4_0_with_its_f16_fallbacks_as_our_model_with_the_files_weights(
@@ -585,12 +704,14 @@ def test_a_file_llama_cpp_refuses_is_removed_and_named_in_one_line(needs_llama_c
 
 
 @pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
-@pytest.mark.parametrize("name", ["qwen3-bpe", "llama-hf", "llama-char-48"])  # tied head, untied, rows of 48
+# tied head, untied, rows of 48; experts (rows of 48: F16), 8 of them (8-bit keys and values in q4_0)
+@pytest.mark.parametrize("name", ["qwen3-bpe", "llama-hf", "llama-char-48", "qwen3_moe-hf", "mixtral-8x-hf"])
 def test_quantized_files_are_llama_cpps_own_quantization_of_the_f32_file(
     needs_llama_cpp, exported, tmp_path, name, outtype
 ):
-    """llama.cpp's llama_model_quantize, run on our f32 file, gives every tensor the type ours has (q4_0's 8-bit head
-    and the F16 fallbacks included) and the same bytes."""
+    """llama.cpp's llama_model_quantize, run on our f32 file, gives every tensor the type ours has (q4_0's 8-bit head,
+    an 8-expert model's 8-bit keys and values, the float32 router and the F16 fallbacks included) and the same
+    bytes."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
@@ -655,6 +776,9 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, make, args, message)
 GEMMA3_SWITCHES = dict(
     mlp="geglu", gelu_approx="tanh", qk_norm=True, norm_plus_one=True, embed_scale=True, post_norm=True, bias=False
 )
+EXPERTS = dict(n_experts=4, experts_per_token=2)
+QWEN3_MOE_SWITCHES = dict(EXPERTS, qk_norm=True, n_layer=2)
+OLMOE_SWITCHES = dict(EXPERTS, qk_norm=True, qk_norm_scope="all", router_renormalize=False)
 
 
 @pytest.mark.parametrize(
@@ -684,17 +808,74 @@ GEMMA3_SWITCHES = dict(
             dict(GEMMA3_SWITCHES, sliding_window=8, rope_scaling="linear", rope_factor=2.0),
             "model.rope_theta_local = None with model.rope_scaling = 'linear'",
         ),
-        (dict(n_experts=4, experts_per_token=2), "GGUF Mixtral: quillgpt writes no GGUF mixture of experts"),
+        (
+            dict(QWEN3_MOE_SWITCHES, dense_layers=1),
+            "GGUF Qwen3-MoE: model.dense_layers = 1, and llama.cpp's qwen3moe has experts in every layer (no dense MLP "
+            "for Qwen3-MoE's mlp_only_layers) (export it with --hf instead)",
+        ),
+        (
+            dict(QWEN3_MOE_SWITCHES, router_renormalize=False),
+            "model.router_renormalize = False, and llama.cpp's qwen3moe always renormalises the chosen experts' weights",
+        ),
+        (
+            dict(OLMOE_SWITCHES, router_renormalize=True),
+            "GGUF OLMoE: model.router_renormalize = True, and llama.cpp's olmoe never renormalises",
+        ),
+        (
+            dict(OLMOE_SWITCHES, n_kv_head=1),
+            "model.n_kv_head = 1 and head_dim = 16 with 2 heads of n_embd 32, and llama.cpp's olmoe has as many key "
+            "heads as heads, each n_embd / n_head wide",
+        ),
+        (dict(EXPERTS, sliding_window=8), "GGUF Mixtral: model.sliding_window = 8, shorter than its context (16)"),
+        # what no GGUF architecture's MoE graph has: shared experts, the router's bias, another kind of expert
+        (dict(EXPERTS, shared_experts=1), "GGUF Mixtral: model.shared_experts = 1 (nearest that exports: 0)"),
+        (dict(EXPERTS, balance="bias"), "model.balance = 'bias' (nearest that exports: 'aux_loss')"),
+        (dict(EXPERTS, mlp="relu2"), "model.mlp = 'relu2' (nearest that exports: 'swiglu')"),
     ],
-    ids=["mistral-window", "phi3-window", "phi3-linear", "smollm3-nope", "gemma3-pattern", "gemma3-local-rope", "moe"],
+    ids=[
+        "mistral-window",
+        "phi3-window",
+        "phi3-linear",
+        "smollm3-nope",
+        "gemma3-pattern",
+        "gemma3-local-rope",
+        "qwen3moe-dense-layers",
+        "qwen3moe-not-renormalised",
+        "olmoe-renormalised",
+        "olmoe-grouped-query",
+        "mixtral-window",
+        "moe-shared-experts",
+        "moe-router-bias",
+        "moe-relu2-experts",
+    ],
 )
 def test_what_llama_cpp_computes_otherwise_is_refused_in_one_line(tmp_path, switches, message):
     """llama.cpp fixes these in its code, reading no key for them: a model outside them would run there otherwise.
-    And the mixtures of experts, which this writer does not write."""
+    And the experts no GGUF architecture has."""
     ckpt = unexportable(tmp_path, **{**ROPE_SWITCHES, **switches})
     out = tmp_path / "out" / "m.gguf"
     with pytest.raises(UserError) as refused:
         export.main(["--ckpt", str(ckpt), "--gguf", str(out)])
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "family, message",
+    [
+        ("qwen3_moe", "model.dense_layers = 1, and llama.cpp's qwen3moe has experts in every layer"),
+        ("olmoe", "model.n_kv_head = 2 and head_dim = 16 with 4 heads of n_embd 64, and llama.cpp's olmoe"),
+        ("mixtral", "model.sliding_window = 8, shorter than its context (128), and llama.cpp's llama attends"),
+    ],
+    ids=["qwen3_moe", "olmoe", "mixtral"],
+)
+def test_the_conftest_mixtures_llama_cpp_computes_otherwise_are_refused(transformers, tmp_path, family, message):
+    """conftest's configs as they are (HF_OVERRIDES makes them what llama.cpp reproduces): Qwen3-MoE's dense first
+    layer, OLMoE's grouped-query attention, Mixtral's window of 8."""
+    save_hf_family(transformers, family, tmp_path / "hf")
+    out = tmp_path / "out" / "m.gguf"
+    with pytest.raises(UserError) as refused:
+        export.main(["--ckpt", str(tmp_path / "hf"), "--gguf", str(out)])
     assert message in str(refused.value) and "\n" not in str(refused.value)
     assert not (tmp_path / "out").exists()
 
