@@ -1,6 +1,10 @@
 """--sample: batch-1 decoding of the config's model (default: the GPU preset's char model, random weights): no cache,
 the KV cache with the eager one-token step, and the compiled step, with fp32, bf16 and int8 (weight-only) weights;
 the time to the first token; the bf16 matmul rate beside it.
+
+--where: where an eager decode step's time goes instead, per token and per kind of work (torch.profiler's self
+times of the ops: the matmuls, attention, writing the cache, the other ops), and what is left of the wall time
+(Python and dispatch between the ops), in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from collections import deque
 
 import torch
 
@@ -42,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repeats", type=int, default=5, help="timed generations per path; the best is reported (default %(default)s)"
     )
+    p.add_argument("--where", action="store_true", help="where an eager decode step's time goes, by kind of work")
     p.add_argument(
         "--compile-decoding",
         action=argparse.BooleanOptionalAction,
@@ -50,8 +56,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+# torch.profiler's op names -> the kind of work a decode step spends them on
+KINDS = {
+    "matmuls": ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm", "aten::mv"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"),
+    "cache writes": ("aten::index_copy_", "aten::copy_"),
+}
+
+
+def where_time_goes(model: GPT, new_tokens: int) -> dict[str, float]:
+    """ms per token of an eager KV-cache generation by kind of work (KINDS; the rest of the ops' self time as
+    "other ops"), and "Python and dispatch": the wall time no op's self time accounts for."""
+    deque(model.generate_stream(torch.zeros((1, PROMPT_TOKENS), dtype=torch.long), 8), maxlen=0)  # warm-up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        deque(model.generate_stream(torch.zeros((1, PROMPT_TOKENS), dtype=torch.long), new_tokens), maxlen=0)
+        wall = time.perf_counter() - t0
+    spent = dict.fromkeys([*KINDS, "other ops"], 0.0)
+    for event in prof.key_averages():
+        kind = next((k for k, names in KINDS.items() if event.key in names), "other ops")
+        spent[kind] += event.self_cpu_time_total / 1e6
+    spent["Python and dispatch"] = wall - sum(spent.values())
+    return {k: v / new_tokens * 1e3 for k, v in {**spent, "wall": wall}.items()}
+
+
+def where(args: argparse.Namespace, margs) -> None:
+    torch.manual_seed(0)
+    fp32 = GPT(margs).eval()
+    rows = {
+        name: where_time_goes(m, args.new_tokens)
+        for name, m in (("fp32", fp32), ("bf16", copy.deepcopy(fp32).to(torch.bfloat16)))
+    }
+    kinds = list(next(iter(rows.values())))
+    print(
+        f"an eager decode step, ms per token ({args.new_tokens} tokens, {torch.get_num_threads()} threads; the profiler adds its own time)"
+    )
+    print_table(["weights", *kinds], [[name, *(f"{r[k]:.3f}" for k in kinds)] for name, r in rows.items()], left=1)
+
+
 def run(args: argparse.Namespace, cli: list[str]) -> None:
     margs = decoding_model_args(args.config, cli)
+    if args.where:
+        where(args, margs)
+        print(load_average())
+        return
     torch.manual_seed(0)
     fp32 = GPT(margs).eval()  # random weights: the speed does not depend on them
     models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16), "int8": quantize_int8(copy.deepcopy(fp32))}
