@@ -22,7 +22,7 @@ import torch
 
 from quillgpt.chat_session import ChatSession
 from quillgpt.errors import UserError, run_main
-from quillgpt.generate import DEVICES, DTYPES, load_for_sampling, sampling_error
+from quillgpt.generate import COMPILE_HELP, DEVICES, DTYPES, load_for_sampling, sampling_error
 
 HISTORY = Path.home() / ".quillgpt_chat_history"
 HELP = "/reset: a new conversation | /system TEXT: a new one with this system message | /quit: leave"
@@ -56,6 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="weights' dtype (default auto, as sample.py: bf16 on a CUDA device that has it, on the CPU the faster of "
         "fp32 and bf16 at one decoding row, measured); int8: weight-only int8 on the CPU",
     )
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help=COMPILE_HELP)
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         system=args.system,
         max_new_tokens=args.max_new_tokens,
         control_tokens_in_content=args.control_tokens_in_content,
+        compile=args.compile,
     )
     generator = torch.Generator(device=next(model.parameters()).device)
     generator.manual_seed(args.seed if args.seed is not None else torch.seed())

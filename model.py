@@ -174,7 +174,7 @@ class DecodeStep(NamedTuple):
         never read back from the device, which would make the host wait for it every token. Under torch.compile (or
         with a position per row) the whole cache, the unfilled part masked: fixed shapes, one graph for every
         position, and cache.pos is not read (a graph would be specialised to it)."""
-        if position.numel() == 1 and not torch.compiler.is_compiling():
+        if position.numel() == 1 and not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
             return DecodeStep(position, cache.pos + 1, None)
         return DecodeStep(position, cache.length, torch.arange(cache.length, device=position.device) <= position)
 
@@ -630,22 +630,21 @@ class GPT(nn.Module):
         use_cache: bool = True,
         generator: torch.Generator | None = None,
         vocab_limit: int | None = None,
-        compile: bool = False,
+        compile: bool | None = False,
     ) -> Iterator[torch.Tensor]:
         """Yield (B, 1) new tokens one at a time. temperature 0 is greedy.
 
         vocab_limit leaves out ids the tokenizer can't decode (a vocabulary padded for speed).
         The prompt is cropped to its last block_size tokens. With the KV cache (allocated once, its length a power
         of two that holds the prompt and the new tokens, at most block_size) the prompt runs in one forward pass,
-        then each token in one decode_one step; compile=True compiles that step once per cache length (a one-off
-        cost of seconds, the first token unaffected: the prompt's pass stays eager). When the cache is full it is
+        then each token in one decode_one step, compiled or not (decode_step: compile True compiles it once per cache
+        length, None takes a compiled one only where one is kept; the prompt's pass stays eager). When the cache is full it is
         refilled from the last block_size/2 tokens (learned positions make a sliding window impossible), so beyond
         block_size the cached and uncached paths differ.
         """
         block = self.config.block_size
         idx = idx[:, -block:]
-        step = self.decode_step(compile)
-        cache = positions = token = None
+        cache = positions = token = step = None
         new: list[torch.Tensor] = []  # (B, 1) tokens not yet appended to idx: only a (re)fill or no cache reads idx
         for _ in range(max_new_tokens):
             if use_cache and cache is not None and cache.pos < cache.length:
@@ -657,6 +656,7 @@ class GPT(nn.Module):
                     context = idx[:, -(block // 2) :] if cache is not None else idx
                     cache = self.new_cache(idx.size(0), cache_length(context.size(1) + max_new_tokens, block))
                     positions = torch.arange(cache.length, device=idx.device)
+                    step = self.decode_step(compile, cache)
                 else:
                     context = idx[:, -block:]
                 logits = self(context, cache=cache, last_only=True)[0][:, -1, :]
@@ -664,8 +664,16 @@ class GPT(nn.Module):
             new.append(token)
             yield token
 
-    def decode_step(self, compile: bool):
-        """decode_one, or its compiled form (kept on the model: a later generation reuses it)."""
+    def decode_step(self, compile: bool | None, cache: KVCache):
+        """decode_one, or its compiled form for this cache: on the CPU compiled ahead of time and kept on disk
+        between runs (quillgpt/compiled_step.py; compile None: only a kept one, True: compiled and kept first),
+        elsewhere by torch.compile, kept on the model (a later generation reuses it)."""
+        if compile is not False and cache.k[0].device.type == "cpu":
+            from quillgpt.compiled_step import compiled_step
+
+            step = compiled_step(self, cache, build=bool(compile))
+            if step is not None:
+                return step
         if not compile:
             return self.decode_one
         if getattr(self, "_compiled_decode_one", None) is None:

@@ -39,9 +39,11 @@ class ChatSession:
         max_new_tokens: int = 256,
         notices: TextIO | None = sys.stderr,
         control_tokens_in_content: bool = False,
+        compile: bool | None = False,
     ):
         """control_tokens_in_content: a message that spells a control token gets the token (transformers' default),
-        not its text (quillgpt.chat_template)."""
+        not its text (quillgpt.chat_template). compile: decode with the compiled step (GPT.decode_step; None: one
+        only where one is kept)."""
         self.model, self.tokenizer = model, tokenizer
         # a UserError when the tokenizer has no chat template
         self.format: ChatFormat = chat_format(tokenizer, control_tokens_in_content)
@@ -54,6 +56,8 @@ class ChatSession:
         self.messages: list[dict] = []
         self.ids: list[int] = []  # the ids whose keys and values the cache holds, in order
         self.cache: KVCache | None = None
+        self.compile = compile
+        self.decode = model.decode_one  # the step for the cache (GPT.decode_step), chosen with each new cache
         self.encoded = 0  # ids run through the model to read prompts (not to generate): what the cache saves
         self.reset(system)
 
@@ -167,7 +171,7 @@ class ChatSession:
     def step(self, token: int) -> torch.Tensor:
         """Append one id to the cache; the logits (1, V) of the token after it."""
         position = self.positions[self.cache.pos : self.cache.pos + 1]  # (1,)
-        logits = self.model.decode_one(torch.tensor([[token]], device=self.device), position, self.cache)
+        logits = self.decode(torch.tensor([[token]], device=self.device), position, self.cache)
         self.cache.pos += 1
         self.ids.append(token)
         return logits
@@ -178,6 +182,7 @@ class ChatSession:
             return
         old = self.cache
         self.cache = self.model.new_cache(1, cache_length(needed, self.block_size))
+        self.decode = self.model.decode_step(self.compile, self.cache)
         if old is not None:
             for layer in range(len(old.k)):
                 self.cache.k[layer][:, :, :keep] = old.k[layer][:, :, :keep]

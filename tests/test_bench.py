@@ -486,7 +486,7 @@ def test_vs_transformers_decodes_the_same_greedy_tokens_as_transformers_generate
     bench.main(["--vs-transformers", "--new-tokens", "12", "--repeats", "1", *small])
     out = capsys.readouterr().out
     rows = {row[0]: row for row in table_rows(out)}
-    assert any(name.startswith("sample.py's default") for name in rows) and "transformers generate (fp32)" in rows
+    assert any(name.startswith("sample.py --no-compile") for name in rows) and "transformers generate (fp32)" in rows
     assert "greedy tokens equal: True" in out
     if llama_cpp_installed():  # llama.cpp on the same model's GGUF files, beside them
         assert {"llama.cpp, --gguf f32", "llama.cpp, --gguf bf16"} <= set(rows)

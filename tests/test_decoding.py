@@ -14,12 +14,14 @@ from test_step_sync import SYNCING
 from torch.overrides import TorchFunctionMode
 
 from model import GPT, DecodeStep, GPTConfig, sample_next
+from quillgpt import compiled_step
 from quillgpt.generate import RowText, generate_texts, load_for_sampling
 from quillgpt.serve.batcher import Batcher, GenRequest
 from quillgpt.tokenizer import tokenizer_from_dict
 
 GPT2_STYLE = dict(block_size=64, n_layer=2, n_head=4, n_embd=64)  # learned positions, LayerNorm, GELU
 MODERN = dict(GPT2_STYLE, pos_emb="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, n_kv_head=2, bias=False)
+real = compiled_step.aoti_step
 
 
 @pytest.fixture(scope="module", params=[GPT2_STYLE, MODERN], ids=["gpt2-style", "modern-gqa"])
@@ -42,11 +44,26 @@ def test_eager_decoding_gives_the_uncached_greedy_tokens_within_and_past_the_con
     assert texts[0] == tokenizer.decode(long[0, 9:].tolist())
 
 
-def test_compiled_decoding_gives_the_eager_greedy_tokens(loaded):
-    model, tokenizer = loaded
+def test_a_compiled_step_gives_the_eager_greedy_tokens_and_is_kept_for_later_runs(tmp_path, monkeypatch):
+    """compile=True compiles the step ahead of time and keeps it; a later load of the same checkpoint uses it by
+    default (compile=None) without compiling; a checkpoint rewritten since gets none (its files changed), and
+    decodes eagerly."""
+    ckpt = write_char_checkpoint(tmp_path / "ckpt_best.pt", **MODERN)
+    model, tokenizer, _ = load_for_sampling(ckpt, "cpu", "fp32")
     prompt = torch.tensor([tokenizer.encode("the queen ")] * 2)  # a batch of two
     eager = model.generate(prompt, 100, temperature=0)  # past block_size: a refill
     assert torch.equal(model.generate(prompt, 100, temperature=0, compile=True), eager)
+    assert len(list(compiled_step.packages_dir().glob("*.pt2"))) == 1
+    compiled_step._loaded.clear()  # as a new process: loaded from disk
+    monkeypatch.setattr(compiled_step, "compile_package", lambda *a: pytest.fail("compiled again"))
+    again, _, _ = load_for_sampling(ckpt, "cpu", "fp32")
+    steps = []
+    monkeypatch.setattr(compiled_step, "aoti_step", lambda runner, cache: steps.append(runner) or real(runner, cache))
+    assert torch.equal(again.generate(prompt, 100, temperature=0, compile=None), eager) and steps
+    ckpt.write_bytes(ckpt.read_bytes())  # the same weights, a new file: not known to be the same
+    steps.clear()
+    rewritten, _, _ = load_for_sampling(ckpt, "cpu", "fp32")
+    assert torch.equal(rewritten.generate(prompt, 100, temperature=0, compile=None), eager) and not steps
 
 
 def test_the_eager_step_reads_the_filled_prefix_and_matches_the_masked_whole_cache(loaded, monkeypatch):

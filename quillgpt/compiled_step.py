@@ -1,0 +1,153 @@
+"""One-token decoding compiled ahead of time (AOTInductor), kept on disk between runs.
+
+GPT.decode_one over a KV cache of fixed length, the whole cache attended with the unwritten part masked (one graph
+for every position), is exported with torch.export and compiled by AOTInductor into a shared library packaged as a
+.pt2 file, the weights inside it (laid out for its kernels: a third faster than handing them in). Each step then runs
+in C++: no Python per layer, the elementwise work fused. The cache is the compiled model's buffers, pointed at the
+caller's tensors (bind): the prompt's pass stays eager and fills the same cache the compiled steps go on writing.
+(Taking the cache as inputs written in place was slower than the eager step: the exported graph copies them.)
+
+Compiling takes tens of seconds on a CPU, once per model, batch, cache length and dtype (sample.py --compile);
+loading a kept package takes a tenth of a second, so the scripts use one whenever it is there. Packages are kept in
+$QUILLGPT_CACHE/decode (else ~/.cache/quillgpt/decode), named by a hash of everything the compiled code depends on:
+the weights, the model's arguments, the shapes and dtype, torch's version and the CPU's code path (an AVX2-capped
+process gets its own). Measured: docs/sampling.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from quillgpt.precision import kept_peaks_path
+
+# the environment caps that change which CPU kernels torch runs (benchmarks/conditions.py's ISA_ENV)
+CPU_PATH_ENV = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+_loaded: dict[str, Callable] = {}  # packages loaded in this process, by key
+
+
+class DecodeOne(nn.Module):
+    """model.decode_one over a KV cache of its own, (token (B, 1), position (1,)) -> logits (B, V): what torch.export
+    takes. The cache's buffers (k0, v0, k1, ...) are the compiled model's too, and a caller binds its own cache's
+    tensors in their place (bind), so the eager prompt pass and the compiled steps write one cache."""
+
+    def __init__(self, model: nn.Module, cache):
+        super().__init__()
+        self.model, self.n_layer = model, len(cache.k)
+        for i, (k, v) in enumerate(zip(cache.k, cache.v)):
+            self.register_buffer(f"k{i}", torch.zeros_like(k))
+            self.register_buffer(f"v{i}", torch.zeros_like(v))
+
+    def forward(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        k = [getattr(self, f"k{i}") for i in range(self.n_layer)]
+        v = [getattr(self, f"v{i}") for i in range(self.n_layer)]
+        return self.model.decode_one(token, position, StaticCache(k, v))
+
+
+class StaticCache:
+    """The KVCache interface decode_one writes and reads (write, length, pos), over given buffers."""
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
+        self.k, self.v, self.length, self.pos = k, v, k[0].size(2), 0
+
+    def write(self, layer: int, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.k[layer].index_copy_(2, position, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(2, position, v.to(self.v[layer].dtype))
+        return self.k[layer], self.v[layer]
+
+
+def bind(runner, cache) -> None:
+    """Point the compiled model's cache buffers at the caller's cache tensors (no copy: they must outlive it)."""
+    tensors = {f"{kind}{i}": t for kind in "kv" for i, t in enumerate(getattr(cache, kind))}
+    runner.load_constants(tensors, False, False, True, False)  # not the inactive set, no full check, user-managed
+
+
+def package_key(model: nn.Module, batch: int, length: int) -> str:
+    """A hash of what the compiled step depends on: the weights (the files they were loaded from, as
+    generate.load_for_sampling marks a model, else their bytes), their names, dtypes and shapes, the model's arguments
+    and modules, the shapes, torch's version and the CPU's code path."""
+    digest = hashlib.sha256(getattr(model, "weights_id", "").encode())
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{data.dtype}:{tuple(data.shape)}".encode())
+        if not getattr(model, "weights_id", None) and data.numel():
+            digest.update(data.view(torch.uint8).numpy().tobytes())
+    facts = {
+        "config": model.config.to_dict(),
+        "modules": sorted({type(m).__name__ for m in model.modules()}),  # int8 linears, LoRA...
+        "batch": batch,
+        "length": length,
+        "torch": torch.__version__,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "env": {k: os.environ.get(k, "") for k in CPU_PATH_ENV},
+    }
+    digest.update(json.dumps(facts, sort_keys=True).encode())
+    return digest.hexdigest()[:32]
+
+
+def files_identity(source: str | Path) -> str:
+    """The files a model was read from, by path, size and modification time (a Hugging Face directory: its
+    config.json and safetensors files; a LoRA run's checkpoint names its base's files too, by their sha256): what
+    marks its weights for package_key without reading them. "" where the source is not a local path."""
+    path = Path(source)
+    if path.is_dir():
+        files = sorted([path / "config.json", *path.glob("*.safetensors*")])
+    else:
+        files = [path] if path.is_file() else []
+    return json.dumps([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]) if files else ""
+
+
+def packages_dir() -> Path:
+    return kept_peaks_path().parent / "decode"
+
+
+def compiled_step(model: nn.Module, cache, build: bool) -> Callable | None:
+    """The compiled step for this model and cache, as decode_one's signature (token, position, cache) -> logits:
+    loaded from a kept package, or (build) compiled and kept first; None where none is kept and build is false, and
+    for a model whose weights are not known by their files (one being trained): hashing them would cost more than
+    looking spares."""
+    if not build and not getattr(model, "weights_id", None):
+        return None
+    key = package_key(model, cache.k[0].size(0), cache.length)
+    if key not in _loaded:
+        path = packages_dir() / f"{key}.pt2"
+        if not path.is_file():
+            if not build:
+                return None
+            compile_package(model, cache, path)
+        # the package's own C++ loader: torch._inductor.aoti_load_package would import inductor's Python first,
+        # seconds of a process's start-up for the same loader
+        _loaded[key] = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    return aoti_step(_loaded[key], cache)
+
+
+def aoti_step(runner, cache) -> Callable:
+    """A loaded package's runner bound to this cache, as decode_one's signature: (token, position, cache) -> logits."""
+    bind(runner, cache)
+
+    def step(token: torch.Tensor, position: torch.Tensor, given) -> torch.Tensor:
+        assert given is cache, "a compiled step decodes over the cache it was bound to"
+        return runner.run([token, position])[0]
+
+    return step
+
+
+def compile_package(model: nn.Module, cache, path: Path) -> None:
+    """Export and compile decode_one over the cache's shapes, and move the package into place whole (a process
+    killed while compiling leaves nothing half-written)."""
+    token = torch.zeros((cache.k[0].size(0), 1), dtype=torch.long, device=cache.k[0].device)
+    position = torch.zeros(1, dtype=torch.long, device=token.device)
+    with torch.no_grad():
+        exported = torch.export.export(DecodeOne(model, cache), (token, position), strict=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as tmp:
+        built = torch._inductor.aoti_compile_and_package(exported, package_path=os.path.join(tmp, "step.pt2"))
+        shutil.move(built, path)
