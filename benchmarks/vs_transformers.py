@@ -215,8 +215,7 @@ def compare(config: str, cli: list[str], new_tokens: int, repeats: int, with_com
         if with_compile:
             run_ours(compiling, directory, new_tokens, ["--compile"], device)
         runs = [
-            lambda side=side, flags=flags: run_ours(side, directory, new_tokens, flags, device)
-            for side, flags in sides
+            lambda side=side, flags=flags: run_ours(side, directory, new_tokens, flags, device) for side, flags in sides
         ]
         runs.append(lambda: run_theirs(theirs, directory, new_tokens, prompt_ids, tokenizer, device))
         for outtype, side in gguf.items():
