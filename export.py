@@ -24,44 +24,25 @@ peft.PeftModel.from_pretrained loads onto the base's Hugging Face model), or fol
 
 From Python:
 
-    from export import export_safetensors
     from quillgpt.hf import export_hf
-    from quillgpt.loading import load_model
+    from quillgpt.loading import load_model, write_safetensors
     loaded = load_model("checkpoints/base")
-    export_safetensors(loaded.model, loaded.tokenizer, "exports/base.safetensors")
+    write_safetensors(loaded.model, loaded.tokenizer, "exports/base.safetensors")
+    export_hf(loaded.model, loaded.tokenizer, "exports/base-hf")
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-
-from safetensors.torch import save
 
 from model import GPT
 from quillgpt import gguf_export, hf, peft_io
 from quillgpt.errors import UserError, run_main
 from quillgpt.families import export_family
-from quillgpt.files import atomic_write
-from quillgpt.loading import Loaded, load_model
+from quillgpt.loading import Loaded, load_model, write_safetensors
 from quillgpt.lora import merged
-
-# ---- export: safetensors ----------------------------------------------------------------------------
-
-
-def export_safetensors(model: GPT, tokenizer: dict | None, path: str | Path) -> None:
-    """The weights plus model arguments and tokenizer (JSON strings in the metadata); a tied head is stored once."""
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_embeddings:
-        del state["transformer.wte.weight"]  # the same tensor as lm_head.weight; safetensors refuses shared tensors
-    metadata = {"format": "pt", "model_args": json.dumps(model.config.to_dict())}
-    if tokenizer is not None:
-        metadata["tokenizer"] = json.dumps(tokenizer)
-    with atomic_write(path) as f:
-        f.write(save(state, metadata=metadata))
-
 
 # ---- command line -----------------------------------------------------------------------------------
 
@@ -133,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gguf:
         plan = gguf_export.plan_gguf(model, tokenizer, args.outtype, str(source))
     if args.safetensors:
-        export_safetensors(model, tokenizer, args.safetensors)
+        write_safetensors(model, tokenizer, args.safetensors)
         print(f"wrote {args.safetensors}")
     if args.hf:
         for note in hf.export_hf(model, tokenizer, args.hf, str(source)):

@@ -570,7 +570,8 @@ def print_steps(rows: list[StepRow], check: Check) -> None:
 
 
 def decoding(check: Check, compile_step: bool) -> dict:
-    """sample.py's defaults (and with compile_step, sample.py --compile) against transformers' generate."""
+    """sample.py's eager step (and with compile_step, the compiled step: its first run and kept) against
+    transformers' generate."""
     s = check.scale
     try:
         c = vs_transformers.compare(str(GPU_PRESET), s.decoding, s.new_tokens, s.repeats, compile_step, check.device)

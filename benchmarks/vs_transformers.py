@@ -26,13 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-import export
 from benchmarks.common import GPU_PRESET, PROMPT_TOKENS, REPO, Mode, add_config, decoding_model_args, print_table
 from benchmarks.conditions import load_average
 from model import GPT, GPTConfig
 from quillgpt.errors import UserError
 from quillgpt.hf import export_hf
-from quillgpt.loading import load_model
+from quillgpt.loading import load_model, write_safetensors
 from quillgpt.tokenizer import CharTokenizer, tokenizer_from_dict
 
 SHAKESPEARE_CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # 65, as CHAR_VOCAB
@@ -209,7 +208,7 @@ def compare(config: str, cli: list[str], new_tokens: int, repeats: int, with_com
         torch.manual_seed(0)
         model, chars = GPT(margs), CharTokenizer(list(SHAKESPEARE_CHARS)).to_dict()
         export_hf(model, chars, directory)
-        export.export_safetensors(model, chars, f"{directory}/ours.safetensors")  # GGUF takes the char vocabulary
+        write_safetensors(model, chars, f"{directory}/ours.safetensors")  # GGUF takes the char vocabulary
         tokenizer = tokenizer_from_dict(load_model(directory).tokenizer)
         prompt_ids = tokenizer.encode(PROMPT)
         if with_compile:
@@ -220,7 +219,8 @@ def compare(config: str, cli: list[str], new_tokens: int, repeats: int, with_com
         runs.append(lambda: run_theirs(theirs, directory, new_tokens, prompt_ids, tokenizer, device))
         for outtype, side in gguf.items():
             path = f"{directory}/model-{outtype}.gguf"
-            export.main(["--ckpt", f"{directory}/ours.safetensors", "--gguf", path, "--outtype", outtype])
+            export_cmd = [sys.executable, "export.py", "--ckpt", f"{directory}/ours.safetensors", "--gguf", path]
+            subprocess.run([*export_cmd, "--outtype", outtype], cwd=REPO, check=True, capture_output=True)
             runs.append(lambda side=side, path=path: run_llama_cpp(side, path, new_tokens, prompt_ids, tokenizer))
         for i in range(repeats):  # alternating, in ABBA order, so that drift hits every side alike
             for run_side in runs if i % 2 == 0 else runs[::-1]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -150,4 +149,4 @@ def compile_package(model: nn.Module, cache, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as tmp:
         built = torch._inductor.aoti_compile_and_package(exported, package_path=os.path.join(tmp, "step.pt2"))
-        shutil.move(built, path)
+        os.replace(built, path)  # the same directory's file system: the package appears whole or not at all

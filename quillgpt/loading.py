@@ -26,13 +26,14 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
 
 from model import GPT
 from quillgpt import hf
 from quillgpt.checkpoint import load_checkpoint, resolve_checkpoint
 from quillgpt.config import GPTConfig, build_config
 from quillgpt.errors import UserError
-from quillgpt.files import sha256_file
+from quillgpt.files import atomic_write, sha256_file
 from quillgpt.lora import LoraSettings, add_adapters, is_lora, load_adapter_state, merged
 
 
@@ -144,8 +145,21 @@ def load_model_weights(model: GPT, state: dict, path: str | Path = "checkpoint")
 # ---- safetensors files from export.py --------------------------------------------------------------
 
 
+def write_safetensors(model: GPT, tokenizer: dict | None, path: str | Path) -> None:
+    """export.py --safetensors: the weights plus model arguments and tokenizer (JSON strings in the metadata); a tied
+    head is stored once."""
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        del state["transformer.wte.weight"]  # the same tensor as lm_head.weight; safetensors refuses shared tensors
+    metadata = {"format": "pt", "model_args": json.dumps(model.config.to_dict())}
+    if tokenizer is not None:
+        metadata["tokenizer"] = json.dumps(tokenizer)
+    with atomic_write(path) as f:
+        f.write(save(state, metadata=metadata))
+
+
 def read_safetensors(path: Path) -> Loaded:
-    """A file written by export.export_safetensors: weights, with the model arguments and tokenizer in its metadata."""
+    """A file written by write_safetensors: weights, with the model arguments and tokenizer in its metadata."""
     config, tokenizer = read_safetensors_metadata(path)
     state = hf.read_safetensors_file(path)
     if config.tie_embeddings and "lm_head.weight" in state:

@@ -28,6 +28,12 @@ X86_ONLY = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), rea
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    # Inductor's cache, one per worker: two workers compiling the same graph at once wrote one .so and loaded it
+    # half-written ("file too short"). Kept between runs, as inductor's default is.
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR",
+        os.path.join(tempfile.gettempdir(), f"torchinductor_{os.getuid()}_{os.environ['PYTEST_XDIST_WORKER']}"),
+    )
 
 # A suite started in the background by a non-interactive shell (`python -m pytest ... &` in a script) inherits SIGINT
 # ignored, as POSIX shells start background jobs, and so would every process a test starts: Python then installs no

@@ -40,7 +40,7 @@ from quillgpt.errors import UserError
 from quillgpt.families import chunk_of, hf_names
 from quillgpt.gguf_export import gguf_arch, modelfile
 from quillgpt.hf import piece_sizes
-from quillgpt.loading import load_model
+from quillgpt.loading import load_model, write_safetensors
 from quillgpt.tokenizer import tokenizer_from_dict, train_tokenizer
 
 gguf = pytest.importorskip("gguf")
@@ -144,7 +144,7 @@ def sharpen(model: torch.nn.Module) -> None:
 
 
 def our_model(name: str, directory: Path) -> Path:
-    """One of OURS as a .safetensors file (export_safetensors), the way our checkpoints reach export.py."""
+    """One of OURS as a .safetensors file (write_safetensors), the way our checkpoints reach export.py."""
     kind, switches = OURS[name]
     if kind == "gpt2":
         if gpt2_encoding_error() is not None:
@@ -163,7 +163,7 @@ def our_model(name: str, directory: Path) -> Path:
     if kind == "bpe":
         tokenizer["chat_template"] = CHATML
     path = directory / f"{name}.safetensors"
-    export.export_safetensors(model, tokenizer, path)
+    write_safetensors(model, tokenizer, path)
     return path
 
 
@@ -738,7 +738,7 @@ def unexportable(directory: Path, **switches) -> Path:
     shape = dict(block_size=16, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=32)
     model = GPT(GPTConfig(**{**shape, **switches}))
     path = directory / "m.safetensors"
-    export.export_safetensors(model, tok.to_dict(), path)
+    write_safetensors(model, tok.to_dict(), path)
     return path
 
 
@@ -911,7 +911,7 @@ def test_a_tokenizer_llama_cpp_cannot_split_alike_is_one_line(tmp_path):
     tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
     tokenizer = {"kind": "hf", "name": "sp", "tokenizer_json": tok.to_str(), "eos_id": 1, "bos_id": None}
     model = GPT(GPTConfig(block_size=16, vocab_size=200, n_layer=1, n_head=2, n_embd=32))
-    export.export_safetensors(model, tokenizer, tmp_path / "m.safetensors")
+    write_safetensors(model, tokenizer, tmp_path / "m.safetensors")
     result = run_export("--ckpt", str(tmp_path / "m.safetensors"), "--gguf", str(tmp_path / "out" / "m.gguf"))
     assert result.returncode == 2
     [line] = result.stderr.splitlines()

@@ -31,7 +31,7 @@ def test_the_gpu_check_runs_every_part_at_toy_shapes_on_the_cpu(tmp_path, capsys
     assert [r["arm"] for r in report["levers"]["gpt2_124m"]] == ["ours + loss_chunks 8"]
     assert report["levers"]["gpt2_124m"][0]["tokens_per_s"] > 0
     sides = report["decoding"]["sides"]
-    assert sides[0]["name"].startswith("sample.py's default") and all(s["tokens_per_s"] > 0 for s in sides)
+    assert sides[0]["name"].startswith("sample.py --no-compile") and all(s["tokens_per_s"] > 0 for s in sides)
     assert [level["clients"] for level in report["serving"]["levels"]] == [1, 2]
     race = {r["arm"]: r for r in report["shakespeare"]}
     assert {"ours, gpu.toml", "ours, speedrun_gpu.toml"} <= set(race)

@@ -33,7 +33,7 @@ from quillgpt.config import build_config
 from quillgpt.data import find_dataset
 from quillgpt.errors import UserError, run_main
 from quillgpt.hf import load_hf
-from quillgpt.loading import load_model
+from quillgpt.loading import load_model, write_safetensors
 from quillgpt.lora import LoraLinear, LoraSettings, QuantizedLinear, adapter_state, add_adapters, merged
 from quillgpt.trainer import build_trainer, callers_determinism_restored, setup, train_step
 from train import train
@@ -324,7 +324,7 @@ def test_bad_lora_input_is_one_line_exit_2_and_nothing_written(llama, transforme
 def test_export_refuses_lora_mistakes_in_one_line_writing_nothing(llama, tmp_path, capsys):
     run = lora_run(llama, tmp_path, **{"training.max_iters": 2})
     plain = tmp_path / "plain.safetensors"
-    export.export_safetensors(load_hf(llama)[0], None, plain)
+    write_safetensors(load_hf(llama)[0], None, plain)
     for args, message in (
         (["--ckpt", str(run), "--hf", str(tmp_path / "out")], "is a LoRA run: export it with its adapters folded"),
         (["--ckpt", str(plain), "--merge", "--hf", str(tmp_path / "out")], "has no adapters to merge"),

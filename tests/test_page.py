@@ -150,10 +150,13 @@ def servers(tmp_path_factory) -> dict[str, PageServer]:
         "base": (char, {}, ()),
     }
 
+    # written one after another: the random weights come from torch's one global generator, which threads would share
+    ckpts = {
+        name: write_checkpoint(root / f"{name}.pt", tokenizer=tok, **args) for name, (tok, args, _) in models.items()
+    }
+
     def start(name: str) -> PageServer:
-        tokenizer, model_args, flags = models[name]
-        ckpt = write_checkpoint(root / f"{name}.pt", tokenizer=tokenizer, **model_args)
-        return PageServer(ckpt, *flags, api_key=KEY if name == "base" else None)
+        return PageServer(ckpts[name], *models[name][2], api_key=KEY if name == "base" else None)
 
     with ThreadPoolExecutor(len(models)) as pool:
         futures = {name: pool.submit(start, name) for name in models}
