@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -147,6 +148,8 @@ def compile_package(model: nn.Module, cache, path: Path) -> None:
     with torch.no_grad():
         exported = torch.export.export(DecodeOne(model, cache), (token, position), strict=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as tmp:
+    # torch's own deprecation notice from inside the packaging (pytree's LeafSpec), not the user's to act on
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         built = torch._inductor.aoti_compile_and_package(exported, package_path=os.path.join(tmp, "step.pt2"))
         os.replace(built, path)  # the same directory's file system: the package appears whole or not at all
