@@ -15,7 +15,7 @@ import torch
 
 from benchmarks.common import Mode
 from benchmarks.conditions import load_average
-from quillgpt.precision import measure_cpu_rates
+from quillgpt.precision import CPU_PATH_ENV, measure_cpu_rates
 
 ONEDNN_ISA = re.compile(r"onednn_verbose.*?isa:([^,\n]+)", re.IGNORECASE)
 
@@ -39,11 +39,7 @@ def onednn_isa() -> str:
 
 def run(args: argparse.Namespace, cli: list[str]) -> None:
     rates = measure_cpu_rates(args.width, args.rows)
-    caps = {
-        k: os.environ[k]
-        for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
-        if k in os.environ
-    }
+    caps = {k: os.environ[k] for k in CPU_PATH_ENV if k in os.environ}
     print(f"ATen CPU capability: {torch.backends.cpu.get_cpu_capability()}; oneDNN ISA (bf16 matmul): {onednn_isa()}")
     print(f"caps from the environment: {caps or 'none'}; {torch.get_num_threads()} threads")
     print(f"{rates.describe()}; bf16/fp32 {rates.bf16 / rates.fp32:.2f}; training.precision auto picks {rates.faster}")

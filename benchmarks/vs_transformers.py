@@ -196,10 +196,9 @@ def compare(config: str, cli: list[str], new_tokens: int, repeats: int, with_com
             f"--vs-transformers decodes tiny Shakespeare's {len(SHAKESPEARE_CHARS)} characters: "
             f"a vocabulary of {margs.vocab_size} can't be compared"
         )
-    sides = {"sample.py --no-compile (KV cache, eager step)": ["--no-compile"]}
+    sides = [(Side("sample.py --no-compile (KV cache, eager step)"), ["--no-compile"])]  # (side, sample.py's flags)
     if with_compile:
-        sides["sample.py's default (the kept compiled step)"] = []
-    sides = [(Side(name), flags) for name, flags in sides.items()]
+        sides.append((Side("sample.py's default (the kept compiled step)"), []))
     compiling = Side("sample.py --compile, its first run (compiles and keeps the step)")
     theirs = Side(f"transformers generate ({their_dtype(device).replace('float', 'fp').replace('bfloat', 'bf')})")
     llama_cpp = llama_cpp_installed() and device == "cpu"

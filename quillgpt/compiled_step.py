@@ -27,10 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from quillgpt.precision import kept_peaks_path
+from quillgpt.files import cache_dir
+from quillgpt.precision import CPU_PATH_ENV
 
-# the environment caps that change which CPU kernels torch runs (benchmarks/conditions.py's ISA_ENV)
-CPU_PATH_ENV = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
 _loaded: dict[str, Callable] = {}  # packages loaded in this process, by key
 
 
@@ -106,7 +105,7 @@ def files_identity(source: str | Path) -> str:
 
 
 def packages_dir() -> Path:
-    return kept_peaks_path().parent / "decode"
+    return cache_dir() / "decode"
 
 
 def compiled_step(model: nn.Module, cache, build: bool) -> Callable | None:

@@ -89,3 +89,10 @@ def sha256_file(path: Path) -> str:
         while block := f.read(2**22):
             digest.update(block)
     return digest.hexdigest()
+
+
+def cache_dir() -> Path:
+    """What quillgpt keeps between runs on this machine (the best matmul rates, compiled decoding steps):
+    $QUILLGPT_CACHE, else $XDG_CACHE_HOME/quillgpt, else ~/.cache/quillgpt."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get("QUILLGPT_CACHE") or Path(cache) / "quillgpt")

@@ -301,9 +301,8 @@ def missing_biases(family: str, model: GPT, own: dict[str, torch.Tensor]) -> lis
             and not k.startswith(("transformer.wte", "transformer.wpe", "lm_head"))
             and k.removesuffix("weight") + "bias" not in own
         ]
-    if (
-        family in ("llama", "qwen3", "qwen3_moe") and c.qkv_bias and not c.bias
-    ):  # attention_bias covers the output projection too
+    # attention_bias covers the output projection too
+    if family in ("llama", "qwen3", "qwen3_moe") and c.qkv_bias and not c.bias:
         return [(f"model.layers.{i}.self_attn.o_proj.bias", c.n_embd) for i in range(c.n_layer)]
     return []
 

@@ -21,8 +21,11 @@ from pathlib import Path
 import torch
 
 from quillgpt.errors import UserError
-from quillgpt.files import atomic_write_json
+from quillgpt.files import atomic_write_json, cache_dir
 from quillgpt.machine import cpu_flags, cpu_model
+
+# the environment caps that change which CPU kernels torch runs (bench.py --isa sets them: benchmarks/conditions.py)
+CPU_PATH_ENV = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BF16_MARGIN = 1.5  # bf16 must measure this much faster: near parity, fp32's exactness wins and no re-run flips
@@ -201,10 +204,8 @@ def cuda_has_native_bf16() -> bool:
 
 
 def kept_peaks_path() -> Path:
-    """Where the best matmul rates this machine has shown are kept between runs: $QUILLGPT_CACHE, else
-    $XDG_CACHE_HOME/quillgpt, else ~/.cache/quillgpt."""
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(os.environ.get("QUILLGPT_CACHE") or Path(cache) / "quillgpt") / "cpu_peaks.json"
+    """Where the best matmul rates this machine has shown are kept between runs (files.cache_dir)."""
+    return cache_dir() / "cpu_peaks.json"
 
 
 def peak_key(rates: MatmulRates, precision: str) -> str:
