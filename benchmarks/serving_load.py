@@ -3,11 +3,17 @@ thread each, each sending --requests completions of --max-tokens tokens one afte
 whether every level's replies equal the single client's. The model is the config's (default: the GPU preset's char
 model) with random weights and a tokenizer without an end-of-text id, so every reply is --max-tokens long; or
 --ckpt's. ServerProcess, serve.py in a subprocess, is what the tests and benchmarks/soak_serve.py start too.
+
+--vs-llama-cpp: the same levels against llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server`,
+pip install 'llama-cpp-python[server]') on export.py --gguf's f32 file of the same model, with torch's thread count.
+That server answers one request at a time (llama.cpp's own C++ llama-server batches; the Python package's does not),
+queued: --interrupt_requests False, so that a new request does not cut short the one under way.
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
 import string
 import subprocess
 import sys
@@ -85,6 +91,62 @@ class ServerProcess:
         self.close()
 
 
+class LlamaCppServer:
+    """llama-cpp-python's OpenAI-compatible server on a GGUF file (its context the model's: --n_ctx 0), on 127.0.0.1,
+    ready once /v1/models answers; the same client() and context manager as ServerProcess."""
+
+    def __init__(self, gguf: str | Path, threads: int, startup_timeout: float = 120):
+        import httpx
+
+        with socket.socket() as s:  # a free port (llama_cpp.server takes no --port 0)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.api_key = "bench"
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "gguf"]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", "0", "--api_key", self.api_key]
+        cmd += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
+        cmd += ["--interrupt_requests", "False"]
+        # its log (a timing report per request) goes to a file: a pipe nobody reads fills up and stops the server
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
+        self.base = f"http://127.0.0.1:{port}/v1"
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise UserError(f"llama_cpp.server did not start: {self.log.read().strip()[-500:]}")
+            try:
+                headers = {"Authorization": f"Bearer {self.api_key}"}
+                if httpx.get(f"{self.base}/models", headers=headers).status_code == 200:
+                    return
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise
+                time.sleep(0.1)
+
+    client = ServerProcess.client
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+    def __enter__(self) -> LlamaCppServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def llama_cpp_server_installed() -> bool:
+    try:
+        import llama_cpp.server.app  # noqa: F401  (the [server] extra's packages)
+    except (ImportError, OSError):
+        return False
+    return True
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config(p, GPU_PRESET)
     p.add_argument("--ckpt", help="serve this checkpoint instead of the config's model with random weights")
@@ -93,6 +155,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (default %(default)s)")
     p.add_argument("--dtype", default="fp32", help="serve.py's --dtype (default %(default)s)")
     p.add_argument("--device", default="cpu", help="serve.py's --device (default %(default)s)")
+    p.add_argument(
+        "--vs-llama-cpp",
+        action="store_true",
+        help="the same levels against llama-cpp-python's server on the model's f32 GGUF (pip install "
+        "'llama-cpp-python[server]')",
+    )
 
 
 def bench_checkpoint(config: str, cli: list[str], directory: Path) -> Path:
@@ -144,18 +212,39 @@ def measure(
 ) -> list[Level]:
     """serve.py on ckpt, warmed up, then each level of concurrent greedy clients in turn."""
     with ServerProcess(ckpt, "--dtype", dtype, "--device", device, "--max-batch", str(max(levels))) as server:
-        model = server.client().models.list().data[0].id
-        load(server, model, 1, 1, 8)  # warm-up: first-call costs out of the timings
-        client = server.client(timeout=600)
-        alone = [  # each prompt's reply with the server to itself
-            client.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0).choices[0].text
-            for p in prompts(max(levels))
-        ]
-        rows = []
-        for clients in levels:
-            rate, texts = load(server, model, clients, requests, max_tokens)
-            rows.append(Level(clients, rate, texts == alone[:clients]))
-    return rows
+        return measure_server(server, levels, requests, max_tokens)[0]
+
+
+def measure_server(
+    server: ServerProcess | LlamaCppServer, levels: list[int], requests: int, max_tokens: int
+) -> tuple[list[Level], list[str]]:
+    """A started server, warmed up, then each level of concurrent greedy clients in turn; and each prompt's reply
+    with the server to itself."""
+    model = server.client().models.list().data[0].id
+    load(server, model, 1, 1, 8)  # warm-up: first-call costs out of the timings
+    client = server.client(timeout=600)
+    alone = [
+        client.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0).choices[0].text
+        for p in prompts(max(levels))
+    ]
+    rows = []
+    for clients in levels:
+        rate, texts = load(server, model, clients, requests, max_tokens)
+        rows.append(Level(clients, rate, texts == alone[:clients]))
+    return rows, alone
+
+
+def measure_llama_cpp(
+    ckpt: Path, directory: Path, levels: list[int], requests: int, max_tokens: int
+) -> tuple[list[Level], list[str]]:
+    """llama-cpp-python's server on export.py --gguf's f32 file of ckpt, with torch's threads."""
+    gguf = directory / "model-f32.gguf"
+    export = [sys.executable, "export.py", "--ckpt", str(ckpt), "--gguf", str(gguf), "--outtype", "f32"]
+    done = subprocess.run(export, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise UserError(f"export.py --gguf failed: {done.stderr.strip()[-500:]}")
+    with LlamaCppServer(gguf, torch.get_num_threads()) as server:
+        return measure_server(server, levels, requests, max_tokens)
 
 
 def print_levels(rows: list[Level]) -> None:
@@ -169,16 +258,44 @@ def print_levels(rows: list[Level]) -> None:
     )
 
 
+def print_against_llama_cpp(ours: list[Level], theirs: list[Level], same_replies: bool) -> None:
+    print_table(
+        ["clients", "serve.py tokens/s", "llama_cpp.server tokens/s", "serve.py / llama.cpp", "its text = 1 client's"],
+        [
+            [
+                str(a.clients),
+                f"{a.tokens_per_s:,.0f}",
+                f"{b.tokens_per_s:,.0f}",
+                f"{a.tokens_per_s / b.tokens_per_s:.2f}x",
+                "yes" if b.same_text else "NO",
+            ]
+            for a, b in zip(ours, theirs)
+        ],
+    )
+    print(f"greedy replies of the two servers equal: {'yes' if same_replies else 'no (f32 rounding near ties)'}")
+
+
 def run(args: argparse.Namespace, cli: list[str]) -> None:
     levels = [int(c) for c in args.clients.split(",")]
+    if args.vs_llama_cpp and not llama_cpp_server_installed():
+        raise UserError("--vs-llama-cpp needs llama-cpp-python's server: pip install 'llama-cpp-python[server]'")
+    if args.vs_llama_cpp and (args.device != "cpu" or args.dtype != "fp32"):
+        raise UserError("--vs-llama-cpp compares fp32 on the CPU (the f32 GGUF): leave --device and --dtype out")
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.ckpt or bench_checkpoint(args.config, cli, Path(tmp))
-        rows = measure(ckpt, levels, args.requests, args.max_tokens, args.dtype, args.device)
+        flags = ["--dtype", args.dtype, "--device", args.device, "--max-batch", str(max(levels))]
+        with ServerProcess(ckpt, *flags) as server:
+            rows, ours_alone = measure_server(server, levels, args.requests, args.max_tokens)
+        if args.vs_llama_cpp:
+            theirs, theirs_alone = measure_llama_cpp(Path(ckpt), Path(tmp), levels, args.requests, args.max_tokens)
     print(
         f"serve.py --dtype {args.dtype} --device {args.device}: {args.requests} requests per client, "
         f"{args.max_tokens} tokens each, greedy; {load_average()}"
     )
     print_levels(rows)
+    if args.vs_llama_cpp:
+        print(f"\nllama_cpp.server on the f32 GGUF, {torch.get_num_threads()} threads, the same clients:")
+        print_against_llama_cpp(rows, theirs, ours_alone == theirs_alone)
 
 
 MODE = Mode(

@@ -4,6 +4,7 @@ on sys.path, so tests import `model`, `quillgpt` and the scripts.)"""
 
 import atexit
 import functools
+import importlib
 import os
 import platform
 import random
@@ -62,6 +63,17 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "shakespeare_path" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.corpus)
+
+
+def require_llama_cpp(module: str) -> None:
+    """Skip unless llama-cpp-python's `module` imports (llama_cpp; llama_cpp.server.app, its [server] extra); fail
+    instead where QUILLGPT_REQUIRE_LLAMA_CPP is set (CI installs it: the llama.cpp cases must run there)."""
+    try:
+        importlib.import_module(module)
+    except ImportError as e:  # a broken build too
+        if os.environ.get("QUILLGPT_REQUIRE_LLAMA_CPP"):
+            pytest.fail(f"QUILLGPT_REQUIRE_LLAMA_CPP is set but {module} does not import: {e}")
+        pytest.skip(f"{module} does not import (pip install '.[llama]'): {e}")
 
 
 @pytest.fixture

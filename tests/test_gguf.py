@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO_ROOT, gpt2_encoding_error, save_hf_family, save_hf_tokenizer, word_salad
+from conftest import REPO_ROOT, gpt2_encoding_error, require_llama_cpp, save_hf_family, save_hf_tokenizer, word_salad
 from safetensors.torch import load_file, save_file
 from test_lora import lora_run
 
@@ -513,14 +512,8 @@ def test_modelfiles_follow_the_template_kind():
 
 @pytest.fixture
 def needs_llama_cpp():
-    """Skips before anything is exported when llama-cpp-python is not installed; fails instead where
-    QUILLGPT_REQUIRE_LLAMA_CPP is set (CI installs it: its parity cases must run there)."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError as e:  # a broken build too
-        if os.environ.get("QUILLGPT_REQUIRE_LLAMA_CPP"):
-            pytest.fail(f"QUILLGPT_REQUIRE_LLAMA_CPP is set but llama_cpp does not import: {e}")
-        pytest.skip(f"llama-cpp-python is not installed (pip install '.[llama]'): {e}")
+    """Skips before anything is exported when llama-cpp-python is not installed (fails where CI requires it)."""
+    require_llama_cpp("llama_cpp")
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, chatml_without_tool
+from conftest import REPO_ROOT, chatml_without_tool, require_llama_cpp
 from test_chat_template import FORGED_CHATML, FORGED_LLAMA3, TEMPLATES, save_template_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -440,6 +440,19 @@ def test_bench_serve_tables_tokens_per_second_by_clients_and_checks_the_greedy_t
     bench.main(["--serve", "--clients", "1,4", "--requests", "2", "--max-tokens", "8", *tiny])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 ") or line.startswith("| 4 ")]
     assert len(rows) == 2 and all(row.rstrip(" |").endswith("yes") for row in rows), rows
+
+
+def test_bench_serve_against_llama_cpp_tables_both_servers_on_the_same_model(capsys):
+    """--vs-llama-cpp: llama-cpp-python's server on export.py's f32 GGUF of the bench model answers the same clients;
+    in f32 its greedy replies are serve.py's."""
+    require_llama_cpp("llama_cpp.server.app")
+    tiny = ["--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "64"]
+    bench.main(["--serve", "--vs-llama-cpp", "--clients", "1,2", "--requests", "1", "--max-tokens", "8", *tiny])
+    out = capsys.readouterr().out
+    table = out.split("llama_cpp.server on the f32 GGUF")[1]
+    rows = [line.split("|")[1:5] for line in table.splitlines() if line.startswith(("| 1 ", "| 2 "))]
+    assert [int(r[0]) for r in rows] == [1, 2] and all(float(r[2].replace(",", "")) > 0 for r in rows), table
+    assert "greedy replies of the two servers equal: yes" in out
 
 
 @pytest.mark.parametrize("sig, code, said", [(signal.SIGTERM, 0, ""), (signal.SIGINT, 130, "interrupted")])
