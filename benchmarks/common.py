@@ -4,6 +4,7 @@ steps, the matmul ceiling, batch-1 decoding time, child processes with their pea
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -62,6 +63,16 @@ class Mode:
     def dest(self) -> str:
         """The flag's attribute on the parsed namespace."""
         return (self.flag or "").removeprefix("--").replace("-", "_")
+
+
+def llama_cpp_installed(module: str = "llama_cpp") -> bool:
+    """Whether llama-cpp-python's `module` imports (llama_cpp.server.app: its [server] extra); a broken build too
+    reads as missing."""
+    try:
+        importlib.import_module(module)
+    except (ImportError, OSError):
+        return False
+    return True
 
 
 def add_config(p: argparse.ArgumentParser, default: Path) -> None:

@@ -601,7 +601,7 @@ def serving(check: Check) -> dict:
     try:
         with tempfile.TemporaryDirectory(prefix="gpu_check_serve_") as tmp:
             ckpt = serving_load.bench_checkpoint(str(GPU_PRESET), s.decoding, Path(tmp))
-            levels = serving_load.measure(ckpt, s.clients, s.requests, s.reply_tokens, dtype, check.device)
+            levels, _ = serving_load.measure(ckpt, s.clients, s.requests, s.reply_tokens, dtype, check.device)
     except (UserError, ImportError) as e:
         print(f"\nd. serving: {e}")
         return {"error": str(e)}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import GPU_PRESET, REPO, Mode, add_config, decoding_model_args, print_table
+from benchmarks.common import GPU_PRESET, REPO, Mode, add_config, decoding_model_args, llama_cpp_installed, print_table
 from benchmarks.conditions import load_average
 from model import GPT
 from quillgpt.checkpoint import save_checkpoint
@@ -110,13 +110,13 @@ class LlamaCppServer:
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         self.base = f"http://127.0.0.1:{port}/v1"
+        headers = {"Authorization": f"Bearer {self.api_key}"}
         deadline = time.monotonic() + startup_timeout
         while True:
             if self.proc.poll() is not None:
                 self.log.seek(0)
                 raise UserError(f"llama_cpp.server did not start: {self.log.read().strip()[-500:]}")
             try:
-                headers = {"Authorization": f"Bearer {self.api_key}"}
                 if httpx.get(f"{self.base}/models", headers=headers).status_code == 200:
                     return
             except httpx.TransportError:
@@ -137,14 +137,6 @@ class LlamaCppServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def llama_cpp_server_installed() -> bool:
-    try:
-        import llama_cpp.server.app  # noqa: F401  (the [server] extra's packages)
-    except (ImportError, OSError):
-        return False
-    return True
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -209,10 +201,10 @@ class Level:
 
 def measure(
     ckpt: str | Path, levels: list[int], requests: int, max_tokens: int, dtype: str, device: str = "cpu"
-) -> list[Level]:
-    """serve.py on ckpt, warmed up, then each level of concurrent greedy clients in turn."""
+) -> tuple[list[Level], list[str]]:
+    """serve.py on ckpt (measure_server)."""
     with ServerProcess(ckpt, "--dtype", dtype, "--device", device, "--max-batch", str(max(levels))) as server:
-        return measure_server(server, levels, requests, max_tokens)[0]
+        return measure_server(server, levels, requests, max_tokens)
 
 
 def measure_server(
@@ -277,15 +269,13 @@ def print_against_llama_cpp(ours: list[Level], theirs: list[Level], same_replies
 
 def run(args: argparse.Namespace, cli: list[str]) -> None:
     levels = [int(c) for c in args.clients.split(",")]
-    if args.vs_llama_cpp and not llama_cpp_server_installed():
+    if args.vs_llama_cpp and not llama_cpp_installed("llama_cpp.server.app"):
         raise UserError("--vs-llama-cpp needs llama-cpp-python's server: pip install 'llama-cpp-python[server]'")
     if args.vs_llama_cpp and (args.device != "cpu" or args.dtype != "fp32"):
         raise UserError("--vs-llama-cpp compares fp32 on the CPU (the f32 GGUF): leave --device and --dtype out")
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.ckpt or bench_checkpoint(args.config, cli, Path(tmp))
-        flags = ["--dtype", args.dtype, "--device", args.device, "--max-batch", str(max(levels))]
-        with ServerProcess(ckpt, *flags) as server:
-            rows, ours_alone = measure_server(server, levels, args.requests, args.max_tokens)
+        rows, ours_alone = measure(ckpt, levels, args.requests, args.max_tokens, args.dtype, args.device)
         if args.vs_llama_cpp:
             theirs, theirs_alone = measure_llama_cpp(Path(ckpt), Path(tmp), levels, args.requests, args.max_tokens)
     print(

@@ -26,7 +26,16 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import GPU_PRESET, PROMPT_TOKENS, REPO, Mode, add_config, decoding_model_args, print_table
+from benchmarks.common import (
+    GPU_PRESET,
+    PROMPT_TOKENS,
+    REPO,
+    Mode,
+    add_config,
+    decoding_model_args,
+    llama_cpp_installed,
+    print_table,
+)
 from benchmarks.conditions import load_average
 from model import GPT, GPTConfig
 from quillgpt.errors import UserError
@@ -124,14 +133,6 @@ def run_llama_cpp(side: Side, path: str, new_tokens: int, prompt_ids: list[int],
     wall, output, _ = run_child(cmd)
     result = json.loads(output.strip().splitlines()[-1])
     side.record(wall, result["seconds"], tokenizer.decode(result["ids"]))
-
-
-def llama_cpp_installed() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except (ImportError, OSError):
-        return False
-    return True
 
 
 def their_dtype(device: str) -> str:

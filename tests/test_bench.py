@@ -14,9 +14,8 @@ from conftest import REPO_ROOT, TINY_COMPILED, X86_ONLY, tiny_overrides
 
 import bench
 import speedrun
-from benchmarks.common import write_repeated
+from benchmarks.common import llama_cpp_installed, write_repeated
 from benchmarks.training_step import LoopBatchSource
-from benchmarks.vs_transformers import llama_cpp_installed
 from quillgpt.checkpoint import RunDir, load_checkpoint
 from quillgpt.data import BatchSource, load_dataset
 from quillgpt.errors import UserError
