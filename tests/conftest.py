@@ -57,12 +57,34 @@ def gpt2_encoding_offline():
     gpt2_encoding_error()
 
 
-def pytest_collection_modifyitems(items):
-    """The tests that read tiny Shakespeare itself are marked `corpus`: CI runs the whole suite as a fresh clone has
-    it (no corpus: these skip), then these with the corpus (.ci/run)."""
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run the end-to-end tier (tests marked slow)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that read tiny Shakespeare itself are marked `corpus`: they skip where it is absent, and CI runs them
+    again with it (.ci/run). The end-to-end tier (marked `slow`: real training to a result, torchrun jobs, kill
+    trials, compiling) is left out unless asked for (everything_asked_for): `python -m pytest -n 2` is the quick tier,
+    and CI runs both."""
     for item in items:
         if "shakespeare_path" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.corpus)
+    if everything_asked_for(config):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+def everything_asked_for(config) -> bool:
+    """--slow, a -m expression, or a test named by its node id (tests/test_x.py::test_y) runs whatever it picks."""
+    return bool(config.getoption("--slow") or config.getoption("markexpr") or any("::" in a for a in config.args))
+
+
+def pytest_report_header(config):
+    if not everything_asked_for(config):
+        return "the quick tier: the end-to-end tests (marked slow) are deselected; --slow runs them too"
 
 
 def require_llama_cpp(module: str) -> None:

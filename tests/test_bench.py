@@ -163,6 +163,7 @@ def test_muon_mode_times_torch_muon_against_the_batched_muon(tiny, capsys):
     ].endswith("%")
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("compiled_step")
 def test_kernels_mode_clocks_each_kernel_of_the_compiled_step_and_puts_them_back(tiny_data, tmp_path, capsys):
     """--kernels: the compiled step's matmuls (with FLOP/s), fused kernels, ops called by name and optimizer, each
@@ -375,6 +376,7 @@ def test_speedrun_times_rungs_seeds_and_variants(tiny, tmp_path):
         assert load_checkpoint(RunDir(tmp_path / "kept" / f"{name}-1-a").latest())["iter_num"] == 4
 
 
+@pytest.mark.slow
 def test_speedrun_stops_a_run_at_its_budget_once_per_seed(tiny, tmp_path):
     config = tmp_path / "long.toml"
     config.write_text('[run]\ndevice = "cpu"\n[training]\nmax_iters = 100000\neval_iters = 2\neval_interval = 5\n')
@@ -401,6 +403,7 @@ def test_speedrun_stops_a_run_at_its_budget_once_per_seed(tiny, tmp_path):
     assert [r[2] for r in rows] == ["5", "6"] and all("over budget (best" in r[-3] for r in rows)
 
 
+@pytest.mark.slow
 @X86_ONLY
 def test_speedrun_on_the_avx2_path_trains_in_fp32_and_scales_its_budget_by_fp32s_rate(tiny, tmp_path):
     """--isa avx2: train.py and the budget's probe run under the caps, where bf16 is emulated, so the preset's auto
@@ -479,6 +482,7 @@ def test_vs_nanogpt_reads_both_trainers_iteration_lines_and_gives_nanogpt_our_da
     assert (work / "configurator.py").resolve() == (nanogpt / "configurator.py").resolve()
 
 
+@pytest.mark.slow
 def test_vs_transformers_decodes_the_same_greedy_tokens_as_transformers_generate(transformers, capsys):
     """Both sides load the same exported directory and decode greedily; the table has both rows and the tokens match."""
     small = ["--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32"]

@@ -330,6 +330,7 @@ def write_chat_harness_task(directory: Path) -> tuple[Path, list]:
     return directory, items
 
 
+@pytest.mark.slow
 def test_harness_chat_mode_renders_requests_in_the_template_and_answers_as_chat_does(chat_ckpt, tmp_path):
     pytest.importorskip("lm_eval")
     from lm_eval import simple_evaluate
@@ -370,6 +371,7 @@ def test_harness_chat_mode_renders_requests_in_the_template_and_answers_as_chat_
     assert ctx == fmt.prompt_ids(messages) and cont == tok.encode("42")
 
 
+@pytest.mark.slow
 def test_eval_passes_apply_chat_template_to_the_harness_and_refuses_a_base_model(chat_ckpt, base_ckpt, tmp_path):
     pytest.importorskip("lm_eval")
     task_dir, _ = write_chat_harness_task(tmp_path / "tasks")

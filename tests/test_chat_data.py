@@ -257,6 +257,7 @@ def chat_overrides(data_dir: Path, out_dir: Path, **extra) -> dict:
     return tiny_overrides(data_dir, out_dir, **{"data.dataset": "sums", "model.block_size": 48, **extra})
 
 
+@pytest.mark.slow
 def test_training_logs_assistant_losses_and_resumes_exactly(chat_data, tmp_path, capsys):
     data_dir, _ = chat_data
     common = {"training.max_iters": 16, "training.save_interval": 4, "optimizer.lr_decay_iters": 16}

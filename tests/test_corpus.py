@@ -219,6 +219,7 @@ def still_running(pids: list[int], wait: float = 5.0) -> list[int]:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_restarts_after_sigkill_end_with_the_uninterrupted_files(tmp_path):
     """A dozen SIGKILLs of `python prepare.py`, each at a random moment after the run has moved on from where the
     previous one stopped, each followed by the same command: the last run ends with the files of a run never

@@ -44,6 +44,7 @@ def test_eager_decoding_gives_the_uncached_greedy_tokens_within_and_past_the_con
     assert texts[0] == tokenizer.decode(long[0, 9:].tolist())
 
 
+@pytest.mark.slow
 def test_a_compiled_step_gives_the_eager_greedy_tokens_and_is_kept_for_later_runs(tmp_path, monkeypatch):
     """compile=True compiles the step ahead of time and keeps it; a later load of the same checkpoint uses it by
     default (compile=None) without compiling; a checkpoint rewritten since gets none (its files changed), and

@@ -410,6 +410,7 @@ def history(run: Path) -> dict:
     return {(p["kind"], p["iter"]): p.get("loss", p.get("val_loss")) for p in points}
 
 
+@pytest.mark.slow
 def test_dpo_training_logs_its_loss_and_rewards_and_resumes_exactly(dpo_data, tmp_path, capsys):
     data_dir, ckpt = dpo_data
     straight = train(None, overrides=dpo_overrides(data_dir, ckpt, tmp_path / "straight"))
@@ -481,6 +482,7 @@ def test_dpo_mistakes_are_one_line(dpo_data, tmp_path):
     assert proc.returncode == 2 and "data.preference = true tunes a model with DPO" in proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_dpo_tunes_the_chat_model_and_measures_it_before_and_after(tmp_path, capsys):
     import bench
 

@@ -86,6 +86,7 @@ def test_kv_cache_greedy_matches_no_cache(kw):
     assert torch.equal(with_cache, without)
 
 
+@pytest.mark.slow
 def test_compiled_decoding_gives_the_eager_tokens():
     """The compiled one-token step (a cache allocated once, attended over whole with the unfilled part masked)
     gives exactly the eager path's greedy tokens, for a modern model with grouped-query attention and past

@@ -164,6 +164,7 @@ def test_train_step_and_evaluation_run_the_model_on_the_batches_positions(docume
     assert loss.item() == pytest.approx(expected["train"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_packed_chat_training_resumes_exactly(chat_data, tmp_path, capsys):  # noqa: F811
     data_dir, _ = chat_data
     common = {

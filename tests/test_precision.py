@@ -110,6 +110,7 @@ def test_one_thread_readings_choose_and_the_cpu_class_settles_a_tie():
 PROBE = "from quillgpt.precision import measure_cpu_rates as m\nfor _ in range(3): m.cache_clear(); print(m(384, 256).faster)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ["native", pytest.param("avx2", marks=X86_ONLY)])
 def test_auto_picks_this_cpus_class_precision_with_the_cores_contended(isa):
     """With three busy-looping processes on the cores, fresh probes still pick what this CPU's class runs fast:
@@ -143,6 +144,7 @@ def test_the_probe_is_bounded_and_cached():
     assert rates.fp32 > 0 and rates.bf16 > 0 and measure_cpu_rates(64, 100_000) is rates
 
 
+@pytest.mark.slow
 @X86_ONLY
 def test_bench_probe_on_the_avx2_path_shows_the_capped_kernels_and_rates():
     out = subprocess.run(

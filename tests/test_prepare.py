@@ -180,6 +180,7 @@ def test_an_input_rewritten_since_its_preparation_is_refused_until_the_dataset_i
     assert json.loads((out_dir / "meta.json").read_text())["sources"][0]["bytes"] == text_file.stat().st_size
 
 
+@pytest.mark.slow
 def test_a_bpe_dataset_prepared_at_one_size_is_reused_by_a_run_that_names_no_size(tmp_path, text_file):
     """prepare.py --tokenizer bpe --vocab-size 512, then train.py with the README's --data.tokenizer bpe and no size:
     the run trains on the dataset as prepared (the 4096 default was never asked for). A size that differs is still

@@ -474,6 +474,7 @@ for it in range(12):  # the heap grows to its steady size over the first few ste
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_cpu_training_steps_reuse_freed_memory_instead_of_faulting_it_in_again(tiny_data, tmp_path):
     """A CPU step frees and re-allocates the same multi-MB tensors; trainer.setup has glibc keep freed memory, so
