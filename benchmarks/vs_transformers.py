@@ -1,6 +1,6 @@
-"""--vs-transformers: batch-1 greedy decoding of the same exported model by sample.py, by transformers' `generate` and,
-where llama-cpp-python is installed, by llama.cpp on export.py --gguf's f32 and bf16 files (the same threads), each a
-fresh process, so that start-up, loading and any compile count as a user pays them. Our side is
+"""--vs-transformers: greedy decoding of the same exported model by sample.py, by transformers' `generate` and, where
+llama-cpp-python is installed, by llama.cpp on export.py --gguf's f32 and bf16 files (the same threads), each a fresh
+process, so that start-up, loading and any compile count as a user pays them. Our side is
 `python sample.py --ckpt DIR --prompt TEXT --temperature 0 --max-new-tokens N --device D` (everything else sample.py's
 default: dtype auto; --no-compile for the eager step); theirs a Python process that imports transformers, loads the directory with
 AutoModelForCausalLM onto D (in bf16 on a CUDA device, as sample.py's auto; else fp32) and calls generate on the
@@ -11,6 +11,9 @@ greedy tokens are equal. The model is the config's (default: the GPU preset's ch
 so that the prompt and 256 new tokens fit) with random weights and tiny Shakespeare's characters, exported as
 export.py --hf writes it. --with-compile first runs sample.py --compile once (it compiles the step and keeps it:
 its wall time is the compile's cost, paid once), then adds sample.py's default, which finds the kept step.
+--batch N decodes N copies of the prompt at once (RL's rollouts are 144 rows): sample.py --num-samples N, generate on
+N rows, and llama.cpp with N sequences in one context, each step one llama_decode of N tokens (llama-cpp-python's
+low-level API: its Llama.generate decodes one sequence, which batch 1 keeps using). Tokens/s counts every row's.
 """
 
 from __future__ import annotations
@@ -53,9 +56,10 @@ THEIRS = """
 import json, sys, time
 import torch, transformers
 directory, new_tokens, prompt, device, dtype = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), *sys.argv[4:6]
+batch = int(sys.argv[6])
 model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).to(device).eval()
 t0 = time.perf_counter()
-ids = torch.tensor([prompt], device=device)
+ids = torch.tensor([prompt] * batch, device=device)
 with torch.no_grad():  # an explicit mask: generate would take the pad id (0, a real character here) for padding
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
@@ -75,6 +79,41 @@ for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
         break
 seconds = time.perf_counter() - t0
 print(json.dumps({"ids": ids, "seconds": seconds}))
+"""
+# llama.cpp with `batch` sequences in one context, each its own part of the KV cache (a unified cache had every row
+# attend over all rows' cells, masked: minutes at 144 rows): the prompts in one llama_decode, then each step one
+# llama_decode of a token per sequence, greedy by argmax over each row's logits
+LLAMA_CPP_BATCH = """
+import json, sys, time
+import numpy as np
+import llama_cpp as L
+path, new_tokens, prompt, threads, batch = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), *map(int, sys.argv[4:6])
+L.llama_backend_init()
+model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+params = L.llama_context_default_params()
+params.n_seq_max, params.n_ctx, params.kv_unified = batch, batch * (len(prompt) + new_tokens), False
+params.n_batch = params.n_ubatch = batch * len(prompt)
+params.n_threads = params.n_threads_batch = threads
+ctx = L.llama_init_from_model(model, params)
+n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+tokens = L.llama_batch_init(params.n_batch, 0, batch)
+def decode(rows):  # (sequence, position, token, whether its logits are wanted)
+    tokens.n_tokens = len(rows)
+    for i, (seq, pos, token, out) in enumerate(rows):
+        tokens.token[i], tokens.pos[i], tokens.n_seq_id[i], tokens.logits[i] = token, pos, 1, out
+        tokens.seq_id[i][0] = seq
+    assert L.llama_decode(ctx, tokens) == 0
+def greedy(i):
+    return int(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax())
+t0 = time.perf_counter()
+decode([(s, p, t, p == len(prompt) - 1) for s in range(batch) for p, t in enumerate(prompt)])
+rows = [[greedy(s * len(prompt) + len(prompt) - 1)] for s in range(batch)]
+while len(rows[0]) < new_tokens:
+    decode([(s, len(prompt) + len(row) - 1, row[-1], True) for s, row in enumerate(rows)])
+    for s, row in enumerate(rows):
+        row.append(greedy(s))
+seconds = time.perf_counter() - t0
+print(json.dumps({"ids": rows[0], "seconds": seconds, "rows_equal": all(row == rows[0] for row in rows)}))
 """
 
 
@@ -100,6 +139,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per side; the best is reported (default %(default)s)")
     p.add_argument("--with-compile", action="store_true", help="also time sample.py --compile")
     p.add_argument(
+        "--batch", type=int, default=1, help="rows decoded at once, each the same prompt (default %(default)s)"
+    )
+    p.add_argument(
         "--device",
         default="cpu",
         help="where both sides decode (default %(default)s); on CUDA transformers runs in bf16 as sample.py's auto does",
@@ -116,22 +158,27 @@ def run_child(cmd: list[str]) -> tuple[float, str, str]:
     return wall, done.stdout, done.stderr
 
 
-def run_ours(side: Side, directory: str, new_tokens: int, flags: list[str], device: str) -> None:
+def run_ours(side: Side, directory: str, new_tokens: int, flags: list[str], device: str, batch: int) -> None:
     cmd = [sys.executable, "sample.py", "--ckpt", directory, "--prompt", PROMPT, "--temperature", "0"]
     cmd += ["--max-new-tokens", str(new_tokens), "--no-stream", "--verbose", "--device", device]
+    cmd += ["--num-samples", str(batch)]
     wall, output, log = run_child([*cmd, *flags])
     stats = OUR_RATE.findall(log)
     if not stats:
         raise UserError(f"sample.py printed no tokens/s line: {log[-300:]}")
     rate, side.note = stats[-1]
-    text = output[len(PROMPT) :].removesuffix("\n")  # sample.py prints the prompt and the text
-    side.record(wall, new_tokens / float(rate.replace(",", "")), text)
+    first = output.split("---------------\n")[0]  # several samples are printed one after another, each ended so
+    text = first[len(PROMPT) :].removesuffix("\n")  # sample.py prints the prompt and the text
+    side.record(wall, batch * new_tokens / float(rate.replace(",", "")), text)
 
 
-def run_llama_cpp(side: Side, path: str, new_tokens: int, prompt_ids: list[int], tokenizer) -> None:
-    cmd = [sys.executable, "-c", LLAMA_CPP, path, str(new_tokens), json.dumps(prompt_ids), str(torch.get_num_threads())]
-    wall, output, _ = run_child(cmd)
+def run_llama_cpp(side: Side, path: str, new_tokens: int, prompt_ids: list[int], tokenizer, batch: int) -> None:
+    script = LLAMA_CPP if batch == 1 else LLAMA_CPP_BATCH
+    cmd = [sys.executable, "-c", script, path, str(new_tokens), json.dumps(prompt_ids), str(torch.get_num_threads())]
+    wall, output, _ = run_child([*cmd, *([str(batch)] if batch > 1 else [])])
     result = json.loads(output.strip().splitlines()[-1])
+    if not result.get("rows_equal", True):
+        raise UserError(f"llama.cpp's {batch} rows of the same prompt decoded differently")
     side.record(wall, result["seconds"], tokenizer.decode(result["ids"]))
 
 
@@ -146,7 +193,9 @@ def their_dtype(device: str) -> str:
     return "float32"
 
 
-def run_theirs(side: Side, directory: str, new_tokens: int, prompt_ids: list[int], tokenizer, device: str) -> None:
+def run_theirs(
+    side: Side, directory: str, new_tokens: int, prompt_ids: list[int], tokenizer, device: str, batch: int
+) -> None:
     cmd = [
         sys.executable,
         "-c",
@@ -156,6 +205,7 @@ def run_theirs(side: Side, directory: str, new_tokens: int, prompt_ids: list[int
         json.dumps(prompt_ids),
         device,
         their_dtype(device),
+        str(batch),
     ]
     wall, output, _ = run_child(cmd)
     result = json.loads(output.strip().splitlines()[-1])
@@ -170,6 +220,7 @@ class Comparison:
     new_tokens: int
     repeats: int
     device: str
+    batch: int
     sides: list[Side]  # ours (and compiled), transformers', then llama.cpp's (f32, bf16) where installed
     theirs: Side
 
@@ -179,7 +230,9 @@ class Comparison:
         return all(s.text == self.theirs.text for s in self.sides if "bf16" not in s.name + s.note)
 
 
-def compare(config: str, cli: list[str], new_tokens: int, repeats: int, with_compile: bool, device: str) -> Comparison:
+def compare(
+    config: str, cli: list[str], new_tokens: int, repeats: int, with_compile: bool, device: str, batch: int = 1
+) -> Comparison:
     """sample.py (and sample.py --compile) against transformers' generate on the config's model with random weights,
     exported as export.py --hf writes it: --repeats fresh processes a side, in ABBA order (the machine's drift hits
     both alike)."""
@@ -212,29 +265,32 @@ def compare(config: str, cli: list[str], new_tokens: int, repeats: int, with_com
         tokenizer = tokenizer_from_dict(load_model(directory).tokenizer)
         prompt_ids = tokenizer.encode(PROMPT)
         if with_compile:
-            run_ours(compiling, directory, new_tokens, ["--compile"], device)
+            run_ours(compiling, directory, new_tokens, ["--compile"], device, batch)
         runs = [
-            lambda side=side, flags=flags: run_ours(side, directory, new_tokens, flags, device) for side, flags in sides
+            lambda side=side, flags=flags: run_ours(side, directory, new_tokens, flags, device, batch)
+            for side, flags in sides
         ]
-        runs.append(lambda: run_theirs(theirs, directory, new_tokens, prompt_ids, tokenizer, device))
+        runs.append(lambda: run_theirs(theirs, directory, new_tokens, prompt_ids, tokenizer, device, batch))
         for outtype, side in gguf.items():
             path = f"{directory}/model-{outtype}.gguf"
             export_cmd = [sys.executable, "export.py", "--ckpt", f"{directory}/ours.safetensors", "--gguf", path]
             subprocess.run([*export_cmd, "--outtype", outtype], cwd=REPO, check=True, capture_output=True)
-            runs.append(lambda side=side, path=path: run_llama_cpp(side, path, new_tokens, prompt_ids, tokenizer))
+            runs.append(
+                lambda side=side, path=path: run_llama_cpp(side, path, new_tokens, prompt_ids, tokenizer, batch)
+            )
         for i in range(repeats):  # alternating, in ABBA order, so that drift hits every side alike
             for run_side in runs if i % 2 == 0 else runs[::-1]:
                 run_side()
     ours = [*([compiling] if with_compile else []), *(side for side, _ in sides)]
-    return Comparison(margs, new_tokens, repeats, device, [*ours, theirs, *gguf.values()], theirs)
+    return Comparison(margs, new_tokens, repeats, device, batch, [*ours, theirs, *gguf.values()], theirs)
 
 
 def print_comparison(c: Comparison) -> None:
-    m, n, theirs = c.margs, c.new_tokens, c.theirs
+    m, n, theirs = c.margs, c.new_tokens * c.batch, c.theirs
     threads = f", {torch.get_num_threads()} threads" if c.device == "cpu" else ""
     print(
-        f"{m.n_layer} layers, n_embd {m.n_embd}, context {m.block_size}, {n} new tokens after a {PROMPT_TOKENS}-token "
-        f"prompt, batch 1, greedy, on {c.device}{threads}; a fresh process per run, best of {c.repeats}"
+        f"{m.n_layer} layers, n_embd {m.n_embd}, context {m.block_size}, {c.new_tokens} new tokens after a "
+        f"{PROMPT_TOKENS}-token prompt, batch {c.batch}, greedy, on {c.device}{threads}; a fresh process per run, best of {c.repeats}"
     )
     llama_f32 = next((s for s in c.sides if s.name == "llama.cpp, --gguf f32"), None)
     print_table(
@@ -267,13 +323,16 @@ def print_comparison(c: Comparison) -> None:
 
 
 def run(args: argparse.Namespace, cli: list[str]) -> None:
-    print_comparison(compare(args.config, cli, args.new_tokens, args.repeats, args.with_compile, args.device))
+    if args.batch < 1:
+        raise UserError(f"--batch {args.batch}: decode at least one row")
+    comparison = compare(args.config, cli, args.new_tokens, args.repeats, args.with_compile, args.device, args.batch)
+    print_comparison(comparison)
     print(load_average())
 
 
 MODE = Mode(
     "--vs-transformers",
-    "batch-1 greedy decoding, fresh processes: sample.py's default against transformers' generate",
+    "greedy decoding, fresh processes: sample.py's default against transformers' generate (and llama.cpp)",
     __doc__,
     add_arguments,
     run,

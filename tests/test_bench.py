@@ -483,18 +483,22 @@ def test_vs_nanogpt_reads_both_trainers_iteration_lines_and_gives_nanogpt_our_da
 
 
 @pytest.mark.slow
-def test_vs_transformers_decodes_the_same_greedy_tokens_as_transformers_generate(transformers, capsys):
-    """Both sides load the same exported directory and decode greedily; the table has both rows and the tokens match."""
+@pytest.mark.parametrize("batch", [1, 3])
+def test_vs_transformers_decodes_the_same_greedy_tokens_as_transformers_generate(transformers, capsys, batch):
+    """Both sides load the same exported directory and decode greedily; the table has both rows and the tokens match.
+    At batch 3 every side decodes three rows at once (llama.cpp three sequences in one context)."""
     small = ["--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32"]
-    bench.main(["--vs-transformers", "--new-tokens", "12", "--repeats", "1", *small])
+    bench.main(["--vs-transformers", "--new-tokens", "12", "--repeats", "1", "--batch", str(batch), *small])
     out = capsys.readouterr().out
     rows = {row[0]: row for row in table_rows(out)}
+    assert f"12 new tokens after a 16-token prompt, batch {batch}, greedy" in out
     assert any(name.startswith("sample.py --no-compile") for name in rows) and "transformers generate (fp32)" in rows
     assert "greedy tokens equal: True" in out
     if llama_cpp_installed():  # llama.cpp on the same model's GGUF files, beside them
         assert {"llama.cpp, --gguf f32", "llama.cpp, --gguf bf16"} <= set(rows)
-    with pytest.raises(UserError, match="exceed the context 32"):
-        bench.main(["--vs-transformers", "--new-tokens", "30", *small])
+    if batch == 1:
+        with pytest.raises(UserError, match="exceed the context 32"):
+            bench.main(["--vs-transformers", "--new-tokens", "30", *small])
 
 
 def test_a_child_s_peak_rss_is_its_own_not_its_parent_s(tmp_path):
