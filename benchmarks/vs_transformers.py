@@ -174,8 +174,10 @@ def run_ours(side: Side, directory: str, new_tokens: int, flags: list[str], devi
 
 def run_llama_cpp(side: Side, path: str, new_tokens: int, prompt_ids: list[int], tokenizer, batch: int) -> None:
     script = LLAMA_CPP if batch == 1 else LLAMA_CPP_BATCH
-    cmd = [sys.executable, "-c", script, path, str(new_tokens), json.dumps(prompt_ids), str(torch.get_num_threads())]
-    wall, output, _ = run_child([*cmd, *([str(batch)] if batch > 1 else [])])
+    threads = str(torch.get_num_threads())
+    wall, output, _ = run_child(
+        [sys.executable, "-c", script, path, str(new_tokens), json.dumps(prompt_ids), threads, str(batch)]
+    )
     result = json.loads(output.strip().splitlines()[-1])
     if not result.get("rows_equal", True):
         raise UserError(f"llama.cpp's {batch} rows of the same prompt decoded differently")

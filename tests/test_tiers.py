@@ -1,14 +1,12 @@
 """The suite's two tiers (tests/conftest.py): a plain `python -m pytest` runs the quick one and deselects the tests
 marked slow; --slow, a -m expression or a test's node id runs what it asks for."""
 
-import importlib.util
-import os
+import sys
 
+import conftest  # the repository's, already loaded by pytest: its hooks, not a second copy of its set-up
 import pytest
 
 pytest_plugins = ["pytester"]
-
-CONFTEST = os.path.join(os.path.dirname(__file__), "conftest.py")
 
 TESTS = """
 import pytest
@@ -24,21 +22,13 @@ def test_end_to_end():
 
 @pytest.fixture
 def suite(pytester, monkeypatch):
-    """A directory of one quick and one slow test under the repository conftest's tiering hooks."""
-    for name in ("QUILLGPT_CACHE", "OMP_NUM_THREADS"):  # what importing the conftest again sets
-        monkeypatch.setenv(name, os.environ.get(name, ""))
+    """A directory of one quick and one slow test under the repository conftest's tiering hooks (an inner run
+    imports its own conftest as `conftest`, so the repository's is handed over under another name)."""
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # the inner runs need no installed plugin
-    spec = importlib.util.spec_from_file_location("repository_conftest", CONFTEST)
-    hooks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hooks)
+    monkeypatch.setitem(sys.modules, "repository_conftest", conftest)
     pytester.makeconftest(
-        "import sys\n"
-        f"hooks = sys.modules[{hooks.__name__!r}]\n"
-        "pytest_addoption = hooks.pytest_addoption\n"
-        "pytest_collection_modifyitems = hooks.pytest_collection_modifyitems\n"
-        "pytest_report_header = hooks.pytest_report_header\n"
+        "from repository_conftest import pytest_addoption, pytest_collection_modifyitems, pytest_report_header\n"
     )
-    monkeypatch.setitem(__import__("sys").modules, hooks.__name__, hooks)
     pytester.makeini("[pytest]\nmarkers =\n    slow: end-to-end\n    corpus: reads the corpus\n")
     pytester.makepyfile(test_tiers_sample=TESTS)
     return pytester
