@@ -13,6 +13,8 @@ queued: --interrupt_requests False, so that a new request does not cut short the
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import socket
 import string
 import subprocess
@@ -50,6 +52,7 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT (close) prints every thread's stack
         )
         line = self.proc.stdout.readline()  # "serving NAME (...) on http://127.0.0.1:PORT/v1" once the model is loaded
         if not line.startswith("serving "):
@@ -79,8 +82,16 @@ class ServerProcess:
         return openai.OpenAI(base_url=self.base, api_key=self.api_key, max_retries=0, **kw)
 
     def close(self) -> None:
+        """SIGTERM, as a service manager ends serve.py. One still running a minute later is sent SIGABRT, which prints
+        where each of its threads was (PYTHONFAULTHANDLER) before it dies: that goes to stderr here, and the
+        measurements taken stand."""
         self.proc.terminate()
-        self.proc.wait(timeout=30)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)
+            stacks = self.proc.communicate(timeout=30)[1]
+            print(f"serve.py had not ended 60 s after SIGTERM; its threads were at:\n{stacks}", file=sys.stderr)
         self.proc.stdout.close()
         self.proc.stderr.close()
 
