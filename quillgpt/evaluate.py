@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from model import GPT
 from quillgpt import corpus, tasks
-from quillgpt.chat_session import ChatSession
+from quillgpt.chat_template import chat_format
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.data import check_vocab_compatible, load_dataset
 from quillgpt.errors import UserError
@@ -28,9 +28,9 @@ from quillgpt.loading import load_model
 from quillgpt.machine import keep_freed_memory
 from quillgpt.precision import autocast as precision_autocast
 from quillgpt.precision import inference_precision
+from quillgpt.replies import Reply, sample_groups
 from quillgpt.scoring import TextScore, document_streams, hellaswag_items, map_unknown, score_hellaswag, score_text
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
-from quillgpt.tools import answer_text
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 # git's blob id of data/hellaswag_val.jsonl in rowanz/hellaswag: SHA-1 of "blob <size>\0" + the file's bytes
@@ -38,6 +38,7 @@ HELLASWAG_BLOB_SHA1 = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
 HELLASWAG_PATH = Path("data") / "hellaswag" / "hellaswag_val.jsonl"
 DEFAULT_CONTEXT = 2048
 ANSWER_TOKENS = 32  # a chat task's answer is a few characters: a reply longer than this is wrong anyway
+REPLY_CACHE_BYTES = 256 * 2**20  # the KV cache of one pass of batched chat answers, at most
 FEW_SHOT = 3  # a base model's examples of the answer's form, fewer when they would not fit its context
 
 
@@ -244,33 +245,54 @@ def run_chat_tasks(model: GPT, tokenizer: Tokenizer, names: list[str], n_items: 
 
     A model whose tokenizer has a chat template is asked in it, one conversation per question, and answers until an
     end-of-turn token (with the calculator tool where its tokenizer has it: the answer is the text after the tool's
-    output); a base model gets the plain form (tasks.plain_prompt): up to FEW_SHOT solved training items
-    of the same task, then the question, and answers to the end of the line."""
+    output), every question's reply decoded together (chat_answers); a base model gets the plain form
+    (tasks.plain_prompt): up to FEW_SHOT solved training items of the same task, then the question, and answers to
+    the end of the line."""
     chat = tokenizer.chat_template is not None
-    session = ChatSession(model, tokenizer, max_new_tokens=ANSWER_TOKENS, notices=None) if chat else None
     out = {"form": "chat template" if chat else f"plain, up to {FEW_SHOT}-shot", "split": split, "tasks": {}}
     for name in names:
         items = tasks.sample_items(name, split, n_items, seed=0, distinct=True)
-        shots = tasks.sample_items(name, "train", FEW_SHOT, seed=0, distinct=True)
-        correct, examples, t0 = 0, [], time.perf_counter()
-        for item in tqdm(items, desc=name, unit="item", leave=False, disable=None):
-            if session is not None:
-                session.reset()
-                reply = session.reply(item.question)
-                answer = answer_text(session.messages[-1]["content"])  # after the calculator's output, if it used it
-            else:
-                reply = answer = plain_answer(model, tokenizer, item, shots)
-            correct += tasks.grade(item, answer)
-            if len(examples) < 5:
-                examples.append({"question": item.question, "answer": item.answer, "reply": reply})
+        t0 = time.perf_counter()
+        if chat:
+            replies = [(r.text, r.answer) for r in chat_answers(model, tokenizer, [i.question for i in items], name)]
+        else:
+            shots = tasks.sample_items(name, "train", FEW_SHOT, seed=0, distinct=True)
+            answers = (plain_answer(model, tokenizer, item, shots) for item in items)
+            replies = [
+                (a, a) for a in tqdm(answers, desc=name, total=len(items), unit="item", leave=False, disable=None)
+            ]
+        correct = sum(tasks.grade(item, answer) for item, (_, answer) in zip(items, replies))
         out["tasks"][name] = {
             "items": len(items),
             "correct": correct,
             "acc": correct / len(items),
             "seconds": time.perf_counter() - t0,
-            "examples": examples,
+            "examples": [
+                {"question": item.question, "answer": item.answer, "reply": reply}
+                for item, (reply, _) in zip(items[:5], replies)
+            ],
         }
     return out
+
+
+def chat_answers(model: GPT, tokenizer: Tokenizer, questions: list[str], label: str = "") -> list[Reply]:
+    """Each question's greedy reply, asked alone in the chat template: what ChatSession.reply answers it, decoded
+    together (quillgpt/replies.py) in passes whose KV cache stays under REPLY_CACHE_BYTES."""
+    fmt = chat_format(tokenizer)
+    prompts = [fmt.prompt_ids([{"role": "user", "content": q}]) for q in questions]
+    cfg, weights = model.config, model.transformer.wte.weight  # the cache takes the embedding's dtype
+    length = min(cfg.block_size, max(map(len, prompts)) + ANSWER_TOKENS)
+    row_bytes = 2 * cfg.n_layer * cfg.kv_heads * length * cfg.head_width * weights.element_size()
+    per_pass = max(1, REPLY_CACHE_BYTES // row_bytes)
+    replies: list[Reply] = []
+    with tqdm(total=len(prompts), desc=label, unit="item", leave=False, disable=None) as bar:
+        for first in range(0, len(prompts), per_pass):
+            chunk = prompts[first : first + per_pass]
+            replies += [
+                group[0] for group in sample_groups(model, tokenizer, fmt, chunk, 1, ANSWER_TOKENS, 0, None, None)
+            ]
+            bar.update(len(chunk))
+    return replies
 
 
 def plain_answer(model: GPT, tokenizer: Tokenizer, item: tasks.Item, shots: list[tasks.Item]) -> str:

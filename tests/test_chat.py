@@ -418,3 +418,38 @@ def test_transformers_chats_with_our_export_and_replies_as_we_do(tmp_path):
     )[0, ids.shape[1] :]
     assert generated[-1] == end and len(generated) == n + 1  # the reply, then its end-of-turn token
     assert tok.decode(generated[:-1]) == library_replies(chat_ckpt, TURNS[:1])[0]
+
+
+@pytest.mark.parametrize("rows_per_pass", [1, 7, 1000])
+def test_chat_task_answers_decoded_together_are_each_questions_reply_alone(monkeypatch, rows_per_pass):
+    """evaluate.chat_answers decodes every question's reply in one batch (or passes of a few rows, the cache's
+    bound): each reply is ChatSession's to that question alone, with replies ending at different steps."""
+    from quillgpt import evaluate
+    from quillgpt.replies import sample_groups
+    from quillgpt.tasks import sample_items
+
+    model, tok = random_chat_model(block_size=96, n_kv_head=1), chat_tokenizer()
+    end = tok.special_tokens["<|im_end|>"]
+    with torch.no_grad():  # end the turn now and then: rows finish at different steps
+        model.lm_head.weight[end] *= 5 / model.lm_head.weight[end].norm()
+    model.eval()
+    questions = [i.question for name in ("count", "reverse") for i in sample_items(name, "val", 9, seed=0)]
+    longest = max(len(chat_format(tok).prompt_ids([{"role": "user", "content": q}])) for q in questions)
+    cfg = model.config
+    row = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_width * 4 * min(cfg.block_size, longest + evaluate.ANSWER_TOKENS)
+    monkeypatch.setattr(evaluate, "REPLY_CACHE_BYTES", row * rows_per_pass)
+    passes = []
+    monkeypatch.setattr(
+        evaluate,
+        "sample_groups",
+        lambda m, t, f, prompts, *a: passes.append(len(prompts)) or sample_groups(m, t, f, prompts, *a),
+    )
+    replies = evaluate.chat_answers(model, tok, questions)
+    assert passes == [len(questions[i : i + rows_per_pass]) for i in range(0, len(questions), rows_per_pass)]
+    session = ChatSession(model, tok, max_new_tokens=evaluate.ANSWER_TOKENS)
+    alone = []
+    for question in questions:
+        session.reset()
+        alone.append(session.reply(question))
+    assert [r.text for r in replies] == alone
+    assert len({len(r.ids) for r in replies}) > 2 and any(r.ids[-1] == end for r in replies)

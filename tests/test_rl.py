@@ -18,7 +18,8 @@ from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.config import ConfigError, RLConfig
 from quillgpt.errors import UserError
-from quillgpt.rl import Reply, Rollouts, load_reward, sample_groups, token_logprobs
+from quillgpt.replies import Reply, sample_groups
+from quillgpt.rl import Rollouts, load_reward, token_logprobs
 from quillgpt.tasks import WORDS, conversations, split_keys, split_of
 from quillgpt.tokenizer import CharTokenizer
 from train import train
@@ -136,7 +137,7 @@ def test_only_sampled_reply_tokens_are_trained():
     turn among them, are the targets."""
     rollouts = Rollouts(
         prompts=[[1, 2, 3]],
-        replies=[[Reply([4, 5, 6, 7], [True, False, False, True], ""), Reply([8], [True], "")]],
+        replies=[[Reply([4, 5, 6, 7], [True, False, False, True]), Reply([8], [True])]],
         rewards=torch.tensor([[1.0, 0.0]]),
     )
     x, y = rollouts.rows(torch.device("cpu"))
@@ -165,7 +166,7 @@ def test_the_sampler_samples_from_the_policy_the_step_trains(monkeypatch):
         seen.append(logits.log_softmax(-1))  # (rows, V): what each row's token was drawn from
         return sample_next(logits, *args, **kwargs)
 
-    monkeypatch.setattr(rl, "sample_next", recording)
+    monkeypatch.setattr("quillgpt.replies.sample_next", recording)
     groups = sample_groups(model, tok, fmt, prompts, 4, 12, 1.0, None, torch.Generator().manual_seed(1))
     replies = [r for g in groups for r in g]
     assert len({len(r.ids) for r in replies}) > 2 and any(r.ids[-1] == end for r in replies)

@@ -99,11 +99,13 @@ class Slot:
 
 
 class SlotCache:
-    """A KV cache with a row per slot (n_layer buffers of (slots, nkv, block_size, hs)), for GPT.decode_rows: write()
+    """A KV cache with a row per slot (n_layer buffers of (slots, nkv, length, hs)), for GPT.decode_rows: write()
     puts row i's new k, v at positions[i] and returns rows 0..B-1 up to `length`, the step's attended span."""
 
-    def __init__(self, model: GPT, slots: int):
-        full = model.new_cache(slots)  # block_size long: a request never outgrows it (the server checks)
+    def __init__(self, model: GPT, slots: int, length: int | None = None):
+        # the server's: block_size long, so a request never outgrows it (the server checks); a batch of replies
+        # whose lengths are known at the start (quillgpt/replies.py) takes no more than it needs
+        full = model.new_cache(slots, length)
         self.k, self.v = full.k, full.v
         self.length = full.length
 

@@ -1,0 +1,91 @@
+"""Many chat replies decoded together, a row each: RL's groups of sampled replies (quillgpt/rl.py) and the greedy
+answers of an evaluation's chat tasks (quillgpt/evaluate.py). serve.py's SlotCache holds a row per reply and
+GPT.decode_rows takes each row at its own position, so one step decodes every reply; calculator calls are answered
+as in chat.py (quillgpt/tools.py). A greedy reply here is the one ChatSession.reply gives the same question alone
+(tests/test_chat.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model import GPT, sample_next
+from quillgpt.chat_template import ChatFormat
+from quillgpt.errors import UserError
+from quillgpt.serve.batcher import SlotCache
+from quillgpt.tokenizer import Tokenizer
+from quillgpt.tools import answer_text, calculator_for, reply_parts
+
+
+@dataclass
+class Reply:
+    ids: list[int]  # sampled and inserted ids, the end-of-turn id included where the reply ended with it
+    sampled: list[bool]  # per id: the model sampled it (False: a calculator output, inserted)
+    text: str = ""  # the reply as ChatSession.reply returns it (the tool's tokens spelled out)
+    answer: str = ""  # the text after the calculator's output (tools.answer_text)
+
+
+@torch.no_grad()
+def sample_groups(
+    model: GPT,
+    tokenizer: Tokenizer,
+    fmt: ChatFormat,
+    prompts: list[list[int]],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None,
+) -> list[list[Reply]]:
+    """group_size replies to each prompt, all decoded together: each prompt is read once and its keys and values
+    copied to its group's rows; then each step samples a token for every row (temperature 0: the most likely one) or
+    puts in the next id of a calculator output, until every row has ended or taken max_new_tokens (fewer where its
+    prompt leaves less of the context)."""
+    block = model.config.block_size
+    device = next(model.parameters()).device
+    if max(map(len, prompts)) >= block:
+        raise UserError(
+            f"a prompt of {max(map(len, prompts))} tokens leaves no room for a reply in the context of {block}"
+        )
+    rows = len(prompts) * group_size
+    starts = [len(prompt) for prompt in prompts for _ in range(group_size)]
+    budgets = [min(max_new_tokens, block - start) for start in starts]
+    cache = SlotCache(model, rows, length=max(s + b for s, b in zip(starts, budgets)))
+    first = []
+    for p, prompt in enumerate(prompts):
+        one = model.new_cache(1, len(prompt))
+        logits, _ = model(torch.tensor([prompt], device=device), cache=one, last_only=True)
+        for row in range(p * group_size, (p + 1) * group_size):
+            cache.fill(row, one.k, one.v)
+        first.append(logits[:, -1, :].expand(group_size, -1))
+    logits = torch.cat(first)  # (rows, V)
+    new_calculator = calculator_for(tokenizer)
+    calculators = [new_calculator() if new_calculator else None for _ in range(rows)]
+    inserted: list[list[int]] = [[] for _ in range(rows)]
+    replies = [Reply([], []) for _ in range(rows)]
+    done = [False] * rows
+    while True:
+        picked = sample_next(logits[:, : tokenizer.vocab_size].float(), temperature, top_k, None, generator)
+        for i, token in enumerate(picked[:, 0].tolist()):
+            if done[i]:
+                continue
+            forced = bool(inserted[i])
+            token = inserted[i].pop(0) if forced else token
+            replies[i].ids.append(token)
+            replies[i].sampled.append(not forced)
+            done[i] = token in fmt.stop_ids or len(replies[i].ids) >= budgets[i]
+            if calculators[i] is not None and not done[i]:
+                inserted[i] += calculators[i].after(token)
+        if all(done):
+            break
+        # a finished row reads its last token again at its last position: what it computes is never used
+        tokens = torch.tensor([[r.ids[-1]] for r in replies], device=device)  # (rows, 1)
+        at = [start + len(r.ids) - 1 for start, r in zip(starts, replies)]
+        cache.length = max(at) + 1
+        logits = model.decode_rows(tokens, torch.tensor(at, device=device), cache)
+    for row, reply in enumerate(replies):
+        kept = [t for t in reply.ids if t not in fmt.stop_ids]
+        reply.text = tokenizer.decode_after(prompts[row // group_size][-8:], kept) if kept else ""
+        reply.answer = answer_text(reply_parts(tokenizer, kept) or reply.text)
+    return [replies[p * group_size : (p + 1) * group_size] for p in range(len(prompts))]
