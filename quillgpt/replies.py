@@ -1,7 +1,7 @@
 """Many chat replies decoded together, a row each: RL's groups of sampled replies (quillgpt/rl.py) and the greedy
 answers of an evaluation's chat tasks (quillgpt/evaluate.py). serve.py's SlotCache holds a row per reply and
-GPT.decode_rows takes each row at its own position, so one step decodes every reply; calculator calls are answered
-as in chat.py (quillgpt/tools.py). A greedy reply here is the one ChatSession.reply gives the same question alone
+GPT.decode_rows takes each row at its own position, so one step decodes every reply still going (a finished one
+leaves the batch); calculator calls are answered as in chat.py (quillgpt/tools.py). A greedy reply here is the one ChatSession.reply gives the same question alone
 (tests/test_chat.py)."""
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def sample_groups(
     inserted: list[list[int]] = [[] for _ in range(rows)]
     replies = [Reply([], []) for _ in range(rows)]
     done = [False] * rows
+    decoding = list(range(rows))  # the replies still going; decoding[s] holds row s of the cache
     while True:
+        # every row is drawn for, the finished ones' stale logits too: a row's draws don't depend on when others end
         picked = sample_next(logits[:, : tokenizer.vocab_size].float(), temperature, top_k, None, generator)
         for i, token in enumerate(picked[:, 0].tolist()):
             if done[i]:
@@ -79,11 +81,17 @@ def sample_groups(
                 inserted[i] += calculators[i].after(token)
         if all(done):
             break
-        # a finished row reads its last token again at its last position: what it computes is never used
-        tokens = torch.tensor([[r.ids[-1]] for r in replies], device=device)  # (rows, 1)
-        at = [start + len(r.ids) - 1 for start, r in zip(starts, replies)]
+        # finished replies leave the cache: the last row still going takes each one's place (highest first, so the
+        # last row is always one still going), and the step decodes only those
+        for row in reversed([row for row, i in enumerate(decoding) if done[i]]):
+            if row != len(decoding) - 1:
+                cache.relocate_row(len(decoding) - 1, row)
+                decoding[row] = decoding[-1]
+            decoding.pop()
+        tokens = torch.tensor([[replies[i].ids[-1]] for i in decoding], device=device)  # (n, 1)
+        at = [starts[i] + len(replies[i].ids) - 1 for i in decoding]
         cache.length = max(at) + 1
-        logits = model.decode_rows(tokens, torch.tensor(at, device=device), cache)
+        logits[decoding] = model.decode_rows(tokens, torch.tensor(at, device=device), cache).to(logits.dtype)
     for row, reply in enumerate(replies):
         kept = [t for t in reply.ids if t not in fmt.stop_ids]
         reply.text = tokenizer.decode_after(prompts[row // group_size][-8:], kept) if kept else ""

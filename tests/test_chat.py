@@ -423,7 +423,8 @@ def test_transformers_chats_with_our_export_and_replies_as_we_do(tmp_path):
 @pytest.mark.parametrize("rows_per_pass", [1, 7, 1000])
 def test_chat_task_answers_decoded_together_are_each_questions_reply_alone(monkeypatch, rows_per_pass):
     """evaluate.chat_answers decodes every question's reply in one batch (or passes of a few rows, the cache's
-    bound): each reply is ChatSession's to that question alone, with replies ending at different steps."""
+    bound), a finished reply leaving the batch: each reply is ChatSession's to that question alone, with replies
+    ending at different steps."""
     from quillgpt import evaluate
     from quillgpt.replies import sample_groups
     from quillgpt.tasks import sample_items
@@ -444,7 +445,12 @@ def test_chat_task_answers_decoded_together_are_each_questions_reply_alone(monke
         "sample_groups",
         lambda m, t, f, prompts, *a: passes.append(len(prompts)) or sample_groups(m, t, f, prompts, *a),
     )
+    batch_sizes, decode_rows = [], model.decode_rows
+    model.decode_rows = lambda tokens, *a: batch_sizes.append(tokens.size(0)) or decode_rows(tokens, *a)
     replies = evaluate.chat_answers(model, tok, questions)
+    del model.decode_rows
+    if rows_per_pass > len(questions):  # one pass: a finished reply leaves the batch, the others go on
+        assert batch_sizes == sorted(batch_sizes, reverse=True) and batch_sizes[0] > batch_sizes[-1]
     assert passes == [len(questions[i : i + rows_per_pass]) for i in range(0, len(questions), rows_per_pass)]
     session = ChatSession(model, tok, max_new_tokens=evaluate.ANSWER_TOKENS)
     alone = []
