@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model import GPT, sample_next
+from model import GPT, cache_length, sample_next
 from quillgpt.chat_template import ChatFormat
 from quillgpt.errors import UserError
 from quillgpt.serve.batcher import SlotCache
@@ -51,7 +51,8 @@ def sample_groups(
     rows = len(prompts) * group_size
     starts = [len(prompt) for prompt in prompts for _ in range(group_size)]
     budgets = [min(max_new_tokens, block - start) for start in starts]
-    cache = SlotCache(model, rows, length=max(s + b for s, b in zip(starts, budgets)))
+    # a power of two, as a ChatSession's cache: few distinct sizes for the allocator to reuse, step after step
+    cache = SlotCache(model, rows, length=cache_length(max(s + b for s, b in zip(starts, budgets)), block))
     first = []
     for p, prompt in enumerate(prompts):
         one = model.new_cache(1, len(prompt))
