@@ -38,7 +38,7 @@ HELLASWAG_BLOB_SHA1 = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
 HELLASWAG_PATH = Path("data") / "hellaswag" / "hellaswag_val.jsonl"
 DEFAULT_CONTEXT = 2048
 ANSWER_TOKENS = 32  # a chat task's answer is a few characters: a reply longer than this is wrong anyway
-REPLY_CACHE_BYTES = 256 * 2**20  # the KV cache of one pass of batched chat answers, at most
+REPLY_CACHE_BYTES = 256 * 2**20  # one pass of batched chat answers: its rows' keys and values, at the length they need
 FEW_SHOT = 3  # a base model's examples of the answer's form, fewer when they would not fit its context
 
 
@@ -277,7 +277,8 @@ def run_chat_tasks(model: GPT, tokenizer: Tokenizer, names: list[str], n_items: 
 
 def chat_answers(model: GPT, tokenizer: Tokenizer, questions: list[str], label: str = "") -> list[Reply]:
     """Each question's greedy reply, asked alone in the chat template: what ChatSession.reply answers it, decoded
-    together (quillgpt/replies.py) in passes whose KV cache stays under REPLY_CACHE_BYTES."""
+    together (quillgpt/replies.py) in passes of REPLY_CACHE_BYTES of keys and values, counted at the length the
+    replies need (the cache rounds it up to a power of two, so at most twice that)."""
     fmt = chat_format(tokenizer)
     prompts = [fmt.prompt_ids([{"role": "user", "content": q}]) for q in questions]
     cfg, weights = model.config, model.transformer.wte.weight  # the cache takes the embedding's dtype

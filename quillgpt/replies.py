@@ -1,8 +1,8 @@
 """Many chat replies decoded together, a row each: RL's groups of sampled replies (quillgpt/rl.py) and the greedy
 answers of an evaluation's chat tasks (quillgpt/evaluate.py). serve.py's SlotCache holds a row per reply and
 GPT.decode_rows takes each row at its own position, so one step decodes every reply still going (a finished one
-leaves the batch); calculator calls are answered as in chat.py (quillgpt/tools.py). A greedy reply here is the one ChatSession.reply gives the same question alone
-(tests/test_chat.py)."""
+leaves the batch); calculator calls are answered as in chat.py (quillgpt/tools.py). A greedy reply here is the one
+ChatSession.reply gives the same question alone (tests/test_chat.py)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def sample_groups(
     inserted: list[list[int]] = [[] for _ in range(rows)]
     replies = [Reply([], []) for _ in range(rows)]
     done = [False] * rows
-    decoding = list(range(rows))  # the replies still going; decoding[s] holds row s of the cache
+    decoding = list(range(rows))  # the replies still going: decoding[s] is the one in row s of the cache
     while True:
         # every row is drawn for, the finished ones' stale logits too: a row's draws don't depend on when others end
         picked = sample_next(logits[:, : tokenizer.vocab_size].float(), temperature, top_k, None, generator)

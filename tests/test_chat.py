@@ -446,9 +446,8 @@ def test_chat_task_answers_decoded_together_are_each_questions_reply_alone(monke
         lambda m, t, f, prompts, *a: passes.append(len(prompts)) or sample_groups(m, t, f, prompts, *a),
     )
     batch_sizes, decode_rows = [], model.decode_rows
-    model.decode_rows = lambda tokens, *a: batch_sizes.append(tokens.size(0)) or decode_rows(tokens, *a)
+    monkeypatch.setattr(model, "decode_rows", lambda t, *a: batch_sizes.append(t.size(0)) or decode_rows(t, *a))
     replies = evaluate.chat_answers(model, tok, questions)
-    del model.decode_rows
     if rows_per_pass > len(questions):  # one pass: a finished reply leaves the batch, the others go on
         assert batch_sizes == sorted(batch_sizes, reverse=True) and batch_sizes[0] > batch_sizes[-1]
     assert passes == [len(questions[i : i + rows_per_pass]) for i in range(0, len(questions), rows_per_pass)]
