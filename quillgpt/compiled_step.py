@@ -2,16 +2,18 @@
 
 GPT.decode_one over a KV cache of fixed length, the whole cache attended with the unwritten part masked (one graph
 for every position), is exported with torch.export and compiled by AOTInductor into a shared library packaged as a
-.pt2 file, the weights inside it (laid out for its kernels: a third faster than handing them in). Each step then runs
-in C++: no Python per layer, the elementwise work fused. The cache is the compiled model's buffers, pointed at the
-caller's tensors (bind): the prompt's pass stays eager and fills the same cache the compiled steps go on writing.
-(Taking the cache as inputs written in place was slower than the eager step: the exported graph copies them.)
+.pt2 file. Each step then runs in C++: no Python per layer, the elementwise work fused. The weights are the compiled
+model's constants, copied in from the model being decoded (bind: a third faster than handing them in as inputs), so
+a package holds no weights and serves every model of its shape: a run's checkpoints, its fine-tunes. The cache is
+the compiled model's buffers too, pointed at the caller's tensors: the prompt's pass stays eager and fills the same
+cache the compiled steps go on writing. (Taking the cache as inputs written in place was slower than the eager step:
+the exported graph copies them.)
 
-Compiling takes tens of seconds on a CPU, once per model, batch, cache length and dtype (sample.py --compile);
+Compiling takes tens of seconds on a CPU, once per model shape, batch, cache length and dtype (sample.py --compile);
 loading a kept package takes a tenth of a second, so the scripts use one whenever it is there. Packages are kept in
 $QUILLGPT_CACHE/decode (else ~/.cache/quillgpt/decode), named by a hash of everything the compiled code depends on:
-the weights, the model's arguments, the shapes and dtype, torch's version and the CPU's code path (an AVX2-capped
-process gets its own). Measured: docs/sampling.md.
+the weights' names and shapes, the model's arguments, the batch, cache length and dtype, torch's version and the
+CPU's code path (an AVX2-capped process gets its own). Measured: docs/sampling.md.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Callable
+from itertools import chain, count
 from pathlib import Path
 
 import torch
@@ -31,6 +34,8 @@ from quillgpt.files import cache_dir
 from quillgpt.precision import CPU_PATH_ENV
 
 _loaded: dict[str, Callable] = {}  # packages loaded in this process, by key
+_bound: dict[int, int] = {}  # each loaded runner's binding: the ticket of the step whose model and cache it holds
+_tickets = count()
 
 
 class DecodeOne(nn.Module):
@@ -63,22 +68,26 @@ class StaticCache:
         return self.k[layer], self.v[layer]
 
 
-def bind(runner, cache) -> None:
-    """Point the compiled model's cache buffers at the caller's cache tensors (no copy: they must outlive it)."""
+def bind(runner, model: nn.Module, cache) -> None:
+    """Give the compiled model this model's weights and point its cache buffers at the caller's cache tensors. The
+    weights are copied into the runner's own memory (a few milliseconds for a small model, once per generation): a
+    package keeps none of its own, so one package serves every model of its shape. The cache is not copied: its
+    tensors must outlive the binding (the kernels write them in place)."""
+    names = set(runner.get_constant_fqns())
+    named = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    weights = {f"model.{name}": t.detach() for name, t in named if f"model.{name}" in names}  # tied ones by each name
+    runner.load_constants(weights, False, False, False, False)  # the active set, no full check, copied
     tensors = {f"{kind}{i}": t for kind in "kv" for i, t in enumerate(getattr(cache, kind))}
-    runner.load_constants(tensors, False, False, True, False)  # not the inactive set, no full check, user-managed
+    runner.load_constants(tensors, False, False, True, False)  # user-managed: the kernels write the caller's cache
 
 
 def package_key(model: nn.Module, batch: int, length: int) -> str:
-    """A hash of what the compiled step depends on: the weights (the files they were loaded from, as
-    generate.load_for_sampling marks a model, else their bytes), their names, dtypes and shapes, the model's arguments
-    and modules, the shapes, torch's version and the CPU's code path."""
-    digest = hashlib.sha256(getattr(model, "weights_id", "").encode())
+    """A hash of what the compiled code depends on, not the weights' values (bind copies those in): the weights'
+    names, dtypes and shapes, the model's arguments and modules, the batch and cache length, torch's version and the
+    CPU's code path."""
+    digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
-        data = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}:{data.dtype}:{tuple(data.shape)}".encode())
-        if not getattr(model, "weights_id", None) and data.numel():
-            digest.update(data.view(torch.uint8).numpy().tobytes())
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
     facts = {
         "config": model.config.to_dict(),
         "modules": sorted({type(m).__name__ for m in model.modules()}),  # int8 linears, LoRA...
@@ -92,29 +101,14 @@ def package_key(model: nn.Module, batch: int, length: int) -> str:
     return digest.hexdigest()[:32]
 
 
-def files_identity(source: str | Path) -> str:
-    """The files a model was read from, by path, size and modification time (a Hugging Face directory: its
-    config.json and safetensors files; a LoRA run's checkpoint names its base's files too, by their sha256): what
-    marks its weights for package_key without reading them. "" where the source is not a local path."""
-    path = Path(source)
-    if path.is_dir():
-        files = sorted([path / "config.json", *path.glob("*.safetensors*")])
-    else:
-        files = [path] if path.is_file() else []
-    return json.dumps([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]) if files else ""
-
-
 def packages_dir() -> Path:
     return cache_dir() / "decode"
 
 
 def compiled_step(model: nn.Module, cache, build: bool) -> Callable | None:
-    """The compiled step for this model and cache, as decode_one's signature (token, position, cache) -> logits:
-    loaded from a kept package, or (build) compiled and kept first; None where none is kept and build is false, and
-    for a model whose weights are not known by their files (one being trained): hashing them would cost more than
-    looking spares."""
-    if not build and not getattr(model, "weights_id", None):
-        return None
+    """The compiled step for this model's shape and cache, as decode_one's signature (token, position, cache) ->
+    logits: loaded from a kept package, or (build) compiled and kept first; None where none is kept and build is
+    false."""
     key = package_key(model, cache.k[0].size(0), cache.length)
     if key not in _loaded:
         path = packages_dir() / f"{key}.pt2"
@@ -125,15 +119,20 @@ def compiled_step(model: nn.Module, cache, build: bool) -> Callable | None:
         # the package's own C++ loader: torch._inductor.aoti_load_package would import inductor's Python first,
         # seconds of a process's start-up for the same loader
         _loaded[key] = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-    return aoti_step(_loaded[key], cache)
+    return aoti_step(_loaded[key], model, cache)
 
 
-def aoti_step(runner, cache) -> Callable:
-    """A loaded package's runner bound to this cache, as decode_one's signature: (token, position, cache) -> logits."""
-    bind(runner, cache)
+def aoti_step(runner, model: nn.Module, cache) -> Callable:
+    """A loaded package's runner for this model and cache, as decode_one's signature: (token, position, cache) ->
+    logits. Bound to them before its first token, and again whenever another step has used the runner since (two
+    models of one shape, two conversations)."""
+    ticket = next(_tickets)
 
     def step(token: torch.Tensor, position: torch.Tensor, given) -> torch.Tensor:
         assert given is cache, "a compiled step decodes over the cache it was bound to"
+        if _bound.get(id(runner)) != ticket:
+            bind(runner, model, cache)
+            _bound[id(runner)] = ticket
         return runner.run([token, position])[0]
 
     return step
@@ -150,5 +149,9 @@ def compile_package(model: nn.Module, cache, path: Path) -> None:
     # torch's own deprecation notice from inside the packaging (pytree's LeafSpec), not the user's to act on
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        built = torch._inductor.aoti_compile_and_package(exported, package_path=os.path.join(tmp, "step.pt2"))
+        built = torch._inductor.aoti_compile_and_package(
+            exported,
+            package_path=os.path.join(tmp, "step.pt2"),
+            inductor_configs={"aot_inductor.package_constants_in_so": False},  # bind gives each model's weights
+        )
         os.replace(built, path)  # the same directory's file system: the package appears whole or not at all

@@ -11,7 +11,6 @@ from typing import TextIO
 import torch
 
 from model import GPT, quantize_int8
-from quillgpt.compiled_step import files_identity
 from quillgpt.errors import UserError
 from quillgpt.loading import load_model
 from quillgpt.precision import PRECISIONS, inference_precision
@@ -21,7 +20,7 @@ ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 DTYPES = ("auto", "fp32", "bf16", "fp16", "int8")  # what --dtype takes in sample.py, chat.py and serve.py
 COMPILE_HELP = (
     "--compile: decode with the one-token step compiled ahead of time and kept on disk (CPU: compiled once per model "
-    "and cache length, tens of seconds; quillgpt/compiled_step.py); default: with a kept one where there is one, "
+    "shape and cache length, tens of seconds; quillgpt/compiled_step.py); default: with a kept one where there is one, "
     "else eagerly; --no-compile: eagerly"
 )
 DEVICES = "auto | cpu | cuda | cuda:N | mps"  # what --device takes in sample.py, chat.py, serve.py and eval.py
@@ -76,7 +75,6 @@ def load_for_sampling(source: str | Path, device: str = "auto", dtype: str = "fp
     activations, _ = inference_precision("auto" if dtype == "int8" else dtype, device, width, DECODING_ROWS)
     loaded.model.eval().to(device=device, dtype=PRECISIONS[activations])
     model = quantize_int8(loaded.model, PRECISIONS[activations]) if dtype == "int8" else loaded.model
-    model.weights_id = files_identity(loaded.source)  # what a kept compiled step is found by (compiled_step.py)
     precision = f"int8 ({activations} activations)" if dtype == "int8" else activations
     return model, tokenizer, f"{loaded.source}, {precision} on {device}"
 

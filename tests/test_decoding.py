@@ -45,26 +45,34 @@ def test_eager_decoding_gives_the_uncached_greedy_tokens_within_and_past_the_con
 
 
 @pytest.mark.slow
-def test_a_compiled_step_gives_the_eager_greedy_tokens_and_is_kept_for_later_runs(tmp_path, monkeypatch):
-    """compile=True compiles the step ahead of time and keeps it; a later load of the same checkpoint uses it by
-    default (compile=None) without compiling; a checkpoint rewritten since gets none (its files changed), and
-    decodes eagerly."""
-    ckpt = write_char_checkpoint(tmp_path / "ckpt_best.pt", **MODERN)
-    model, tokenizer, _ = load_for_sampling(ckpt, "cpu", "fp32")
-    prompt = torch.tensor([tokenizer.encode("the queen ")] * 2)  # a batch of two
+def test_a_compiled_step_is_kept_and_serves_every_checkpoint_of_its_shape(tmp_path, monkeypatch):
+    """compile=True compiles the step ahead of time and keeps it; a later process's load of another checkpoint of the
+    same shape uses it by default (compile=None) without compiling, with that checkpoint's own weights: each gives
+    its eager greedy tokens, also when their generations take turns on the one package. Another shape gets none."""
+    monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "cache"))
+    first = write_char_checkpoint(tmp_path / "a.pt", seed=0, **MODERN)
+    second = write_char_checkpoint(tmp_path / "b.pt", seed=1, **MODERN)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]] * 2)  # a batch of two
+    model, _, _ = load_for_sampling(first, "cpu", "fp32")
     eager = model.generate(prompt, 100, temperature=0)  # past block_size: a refill
     assert torch.equal(model.generate(prompt, 100, temperature=0, compile=True), eager)
     assert len(list(compiled_step.packages_dir().glob("*.pt2"))) == 1
     compiled_step._loaded.clear()  # as a new process: loaded from disk
     monkeypatch.setattr(compiled_step, "compile_package", lambda *a: pytest.fail("compiled again"))
-    again, _, _ = load_for_sampling(ckpt, "cpu", "fp32")
+    other, _, _ = load_for_sampling(second, "cpu", "fp32")
+    other_eager = other.generate(prompt, 100, temperature=0)
+    assert not torch.equal(other_eager, eager)  # other weights: a real test of whose weights the step reads
     steps = []
-    monkeypatch.setattr(compiled_step, "aoti_step", lambda runner, cache: steps.append(runner) or real(runner, cache))
-    assert torch.equal(again.generate(prompt, 100, temperature=0, compile=None), eager) and steps
-    ckpt.write_bytes(ckpt.read_bytes())  # the same weights, a new file: not known to be the same
+    monkeypatch.setattr(compiled_step, "aoti_step", lambda *a: steps.append(a[0]) or real(*a))
+    assert torch.equal(other.generate(prompt, 100, temperature=0, compile=None), other_eager) and steps
+    streams = (m.generate_stream(prompt, 20, temperature=0, compile=None) for m in (model, other))
+    turns = zip(*streams)  # one token of each in turn, on the one package
+    mine, theirs = (torch.cat(tokens, dim=1) for tokens in zip(*turns))
+    assert torch.equal(mine, eager[:, 5:25]) and torch.equal(theirs, other_eager[:, 5:25])
     steps.clear()
-    rewritten, _, _ = load_for_sampling(ckpt, "cpu", "fp32")
-    assert torch.equal(rewritten.generate(prompt, 100, temperature=0, compile=None), eager) and not steps
+    wider, _, _ = load_for_sampling(write_char_checkpoint(tmp_path / "c.pt", **{**MODERN, "n_embd": 96}), "cpu", "fp32")
+    wider.generate(prompt, 10, temperature=0, compile=None)
+    assert not steps
 
 
 def test_the_eager_step_reads_the_filled_prefix_and_matches_the_masked_whole_cache(loaded, monkeypatch):

@@ -87,10 +87,11 @@ def test_kv_cache_greedy_matches_no_cache(kw):
 
 
 @pytest.mark.slow
-def test_compiled_decoding_gives_the_eager_tokens():
+def test_compiled_decoding_gives_the_eager_tokens(tmp_path, monkeypatch):
     """The compiled one-token step (a cache allocated once, attended over whole with the unfilled part masked)
     gives exactly the eager path's greedy tokens, for a modern model with grouped-query attention and past
     block_size (the cache is refilled); within block_size both equal the uncached path."""
+    monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path))  # its package kept from the other tests' models
     model = tiny(**MODERN, n_head=4, n_kv_head=2).eval()
     prompt = torch.randint(0, 50, (2, 5))
     eager = model.generate(prompt, 40, temperature=0)
