@@ -9,8 +9,10 @@ The sides alternate --repeats times in ABBA order (the machine's drift hits both
 best process wall time and best generation tokens/s (as each process measures its own generation), and whether the
 greedy tokens are equal. The model is the config's (default: the GPU preset's char model with a 512-token context,
 so that the prompt and 256 new tokens fit) with random weights and tiny Shakespeare's characters, exported as
-export.py --hf writes it. --with-compile first runs sample.py --compile once (it compiles the step and keeps it:
-its wall time is the compile's cost, paid once), then adds sample.py's default, which finds the kept step.
+export.py --hf writes it. --with-compile first runs sample.py --compile once, ours and inductor's caches empty as on a
+fresh machine (it compiles the step and keeps it: its wall time is the compile's cost, paid once per model shape),
+then adds sample.py's default, which finds the kept step, on the model and on a second checkpoint of its shape with
+other weights (whose text is not compared: it is another model's).
 --batch N decodes N copies of the prompt at once (RL's rollouts are 144 rows): sample.py --num-samples N, generate on
 N rows, and llama.cpp with N sequences in one context, each step one llama_decode of N tokens (llama-cpp-python's
 low-level API: its Llama.generate decodes one sequence, which batch 1 keeps using). Tokens/s counts every row's.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -126,6 +129,7 @@ class Side:
     generation: float = float("inf")
     text: str = ""
     note: str = ""
+    compared: bool = True  # whether its text should be transformers' (false for another model's)
 
     def record(self, wall: float, generation: float, text: str) -> None:
         self.wall, self.generation, self.text = min(self.wall, wall), min(self.generation, generation), text
@@ -148,21 +152,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_child(cmd: list[str]) -> tuple[float, str, str]:
-    """(wall seconds, stdout, stderr) of a fresh process; UserError with its stderr's tail when it fails."""
+def run_child(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, str, str]:
+    """(wall seconds, stdout, stderr) of a fresh process (with env added to ours); UserError with its stderr's tail
+    when it fails."""
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         raise UserError(f"{' '.join(cmd[:3])} ... failed: {done.stderr.strip()[-500:]}")
     return wall, done.stdout, done.stderr
 
 
-def run_ours(side: Side, directory: str, new_tokens: int, flags: list[str], device: str, batch: int) -> None:
+def run_ours(
+    side: Side, directory: str, new_tokens: int, flags: list[str], device: str, batch: int, env: dict[str, str]
+) -> None:
     cmd = [sys.executable, "sample.py", "--ckpt", directory, "--prompt", PROMPT, "--temperature", "0"]
     cmd += ["--max-new-tokens", str(new_tokens), "--no-stream", "--verbose", "--device", device]
     cmd += ["--num-samples", str(batch)]
-    wall, output, log = run_child([*cmd, *flags])
+    wall, output, log = run_child([*cmd, *flags], env)
     stats = OUR_RATE.findall(log)
     if not stats:
         raise UserError(f"sample.py printed no tokens/s line: {log[-300:]}")
@@ -229,7 +236,7 @@ class Comparison:
     @property
     def same_text(self) -> bool:
         """Whether every side in fp32 wrote transformers' text (bf16 rounds differently, and may differ)."""
-        return all(s.text == self.theirs.text for s in self.sides if "bf16" not in s.name + s.note)
+        return all(s.text == self.theirs.text for s in self.sides if s.compared and "bf16" not in s.name + s.note)
 
 
 def compare(
@@ -252,10 +259,13 @@ def compare(
             f"--vs-transformers decodes tiny Shakespeare's {len(SHAKESPEARE_CHARS)} characters: "
             f"a vocabulary of {margs.vocab_size} can't be compared"
         )
-    sides = [(Side("sample.py --no-compile (KV cache, eager step)"), ["--no-compile"])]  # (side, sample.py's flags)
+    # (side, sample.py's flags, the checkpoint: 0 the model exported, 1 another of its shape)
+    sides = [(Side("sample.py --no-compile (KV cache, eager step)"), ["--no-compile"], 0)]
     if with_compile:
-        sides.append((Side("sample.py's default (the kept compiled step)"), []))
-    compiling = Side("sample.py --compile, its first run (compiles and keeps the step)")
+        sides.append((Side("sample.py's default (the kept compiled step)"), [], 0))
+        other = Side("sample.py's default on another checkpoint of the shape (the same kept step)", compared=False)
+        sides.append((other, [], 1))
+    compiling = Side("sample.py --compile, its first run (compiles and keeps the step; caches cold)")
     theirs = Side(f"transformers generate ({their_dtype(device).replace('float', 'fp').replace('bfloat', 'bf')})")
     llama_cpp = llama_cpp_installed() and device == "cpu"
     gguf = {outtype: Side(f"llama.cpp, --gguf {outtype}") for outtype in (("f32", "bf16") if llama_cpp else ())}
@@ -264,13 +274,20 @@ def compare(
         model, chars = GPT(margs), CharTokenizer(list(SHAKESPEARE_CHARS)).to_dict()
         export_hf(model, chars, directory)
         write_safetensors(model, chars, f"{directory}/ours.safetensors")  # GGUF takes the char vocabulary
+        checkpoints = [directory, f"{directory}/other"]
+        torch.manual_seed(1)
+        export_hf(GPT(margs), chars, checkpoints[1])  # as the first: an HF directory has biases, zero where ours has none
         tokenizer = tokenizer_from_dict(load_model(directory).tokenizer)
         prompt_ids = tokenizer.encode(PROMPT)
+        # the compile from cold caches, as on a fresh machine: ours and inductor's, the kept step found in the first
+        env = {"QUILLGPT_CACHE": f"{directory}/cache", "TORCHINDUCTOR_CACHE_DIR": f"{directory}/inductor"}
         if with_compile:
-            run_ours(compiling, directory, new_tokens, ["--compile"], device, batch)
+            run_ours(compiling, directory, new_tokens, ["--compile"], device, batch, env)
         runs = [
-            lambda side=side, flags=flags: run_ours(side, directory, new_tokens, flags, device, batch)
-            for side, flags in sides
+            lambda side=side, flags=flags, ckpt=ckpt: run_ours(
+                side, checkpoints[ckpt], new_tokens, flags, device, batch, env
+            )
+            for side, flags, ckpt in sides
         ]
         runs.append(lambda: run_theirs(theirs, directory, new_tokens, prompt_ids, tokenizer, device, batch))
         for outtype, side in gguf.items():
@@ -283,7 +300,7 @@ def compare(
         for i in range(repeats):  # alternating, in ABBA order, so that drift hits every side alike
             for run_side in runs if i % 2 == 0 else runs[::-1]:
                 run_side()
-    ours = [*([compiling] if with_compile else []), *(side for side, _ in sides)]
+    ours = [*([compiling] if with_compile else []), *(side for side, _, _ in sides)]
     return Comparison(margs, new_tokens, repeats, device, batch, [*ours, theirs, *gguf.values()], theirs)
 
 
