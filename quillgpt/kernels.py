@@ -88,10 +88,13 @@ def _(like: torch.Tensor, dropped: int) -> torch.Tensor:
 
 
 class Dropout(nn.Dropout):
-    """nn.Dropout, with the faster mask of cpu_keep_mask in CPU training (eager or compiled)."""
+    """nn.Dropout, with the faster mask of cpu_keep_mask in CPU training (eager or compiled). Off (evaluation,
+    p 0) it returns its input without calling an op: an eager decoding step calls two a layer."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0 or x.device.type != "cpu":
+        if not self.training or self.p == 0:
+            return x
+        if x.device.type != "cpu":
             return super().forward(x)
         keep, scale = cpu_keep_mask(x, self.p)
         return x * keep * scale
