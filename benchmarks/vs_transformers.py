@@ -276,9 +276,8 @@ def compare(
         write_safetensors(model, chars, f"{directory}/ours.safetensors")  # GGUF takes the char vocabulary
         checkpoints = [directory, f"{directory}/other"]
         torch.manual_seed(1)
-        export_hf(
-            GPT(margs), chars, checkpoints[1]
-        )  # as the first: an HF directory has biases, zero where ours has none
+        # exported as the first is: an HF directory has biases (zero where ours has none), so another shape of ours
+        export_hf(GPT(margs), chars, checkpoints[1])
         tokenizer = tokenizer_from_dict(load_model(directory).tokenizer)
         prompt_ids = tokenizer.encode(PROMPT)
         # the compile from cold caches, as on a fresh machine: ours and inductor's, the kept step found in the first
