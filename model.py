@@ -13,7 +13,7 @@ modded-nanogpt for QK-norm, ReLU^2, soft-capping and Muon.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from typing import NamedTuple
@@ -637,8 +637,8 @@ class GPT(nn.Module):
         vocab_limit leaves out ids the tokenizer can't decode (a vocabulary padded for speed).
         The prompt is cropped to its last block_size tokens. With the KV cache (allocated once, its length a power
         of two that holds the prompt and the new tokens, at most block_size) the prompt runs in one forward pass,
-        then each token in one decode_one step, compiled or not (decode_step: compile True compiles it once per cache
-        length, None takes a compiled one only where one is kept; the prompt's pass stays eager). When the cache is full it is
+        then each token in one decode_one step, compiled or not (decoding_cache: compile True compiles it, None takes
+        a compiled one only where one is kept; the prompt's pass stays eager). When the cache is full it is
         refilled from the last block_size/2 tokens (learned positions make a sliding window impossible), so beyond
         block_size the cached and uncached paths differ.
         """
@@ -654,9 +654,8 @@ class GPT(nn.Module):
                 idx, new = torch.cat((idx, *new), dim=1), []
                 if use_cache:  # the first token, or the cache is full: fill one from the prompt or the last block/2
                     context = idx[:, -(block // 2) :] if cache is not None else idx
-                    cache = self.new_cache(idx.size(0), cache_length(context.size(1) + max_new_tokens, block))
+                    cache, step = self.decoding_cache(idx.size(0), context.size(1) + max_new_tokens, compile)
                     positions = torch.arange(cache.length, device=idx.device)
-                    step = self.decode_step(compile, cache)
                 else:
                     context = idx[:, -block:]
                 logits = self(context, cache=cache, last_only=True)[0][:, -1, :]
@@ -664,21 +663,25 @@ class GPT(nn.Module):
             new.append(token)
             yield token
 
-    def decode_step(self, compile: bool | None, cache: KVCache):
-        """decode_one, or its compiled form for this cache: on the CPU compiled ahead of time and kept on disk
-        between runs (quillgpt/compiled_step.py; compile None: only a kept one, True: compiled and kept first),
-        elsewhere by torch.compile, kept on the model (a later generation reuses it)."""
-        if compile is not False and cache.k[0].device.type == "cpu":
-            from quillgpt.compiled_step import compiled_step
+    def decoding_cache(self, batch: int, needed: int, compile: bool | None) -> tuple[KVCache, Callable]:
+        """A KV cache with room for `needed` positions (cache_length's power of two) and the one-token step over it,
+        decode_one's signature. compile: on the CPU the step compiled ahead of time and kept on disk between runs
+        (quillgpt/compiled_step.py; True: compiled for this length and kept first, unless a kept one holds it; None:
+        only a kept one, else eager), whose cache may be longer; elsewhere decode_one under torch.compile, kept on
+        the model (a later generation reuses it). False: decode_one as it is."""
+        length = cache_length(needed, self.config.block_size)
+        if compile is not False and self.transformer.wte.weight.device.type == "cpu":
+            from quillgpt.compiled_step import compiled_cache
 
-            step = compiled_step(self, cache, build=bool(compile))
-            if step is not None:
-                return step
+            kept = compiled_cache(self, batch, length, build=bool(compile))
+            if kept is not None:
+                return kept
+        cache = self.new_cache(batch, length)
         if not compile:
-            return self.decode_one
+            return cache, self.decode_one
         if getattr(self, "_compiled_decode_one", None) is None:
             self._compiled_decode_one = torch.compile(self.decode_one, dynamic=False, fullgraph=True)
-        return self._compiled_decode_one
+        return cache, self._compiled_decode_one
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **kw) -> torch.Tensor:
         """(B, T) prompt -> (B, T + max_new_tokens), the prompt cropped to block_size as in generate_stream."""

@@ -22,7 +22,7 @@ from typing import TextIO
 
 import torch
 
-from model import GPT, KVCache, cache_length, sample_next
+from model import GPT, KVCache, sample_next
 from quillgpt.chat_template import ChatFormat, chat_format, common_prefix
 from quillgpt.errors import UserError
 from quillgpt.generate import showable_length
@@ -42,8 +42,8 @@ class ChatSession:
         compile: bool | None = False,
     ):
         """control_tokens_in_content: a message that spells a control token gets the token (transformers' default),
-        not its text (quillgpt.chat_template). compile: decode with the compiled step (GPT.decode_step; None: one
-        only where one is kept)."""
+        not its text (quillgpt.chat_template). compile: decode with the compiled step (GPT.decoding_cache; None: one
+        only where one is kept; True compiles it for the whole context, which the conversation grows into)."""
         self.model, self.tokenizer = model, tokenizer
         # a UserError when the tokenizer has no chat template
         self.format: ChatFormat = chat_format(tokenizer, control_tokens_in_content)
@@ -57,7 +57,7 @@ class ChatSession:
         self.ids: list[int] = []  # the ids whose keys and values the cache holds, in order
         self.cache: KVCache | None = None
         self.compile = compile
-        self.decode = model.decode_one  # the step for the cache (GPT.decode_step), chosen with each new cache
+        self.decode = model.decode_one  # the step for the cache (GPT.decoding_cache), chosen with each new cache
         self.encoded = 0  # ids run through the model to read prompts (not to generate): what the cache saves
         self.reset(system)
 
@@ -181,8 +181,9 @@ class ChatSession:
         if self.cache is not None and self.cache.length >= needed:
             return
         old = self.cache
-        self.cache = self.model.new_cache(1, cache_length(needed, self.block_size))
-        self.decode = self.model.decode_step(self.compile, self.cache)
+        # one compile for the whole conversation, not one for each length the cache grows through
+        needed = self.block_size if self.compile else needed
+        self.cache, self.decode = self.model.decoding_cache(1, needed, self.compile)
         if old is not None:
             for layer in range(len(old.k)):
                 self.cache.k[layer][:, :, :keep] = old.k[layer][:, :, :keep]

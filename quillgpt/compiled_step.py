@@ -9,11 +9,13 @@ the compiled model's buffers too, pointed at the caller's tensors: the prompt's 
 cache the compiled steps go on writing. (Taking the cache as inputs written in place was slower than the eager step:
 the exported graph copies them.)
 
-Compiling takes tens of seconds on a CPU, once per model shape, batch, cache length and dtype (sample.py --compile);
-loading a kept package takes a tenth of a second, so the scripts use one whenever it is there. Packages are kept in
-$QUILLGPT_CACHE/decode (else ~/.cache/quillgpt/decode), named by a hash of everything the compiled code depends on:
-the weights' names and shapes, the model's arguments, the batch, cache length and dtype, torch's version and the
-CPU's code path (an AVX2-capped process gets its own). Measured: docs/sampling.md.
+Compiling takes tens of seconds on a CPU, once per model shape, batch and dtype (sample.py --compile, for the
+call's cache length; chat.py's for the whole context, which a conversation grows into); loading a kept package takes
+a tenth of a second, so the scripts use one whenever it is there, the one with the shortest cache that holds the
+call's positions. Packages are kept in $QUILLGPT_CACHE/decode (else ~/.cache/quillgpt/decode), named by a hash of
+everything the compiled code depends on (the weights' names and shapes, the model's arguments, the batch and dtype,
+torch's version and the CPU's code path: an AVX2-capped process gets its own) and the cache's length.
+Measured: docs/sampling.md.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch.nn as nn
 from quillgpt.files import cache_dir
 from quillgpt.precision import CPU_PATH_ENV
 
-_loaded: dict[str, Callable] = {}  # packages loaded in this process, by key
+_loaded: dict[Path, Callable] = {}  # packages loaded in this process, by file
 _bound: dict[int, int] = {}  # each loaded runner's binding: the ticket of the step whose model and cache it holds
 _tickets = count()
 
@@ -81,10 +83,10 @@ def bind(runner, model: nn.Module, cache) -> None:
     runner.load_constants(tensors, False, False, True, False)  # user-managed: the kernels write the caller's cache
 
 
-def package_key(model: nn.Module, batch: int, length: int) -> str:
-    """A hash of what the compiled code depends on, not the weights' values (bind copies those in): the weights'
-    names, dtypes and shapes, the model's arguments and modules, the batch and cache length, torch's version and the
-    CPU's code path."""
+def package_key(model: nn.Module, batch: int) -> str:
+    """A hash of what the compiled code depends on but the cache's length (a package's file name carries that), not
+    the weights' values (bind copies those in): the weights' names, dtypes and shapes, the model's arguments and
+    modules, the batch, torch's version and the CPU's code path."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
@@ -92,7 +94,6 @@ def package_key(model: nn.Module, batch: int, length: int) -> str:
         "config": model.config.to_dict(),
         "modules": sorted({type(m).__name__ for m in model.modules()}),  # int8 linears, LoRA...
         "batch": batch,
-        "length": length,
         "torch": torch.__version__,
         "cpu": torch.backends.cpu.get_cpu_capability(),
         "env": {k: os.environ.get(k, "") for k in CPU_PATH_ENV},
@@ -105,21 +106,32 @@ def packages_dir() -> Path:
     return cache_dir() / "decode"
 
 
-def compiled_step(model: nn.Module, cache, build: bool) -> Callable | None:
-    """The compiled step for this model's shape and cache, as decode_one's signature (token, position, cache) ->
-    logits: loaded from a kept package, or (build) compiled and kept first; None where none is kept and build is
-    false."""
-    key = package_key(model, cache.k[0].size(0), cache.length)
-    if key not in _loaded:
-        path = packages_dir() / f"{key}.pt2"
-        if not path.is_file():
-            if not build:
-                return None
-            compile_package(model, cache, path)
+def kept_lengths(key: str) -> list[int]:
+    """The cache lengths kept packages of this key were compiled for, shortest first: files named <key>-<length>.pt2."""
+    names = (path.name.removeprefix(f"{key}-").removesuffix(".pt2") for path in packages_dir().glob(f"{key}-*.pt2"))
+    return sorted(int(name) for name in names if name.isdigit())
+
+
+def compiled_cache(model: nn.Module, batch: int, length: int, build: bool):
+    """A KV cache with room for `length` positions or more and the compiled step over it, as decode_one's signature
+    (token, position, cache) -> logits: the kept package of this model's shape and batch with the shortest cache that
+    holds them (the cache takes its length: a step compiled for a long generation serves the shorter ones, attending
+    over its whole cache), or (build) a package compiled for `length` and kept first. None where none is kept and
+    build is false."""
+    key = package_key(model, batch)
+    longer = [n for n in kept_lengths(key) if n >= length]
+    if not longer and not build:
+        return None
+    length = longer[0] if longer else length
+    path = packages_dir() / f"{key}-{length}.pt2"
+    cache = model.new_cache(batch, length)
+    if not path.is_file():
+        compile_package(model, cache, path)
+    if path not in _loaded:
         # the package's own C++ loader: torch._inductor.aoti_load_package would import inductor's Python first,
         # seconds of a process's start-up for the same loader
-        _loaded[key] = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-    return aoti_step(_loaded[key], model, cache)
+        _loaded[path] = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    return cache, aoti_step(_loaded[path], model, cache)
 
 
 def aoti_step(runner, model: nn.Module, cache) -> Callable:

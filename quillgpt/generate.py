@@ -20,8 +20,8 @@ ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 DTYPES = ("auto", "fp32", "bf16", "fp16", "int8")  # what --dtype takes in sample.py, chat.py and serve.py
 COMPILE_HELP = (
     "--compile: decode with the one-token step compiled ahead of time and kept on disk (CPU: compiled once per model "
-    "shape and cache length, tens of seconds; quillgpt/compiled_step.py); default: with a kept one where there is one, "
-    "else eagerly; --no-compile: eagerly"
+    "shape, batch and cache length, tens of seconds, unless a kept one holds the call's cache; "
+    "quillgpt/compiled_step.py); default: with a kept one where there is one, else eagerly; --no-compile: eagerly"
 )
 DEVICES = "auto | cpu | cuda | cuda:N | mps"  # what --device takes in sample.py, chat.py, serve.py and eval.py
 # auto's precision on the CPU is decided at one decoding row, whatever the batch: sample.py (any --num-samples),

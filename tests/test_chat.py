@@ -14,6 +14,7 @@ import torch
 from conftest import REPO_ROOT, chatml_without_tool
 
 from model import GPT, GPTConfig
+from quillgpt import compiled_step
 from quillgpt.chat_session import ChatSession
 from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.checkpoint import save_checkpoint
@@ -171,6 +172,25 @@ def test_a_message_longer_than_the_context_is_an_error_and_the_conversation_goes
     assert session.messages == kept
     session.reply("Hello")
     assert len(session.messages) == 4
+
+
+def test_compiling_a_conversations_step_asks_for_the_whole_context_once(tmp_path, monkeypatch):
+    """chat.py --compile compiles the decoding step for the model's whole context, which a conversation grows into,
+    not for each cache length it passes through (a compile takes tens of seconds). The compile itself is
+    test_decoding.py's."""
+    monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path))
+    asked = []
+
+    def compile_package(model, cache, path):
+        asked.append(cache.length)
+        raise KeyboardInterrupt  # as a user stopping the compile: nothing is kept
+
+    monkeypatch.setattr(compiled_step, "compile_package", compile_package)
+    with pytest.raises(KeyboardInterrupt):
+        ChatSession(random_chat_model(block_size=256), chat_tokenizer(), max_new_tokens=16, compile=True).reply(
+            TURNS[0]
+        )
+    assert asked == [256]  # the first turn needs 64 positions
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused():

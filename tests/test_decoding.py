@@ -9,18 +9,21 @@ import asyncio
 import pytest
 import torch
 from conftest import gpt2_encoding_error, needs_gpt2_encoding  # noqa: F401 (the skipif string)
+from test_chat import chat_tokenizer, random_chat_model
 from test_sample import write_char_checkpoint
 from test_step_sync import SYNCING
 from torch.overrides import TorchFunctionMode
 
 from model import GPT, DecodeStep, GPTConfig, sample_next
 from quillgpt import compiled_step
+from quillgpt.chat_session import ChatSession
 from quillgpt.generate import RowText, generate_texts, load_for_sampling
 from quillgpt.serve.batcher import Batcher, GenRequest
 from quillgpt.tokenizer import tokenizer_from_dict
 
 GPT2_STYLE = dict(block_size=64, n_layer=2, n_head=4, n_embd=64)  # learned positions, LayerNorm, GELU
-MODERN = dict(GPT2_STYLE, pos_emb="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, n_kv_head=2, bias=False)
+MODERN_SWITCHES = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, n_kv_head=1, bias=False)
+MODERN = dict(GPT2_STYLE, **{**MODERN_SWITCHES, "n_kv_head": 2})
 real = compiled_step.aoti_step
 
 
@@ -45,32 +48,34 @@ def test_eager_decoding_gives_the_uncached_greedy_tokens_within_and_past_the_con
 
 
 @pytest.mark.slow
-def test_a_compiled_step_is_kept_and_serves_every_checkpoint_of_its_shape(tmp_path, monkeypatch):
-    """compile=True compiles the step ahead of time and keeps it; a later process's load of another checkpoint of the
-    same shape uses it by default (compile=None) without compiling, with that checkpoint's own weights: each gives
-    its eager greedy tokens, also when their generations take turns on the one package. Another shape gets none."""
+def test_a_compiled_step_is_kept_and_serves_every_model_of_its_shape_and_every_shorter_cache(tmp_path, monkeypatch):
+    """compile=True compiles the step ahead of time and keeps it; later (as a new process) another model of the same
+    shape uses it by default (compile=None) without compiling, with its own weights: each gives its eager greedy
+    tokens, also when their generations take turns on the one package and when a call needs a shorter cache than
+    the kept one (it takes the kept length); a chat session's reply too. Another shape gets none."""
     monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "cache"))
-    first = write_char_checkpoint(tmp_path / "a.pt", seed=0, **MODERN)
-    second = write_char_checkpoint(tmp_path / "b.pt", seed=1, **MODERN)
-    prompt = torch.tensor([[3, 1, 4, 1, 5]] * 2)  # a batch of two
-    model, _, _ = load_for_sampling(first, "cpu", "fp32")
-    eager = model.generate(prompt, 100, temperature=0)  # past block_size: a refill
-    assert torch.equal(model.generate(prompt, 100, temperature=0, compile=True), eager)
-    assert len(list(compiled_step.packages_dir().glob("*.pt2"))) == 1
+    model, other = (random_chat_model(block_size=128, seed=seed, **MODERN_SWITCHES) for seed in (0, 1))
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    eager = model.generate(prompt, 150, temperature=0)  # past block_size: a refill
+    assert torch.equal(model.generate(prompt, 150, temperature=0, compile=True), eager)
+    assert [p.name.rsplit("-", 1)[1] for p in compiled_step.packages_dir().glob("*.pt2")] == ["128.pt2"]
     compiled_step._loaded.clear()  # as a new process: loaded from disk
     monkeypatch.setattr(compiled_step, "compile_package", lambda *a: pytest.fail("compiled again"))
-    other, _, _ = load_for_sampling(second, "cpu", "fp32")
-    other_eager = other.generate(prompt, 100, temperature=0)
+    other_eager = other.generate(prompt, 150, temperature=0)
     assert not torch.equal(other_eager, eager)  # other weights: a real test of whose weights the step reads
     steps = []
-    monkeypatch.setattr(compiled_step, "aoti_step", lambda *a: steps.append(a[0]) or real(*a))
-    assert torch.equal(other.generate(prompt, 100, temperature=0, compile=None), other_eager) and steps
+    monkeypatch.setattr(compiled_step, "aoti_step", lambda *a: steps.append(a[2].length) or real(*a))
+    assert torch.equal(other.generate(prompt, 150, temperature=0, compile=None), other_eager) and steps == [128] * 2
+    assert torch.equal(other.generate(prompt, 10, temperature=0, compile=True), other_eager[:, :15])  # needs 64
     streams = (m.generate_stream(prompt, 20, temperature=0, compile=None) for m in (model, other))
     turns = zip(*streams)  # one token of each in turn, on the one package
     mine, theirs = (torch.cat(tokens, dim=1) for tokens in zip(*turns))
     assert torch.equal(mine, eager[:, 5:25]) and torch.equal(theirs, other_eager[:, 5:25])
+    assert steps == [128] * 5
+    replies = [ChatSession(other, chat_tokenizer(), compile=c).reply("What is 17 + 25?") for c in (False, None)]
+    assert replies[0] == replies[1] and len(replies[0]) > 5 and steps == [128] * 6
     steps.clear()
-    wider, _, _ = load_for_sampling(write_char_checkpoint(tmp_path / "c.pt", **{**MODERN, "n_embd": 96}), "cpu", "fp32")
+    wider = random_chat_model(block_size=128, **{**MODERN_SWITCHES, "n_kv_head": 2})  # another shape
     wider.generate(prompt, 10, temperature=0, compile=None)
     assert not steps
 
