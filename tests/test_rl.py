@@ -7,6 +7,7 @@ mistakes are one line."""
 import json
 import string
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from quillgpt.checkpoint import save_checkpoint
 from quillgpt.config import ConfigError, RLConfig
 from quillgpt.errors import UserError
 from quillgpt.replies import Reply, sample_groups
-from quillgpt.rl import Rollouts, load_reward, token_logprobs
+from quillgpt.rl import RL, Rollouts, grader_reward, length_parts, load_reward, token_logprobs
 from quillgpt.tasks import WORDS, conversations, split_keys, split_of
 from quillgpt.tokenizer import CharTokenizer
 from train import train
@@ -145,6 +146,42 @@ def test_only_sampled_reply_tokens_are_trained():
     assert y.tolist() == [[-1, -1, 4, -1, -1, 7], [-1, -1, 8, -1, -1, -1]]
     assert rollouts.advantages(scale=False).tolist() == [[0.5, -0.5]]
     assert torch.allclose(rollouts.advantages(scale=True), torch.tensor([[1.0, -1.0]]), atol=1e-3)
+
+
+def test_rows_of_similar_length_go_together_and_give_the_gradient_of_one_padded_pass(monkeypatch):
+    """The policy-gradient pass runs in parts of rows of similar length, each padded only to its own longest row:
+    the loss and every gradient equal one pass over all the rows padded to the longest, as the parts add up."""
+    assert length_parts([5, 9, 5, 9, 5, 9], max_rows=6) == [[1, 3, 5], [0, 2, 4]]
+    assert length_parts([7, 7, 7, 7], max_rows=3) == [[0, 1], [2, 3]]  # max_rows first
+    assert length_parts([3, 4, 5, 6, 7, 8, 9, 10], max_rows=8, most=2) == [[7, 6, 5, 4], [3, 2, 1, 0]]
+    tok = tokenizer()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32, bias=False))
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    replies = [[Reply(list(range(10, 10 + n)), [True] * n) for n in (2, 9, 4)] for _ in prompts]
+    rollouts = Rollouts(prompts, replies, torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, 0.0]]))
+    reference = GPT(model.config)
+    pg = RL(RLConfig(kl_coef=0.1), 0, tok, chat_format(tok), grader_reward, reference, {})
+    trainer = SimpleNamespace(
+        raw_model=model,
+        rl=pg,
+        optimizers=[],
+        scaler=torch.amp.GradScaler(enabled=False),
+        rt=SimpleNamespace(device=torch.device("cpu"), autocast=torch.autocast("cpu", enabled=False)),
+        cfg=SimpleNamespace(training=SimpleNamespace(batch_size=6), optimizer=SimpleNamespace(grad_clip=0.0)),
+    )
+    monkeypatch.setattr(pg, "rollouts", lambda tr, it: (None, rollouts))
+    grads = {}
+    for name, parts in (("parts", length_parts), ("one pass", lambda lengths, rows: [list(range(len(lengths)))])):
+        monkeypatch.setattr("quillgpt.rl.length_parts", parts)
+        model.zero_grad(set_to_none=True)
+        loss, _, _ = pg.step(trainer, 0)
+        grads[name] = (loss, [p.grad.clone() for p in model.parameters()], pg.tokens_per_step)
+    assert len(length_parts(rollouts.lengths(), 6)) > 1  # a real split
+    torch.testing.assert_close(grads["parts"][0], grads["one pass"][0])
+    for a, b in zip(grads["parts"][1], grads["one pass"][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert grads["parts"][2] < grads["one pass"][2] == 6 * 14  # fewer positions computed than 6 rows x 14
 
 
 def test_the_sampler_samples_from_the_policy_the_step_trains(monkeypatch):
