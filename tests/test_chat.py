@@ -440,12 +440,14 @@ def test_transformers_chats_with_our_export_and_replies_as_we_do(tmp_path):
     assert tok.decode(generated[:-1]) == library_replies(chat_ckpt, TURNS[:1])[0]
 
 
-@pytest.mark.parametrize("rows_per_pass", [1, 7, 1000])
-def test_chat_task_answers_decoded_together_are_each_questions_reply_alone(monkeypatch, rows_per_pass):
+@pytest.mark.parametrize("rows_per_pass, prompts_per_read", [(1, None), (7, None), (1000, None), (1000, 3)])
+def test_chat_task_answers_decoded_together_are_each_questions_reply_alone(
+    monkeypatch, rows_per_pass, prompts_per_read
+):
     """evaluate.chat_answers decodes every question's reply in one batch (or passes of a few rows, the cache's
-    bound), a finished reply leaving the batch: each reply is ChatSession's to that question alone, with replies
-    ending at different steps."""
-    from quillgpt import evaluate
+    bound), a finished reply leaving the batch, its prompts read together, right-padded (or a few at a time, the
+    logits' bound): each reply is ChatSession's to that question alone, with replies ending at different steps."""
+    from quillgpt import evaluate, replies
     from quillgpt.replies import sample_groups
     from quillgpt.tasks import sample_items
 
@@ -459,6 +461,8 @@ def test_chat_task_answers_decoded_together_are_each_questions_reply_alone(monke
     cfg = model.config
     row = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_width * 4 * min(cfg.block_size, longest + evaluate.ANSWER_TOKENS)
     monkeypatch.setattr(evaluate, "REPLY_CACHE_BYTES", row * rows_per_pass)
+    if prompts_per_read:
+        monkeypatch.setattr(replies, "PROMPT_LOGITS_BYTES", 4 * (longest + 1) * cfg.vocab_size * prompts_per_read)
     passes = []
     monkeypatch.setattr(
         evaluate,
@@ -467,7 +471,7 @@ def test_chat_task_answers_decoded_together_are_each_questions_reply_alone(monke
     )
     batch_sizes, decode_rows = [], model.decode_rows
     monkeypatch.setattr(model, "decode_rows", lambda t, *a: batch_sizes.append(t.size(0)) or decode_rows(t, *a))
-    replies = evaluate.chat_answers(model, tok, questions)
+    answers = evaluate.chat_answers(model, tok, questions)
     if rows_per_pass > len(questions):  # one pass: a finished reply leaves the batch, the others go on
         assert batch_sizes == sorted(batch_sizes, reverse=True) and batch_sizes[0] > batch_sizes[-1]
     assert passes == [len(questions[i : i + rows_per_pass]) for i in range(0, len(questions), rows_per_pass)]
@@ -476,5 +480,5 @@ def test_chat_task_answers_decoded_together_are_each_questions_reply_alone(monke
     for question in questions:
         session.reset()
         alone.append(session.reply(question))
-    assert [r.text for r in replies] == alone
-    assert len({len(r.ids) for r in replies}) > 2 and any(r.ids[-1] == end for r in replies)
+    assert [r.text for r in answers] == alone
+    assert len({len(r.ids) for r in answers}) > 2 and any(r.ids[-1] == end for r in answers)
