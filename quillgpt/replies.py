@@ -67,9 +67,9 @@ def sample_groups(
     generator: torch.Generator | None,
 ) -> list[list[Reply]]:
     """group_size replies to each prompt, all decoded together: each prompt is read once (read_prompts) and its keys
-    and values copied to its group's rows; then each step samples a token for every row (temperature 0: the most likely one) or
-    puts in the next id of a calculator output, until every row has ended or taken max_new_tokens (fewer where its
-    prompt leaves less of the context)."""
+    and values copied to its group's rows; then each step samples a token for every row (temperature 0: the most
+    likely one) or puts in the next id of a calculator output, until every row has ended or taken max_new_tokens
+    (fewer where its prompt leaves less of the context)."""
     block = model.config.block_size
     device = next(model.parameters()).device
     if max(map(len, prompts)) >= block:
