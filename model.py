@@ -200,7 +200,10 @@ def visible_keys(queries: torch.Tensor, n_keys: int, window: int) -> torch.Tenso
 class DocumentMask:
     """Attention confined to each document of packed rows (data.py's Batch.positions: 0 at each document's first
     token), built once per forward for every layer of a window: a token sees the tokens up to itself in its own
-    document only (and with a window, only the last `window` of them).
+    document only (and with a window, only the last `window` positions of them).
+    A document whose positions start at p > 0 instead continues its row's first document after that document's
+    first p tokens: it sees those too. Rows of one prompt and its sampled replies (RL's groups: quillgpt/rl.py) so
+    read the prompt once for every reply, each reply at the positions it has after the prompt.
     FlexAttention's block mask where torch trains with it fused (CUDA, under torch.compile, without attention
     dropout: the blocks of the (T, T) scores that no document reaches are skipped), else a (B, 1, T, T) boolean mask
     for SDPA: torch has no FlexAttention backward on the CPU, and eager FlexAttention materialises the scores anyway
@@ -208,19 +211,29 @@ class DocumentMask:
 
     def __init__(self, positions: torch.Tensor, flex: bool, window: int = 0):
         B, T = positions.shape
-        documents = (positions == 0).cumsum(-1)  # (B, T): which document of its row each token is in
+        starts = torch.ones_like(positions, dtype=torch.bool)
+        starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+        documents = starts.cumsum(-1)  # (B, T): which document of its row each token is in, 1 for the first
+        columns = torch.arange(T, device=positions.device)
+        first = torch.where(starts, columns, 0).cummax(-1).values  # (B, T): the column its document starts at
+        shared = positions.gather(1, first)  # (B, T): how many of the first document's tokens its document sees
         self.block_mask = self.visible = None
         if flex:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            def same_document(b, h, q, k):
-                near = (q - k < window) if window else True
-                return (q >= k) & near & (documents[b, q] == documents[b, k])
+            def sees(b, h, q, k):
+                near = (positions[b, q] - positions[b, k] < window) if window else True
+                prefix = (documents[b, k] == 1) & (positions[b, k] < shared[b, q])
+                return (q >= k) & near & ((documents[b, q] == documents[b, k]) | prefix)
 
-            self.block_mask = create_block_mask(same_document, B, None, T, T, device=positions.device)
+            self.block_mask = create_block_mask(sees, B, None, T, T, device=positions.device)
         else:
-            causal = visible_keys(torch.arange(T, device=positions.device), T, window)  # (T, T)
-            self.visible = (causal & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)  # (B, 1, T, T)
+            same = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
+            prefix = (documents[:, None, :] == 1) & (positions[:, None, :] < shared[:, :, None])
+            visible = (columns[None, :] <= columns[:, None]) & (same | prefix)
+            if window:
+                visible &= positions[:, :, None] - positions[:, None, :] < window
+            self.visible = visible.unsqueeze(1)  # (B, 1, T, T)
 
     @staticmethod
     def flex_trains_here(positions: torch.Tensor, dropout: float) -> bool:
@@ -499,10 +512,11 @@ class GPT(nn.Module):
 
         last_only returns logits for the final position only (generation). positions (B, T), each token's position
         in its document, 0 at each document's first token (packed rows, data.py's Batch): each document then attends
-        only within itself, at the positions it would have alone (learned or rotary); not with a cache."""
+        only within itself, at the positions it would have alone (learned or rotary); a document starting at p > 0
+        continues the row's first one (DocumentMask), so a row may hold more than block_size tokens; not with a cache."""
         B, T = idx.size()
         start = cache.pos if cache is not None else 0
-        assert start + T <= self.config.block_size, (
+        assert positions is not None or start + T <= self.config.block_size, (
             f"sequence of {start + T} exceeds block_size {self.config.block_size}"
         )
         x = self.embed(idx)  # (B, T, C)

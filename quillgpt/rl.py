@@ -3,7 +3,8 @@
 Each optimizer step takes rl.prompts_per_step questions of rl.tasks (quillgpt/tasks.py: reverse and count on made-up
 words, which a chat model has not memorized and no held-out item uses, or the tasks' training split: rl.questions),
 samples rl.group_size replies to each with the KV cache (every reply of the step decoded together, one row each;
-calculator calls answered as in chat.py: quillgpt/tools.py), scores every reply, and takes one policy-gradient step:
+calculator calls answered as in chat.py: quillgpt/tools.py), scores every reply, and takes one policy-gradient step
+over a row per question (its prompt read once, then each reply after it: Rollouts.rows):
 
     advantage = (reward - mean of its group) / (std of its group)       (rl.scale_advantages; without: not divided)
     loss = - sum over sampled reply tokens of advantage x log p(token) / the number of such tokens
@@ -37,6 +38,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -116,34 +118,49 @@ class Rollouts:
         return centred / (self.rewards.std(dim=1, unbiased=False, keepdim=True) + 1e-4) if scale else centred
 
     def lengths(self) -> list[int]:
-        """Each row's positions in rows(): its prompt and reply, less the last token (a target only)."""
-        return [
-            len(prompt) + len(reply.ids) - 1 for prompt, group in zip(self.prompts, self.replies) for reply in group
-        ]
+        """Each question's row in rows(): its prompt but the last token, then each reply's inputs."""
+        return [len(prompt) - 1 + sum(len(r.ids) for r in group) for prompt, group in zip(self.prompts, self.replies)]
 
-    def rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) (rows, T): prompt + reply per row, padded; targets -1 where nothing is learned (the
-        prompt, calculator outputs, padding)."""
-        seqs, counted = [], []
-        for prompt, group in zip(self.prompts, self.replies):
-            for reply in group:
-                seqs.append(prompt + reply.ids)
-                counted.append([False] * len(prompt) + reply.sampled)
-        T = max(map(len, seqs)) - 1
-        x = torch.zeros(len(seqs), T, dtype=torch.long)
-        y = torch.full((len(seqs), T), -1, dtype=torch.long)
-        for i, (s, c) in enumerate(zip(seqs, counted)):
-            x[i, : len(s) - 1] = torch.tensor(s[:-1])
-            y[i, : len(s) - 1] = torch.tensor([t if k else -1 for t, k in zip(s[1:], c[1:])])
-        return x.to(device), y.to(device)
+    def rows(self, device: torch.device, advantages: torch.Tensor) -> QuestionRows:
+        """A row per question, padded: its prompt but the last token, read once, then each reply of its group as a
+        document that continues the prompt (model.DocumentMask), whose inputs are the prompt's last token and the
+        reply's ids but the last, at the positions they have after the prompt. A reply so sees the prompt and
+        itself only: its log-probs are those of the row prompt + reply alone, at a fraction of the positions (a
+        prompt is most of a reply's row in the chat demo). advantages (prompts, group)."""
+        rows = []
+        for prompt, group, adv in zip(self.prompts, self.replies, advantages.tolist()):
+            n = len(prompt) - 1
+            ids, pos, targets, weights = prompt[:-1], list(range(n)), [-1] * n, [0.0] * n
+            for reply, a in zip(group, adv):
+                ids = ids + prompt[-1:] + reply.ids[:-1]
+                pos += range(n, n + len(reply.ids))
+                targets += [t if counted else -1 for t, counted in zip(reply.ids, reply.sampled)]
+                weights += [a] * len(reply.ids)
+            rows.append((ids, pos, targets, weights))
+        T = max(len(row[0]) for row in rows)
+        x, positions = torch.zeros(len(rows), T, dtype=torch.long), torch.zeros(len(rows), T, dtype=torch.long)
+        y, weights = torch.full((len(rows), T), -1, dtype=torch.long), torch.zeros(len(rows), T)
+        for i, (ids, pos, targets, w) in enumerate(rows):
+            x[i, : len(ids)], positions[i, : len(ids)] = torch.tensor(ids), torch.tensor(pos)
+            y[i, : len(ids)], weights[i, : len(ids)] = torch.tensor(targets), torch.tensor(w)
+        # padding: position 0 everywhere, so each padded token is a document of its own that nothing attends to
+        return QuestionRows(x.to(device), positions.to(device), y.to(device), weights.to(device))
+
+
+class QuestionRows(NamedTuple):
+    """Rollouts.rows: (questions, T) each."""
+
+    x: torch.Tensor  # input ids
+    positions: torch.Tensor  # each input's position (model.GPT.forward's positions)
+    y: torch.Tensor  # targets: the sampled tokens; -1 where nothing is learned (prompt, calculator output, padding)
+    weights: torch.Tensor  # each target's advantage (its reply's), 0 where nothing is learned
 
 
 def length_parts(lengths: list[int], max_rows: int, waste: float = 0.1, most: int = 8) -> list[list[int]]:
     """The policy-gradient pass's micro-batches: row indices sorted by length, longest first, cut into the fewest
     equal parts (each at most max_rows rows) whose padding, each part to its own longest row, is at most `waste` of
     the real positions; at most `most` parts unless max_rows asks for more (each part is a pass of its own). A step's
-    replies differ in length (a reversed word against a calculator call): one padded batch of the chat demo's step
-    computes ~1.4 positions for each real one."""
+    questions differ in length (a reversed word against a calculator call)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     n, least = len(order), math.ceil(len(order) / max_rows)
     for k in range(least, max(least, most) + 1):
@@ -153,13 +170,13 @@ def length_parts(lengths: list[int], max_rows: int, waste: float = 0.1, most: in
     return parts
 
 
-def token_logprobs(model: GPT, x: torch.Tensor, y: torch.Tensor, autocast) -> torch.Tensor:
+def token_logprobs(model: GPT, rows: QuestionRows, autocast) -> torch.Tensor:
     """log p(y | x) per position (rows, T) in fp32, 0 where y is -1: the policy-gradient pass's view of the sampled
     tokens, which must be the sampler's own (on-policy; tests/test_rl.py checks that they agree)."""
     with autocast:
-        logits, _ = model(x)
-    logp = -F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none")
-    return logp.view_as(y)
+        logits, _ = model(rows.x, positions=rows.positions)
+    logp = -F.cross_entropy(logits.float().flatten(0, 1), rows.y.flatten(), ignore_index=-1, reduction="none")
+    return logp.view_as(rows.y)
 
 
 @dataclass
@@ -221,22 +238,23 @@ class RL:
         return items, Rollouts(prompts, replies, rewards)
 
     def step(self, tr: Trainer, it: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One optimizer step: sample, score, and the policy-gradient pass (in micro-batches of rows of similar
-        length, at most training.batch_size rows each: length_parts). Returns (loss, grad norm, skipped) as
-        trainer.train_step does."""
+        """One optimizer step: sample, score, and the policy-gradient pass over a row per question (Rollouts.rows),
+        in parts of questions of similar length, at most training.batch_size replies each (length_parts). Returns
+        (loss, grad norm, skipped) as trainer.train_step does."""
         _, rollouts = self.rollouts(tr, it)
         device = tr.rt.device
-        x, y = rollouts.rows(device)
-        advantages = rollouts.advantages(self.cfg.scale_advantages).flatten().to(device)  # (rows,)
-        counted = (y >= 0).sum().clamp(min=1)
+        rows = rollouts.rows(device, rollouts.advantages(self.cfg.scale_advantages))
+        counted = (rows.y >= 0).sum().clamp(min=1)
         lengths = rollouts.lengths()
         model = tr.raw_model  # eager: every step's rows have another length
         model.train()
         total, kl_total = torch.zeros((), device=device), torch.zeros((), device=device)
         self.tokens_per_step = 0
-        for part in length_parts(lengths, tr.cfg.training.batch_size):
-            rows, T = torch.tensor(part, device=device), max(lengths[i] for i in part)
-            loss, kl = self.loss(model, x[rows, :T], y[rows, :T], advantages[rows], counted, tr.rt.autocast)
+        most = max(1, tr.cfg.training.batch_size // self.cfg.group_size)  # questions a pass, for batch_size replies
+        for part in length_parts(lengths, most):
+            T = max(lengths[i] for i in part)
+            index = torch.tensor(part, device=device)
+            loss, kl = self.loss(model, QuestionRows(*(t[index, :T] for t in rows)), counted, tr.rt.autocast)
             tr.scaler.scale(loss).backward()
             total += loss.detach()
             kl_total += kl
@@ -252,16 +270,16 @@ class RL:
         return total, norm, skipped
 
     def loss(
-        self, model: GPT, x: torch.Tensor, y: torch.Tensor, advantages: torch.Tensor, counted: torch.Tensor, autocast
+        self, model: GPT, rows: QuestionRows, counted: torch.Tensor, autocast
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A micro-batch's share of the step's loss, and of the mean KL to the reference (0 without one)."""
-        mask = y >= 0
-        logp = token_logprobs(model, x, y, autocast)  # (rows, T), 0 where nothing is learned
-        loss = -(logp * advantages[:, None]).sum() / counted
-        kl = torch.zeros((), device=x.device)
+        """A part's share of the step's loss, and of the mean KL to the reference (0 without one)."""
+        mask = rows.y >= 0
+        logp = token_logprobs(model, rows, autocast)  # (rows, T), 0 where nothing is learned
+        loss = -(logp * rows.weights).sum() / counted
+        kl = torch.zeros((), device=rows.x.device)
         if self.reference is not None and self.cfg.kl_coef > 0:
             with torch.no_grad():
-                ref = token_logprobs(self.reference, x, y, autocast)
+                ref = token_logprobs(self.reference, rows, autocast)
             log_ratio = (ref - logp) * mask
             kl = ((log_ratio.exp() - log_ratio - 1) * mask).sum() / counted  # k3: unbiased, >= 0 per token
             loss = loss + self.cfg.kl_coef * kl

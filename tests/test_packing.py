@@ -84,6 +84,35 @@ def test_each_document_of_a_packed_row_has_the_logits_and_gradients_it_has_alone
     assert not torch.allclose(unmasked[0, 7:], logits[0, 7:], atol=1e-3)
 
 
+@pytest.mark.parametrize("window", [0, 3], ids=["full", "sliding"])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_document_starting_past_position_0_continues_its_rows_first_document(kind, window):
+    """Positions that restart at p > 0 (RL's question rows: a prompt read once, then each reply): that document sees
+    the row's first document's first p tokens and itself, so its logits are those of the first p tokens and itself
+    alone; a row may so hold more tokens than block_size. The FlexAttention block mask sees as the SDPA mask does."""
+    model = tiny_model(kind, block_size=12, sliding_window=window).eval()
+    prompt, continuations = [5, 6, 7, 8, 9], [[1, 2, 3, 4, 11, 12, 13], [21, 22], [31, 32, 33, 34, 35, 36, 37]]
+    shared = [4, 2, 5]  # how many of the prompt's tokens each continuation follows
+    x = torch.tensor([prompt + sum(continuations, [])])
+    positions = torch.tensor(
+        [list(range(5)) + sum((list(range(p, p + len(c))) for p, c in zip(shared, continuations)), [])]
+    )
+    assert x.size(1) > model.config.block_size
+    with torch.no_grad():
+        logits, _ = model(x, positions=positions)
+        at = 5
+        for p, c in zip(shared, continuations):
+            alone, _ = model(torch.tensor([prompt[:p] + c]))
+            torch.testing.assert_close(logits[0, at : at + len(c)], alone[0, p:], rtol=1e-5, atol=1e-5)
+            at += len(c)
+        q, k, v = (torch.randn(1, 2, x.size(1), 16) for _ in range(3))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager FlexAttention on the CPU warns that it is unfused
+            flex = DocumentMask(positions, flex=True, window=window).attend(q, k, v, 0.0)
+        sdpa = DocumentMask(positions, flex=False, window=window).attend(q, k, v, 0.0)
+    torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-6)
+
+
 def test_flexattention_block_mask_attends_as_the_sdpa_mask():
     """The FlexAttention path (CUDA under torch.compile) builds its block mask from the same positions as the SDPA
     mask: on the CPU (forward only: torch has no FlexAttention backward there) both give the same attention."""

@@ -133,61 +133,92 @@ def test_an_rl_run_never_reads_a_test_item_and_picks_its_best_checkpoint_on_vali
     assert asked and not any((i.task, i.key) in held_out for i in asked)  # made-up words, or the train split
 
 
-def test_only_sampled_reply_tokens_are_trained():
-    """The prompt, the calculator's inserted output and the padding have target -1; the sampled tokens, the end of
-    turn among them, are the targets."""
+def test_only_sampled_reply_tokens_are_trained_each_reply_after_its_question_read_once():
+    """A question's row holds its prompt once (but the last token), then each reply, whose inputs start from the
+    prompt's last token at the positions the reply has after the prompt. The prompt, the calculator's inserted output
+    and the padding have target -1; the sampled tokens, the end of turn among them, are the targets, each weighted
+    by its reply's advantage."""
     rollouts = Rollouts(
-        prompts=[[1, 2, 3]],
-        replies=[[Reply([4, 5, 6, 7], [True, False, False, True]), Reply([8], [True])]],
-        rewards=torch.tensor([[1.0, 0.0]]),
+        prompts=[[1, 2, 3], [9, 9]],
+        replies=[[Reply([4, 5, 6, 7], [True, False, False, True]), Reply([8], [True])], [Reply([5], [True])] * 2],
+        rewards=torch.tensor([[1.0, 0.0], [1.0, 1.0]]),
     )
-    x, y = rollouts.rows(torch.device("cpu"))
-    assert x.tolist() == [[1, 2, 3, 4, 5, 6], [1, 2, 3, 0, 0, 0]]
-    assert y.tolist() == [[-1, -1, 4, -1, -1, 7], [-1, -1, 8, -1, -1, -1]]
-    assert rollouts.advantages(scale=False).tolist() == [[0.5, -0.5]]
-    assert torch.allclose(rollouts.advantages(scale=True), torch.tensor([[1.0, -1.0]]), atol=1e-3)
+    assert rollouts.advantages(scale=False).tolist() == [[0.5, -0.5], [0.0, 0.0]]
+    assert torch.allclose(rollouts.advantages(scale=True), torch.tensor([[1.0, -1.0], [0.0, 0.0]]), atol=1e-3)
+    rows = rollouts.rows(torch.device("cpu"), rollouts.advantages(scale=False))
+    assert rows.x.tolist() == [[1, 2, 3, 4, 5, 6, 3], [9, 9, 9, 0, 0, 0, 0]]
+    assert rows.positions.tolist() == [[0, 1, 2, 3, 4, 5, 2], [0, 1, 1, 0, 0, 0, 0]]
+    assert rows.y.tolist() == [[-1, -1, 4, -1, -1, 7, 8], [-1, 5, 5, -1, -1, -1, -1]]
+    assert rows.weights.tolist() == [[0, 0, 0.5, 0.5, 0.5, 0.5, -0.5], [0, 0, 0, 0, 0, 0, 0]]
+    assert rollouts.lengths() == [7, 3]
 
 
-def test_rows_of_similar_length_go_together_and_give_the_gradient_of_one_padded_pass(monkeypatch):
-    """The policy-gradient pass runs in parts of rows of similar length, each padded only to its own longest row:
-    the loss and every gradient equal one pass over all the rows padded to the longest, as the parts add up."""
+def test_the_pass_over_question_rows_gives_the_loss_and_gradients_of_each_reply_in_a_row_of_its_own(monkeypatch):
+    """The policy-gradient pass reads each question once for all its replies (model.DocumentMask), in parts of
+    questions of similar length: its loss (advantage-weighted log-probs and the KL penalty) and every gradient equal
+    those computed with each reply in a row of its own (prompt + reply, a plain causal forward), in one pass or in
+    parts."""
     assert length_parts([5, 9, 5, 9, 5, 9], max_rows=6) == [[1, 3, 5], [0, 2, 4]]
     assert length_parts([7, 7, 7, 7], max_rows=3) == [[0, 1], [2, 3]]  # max_rows first
     assert length_parts([3, 4, 5, 6, 7, 8, 9, 10], max_rows=8, most=2) == [[7, 6, 5, 4], [3, 2, 1, 0]]
     tok = tokenizer()
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=64, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32, bias=False))
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
-    replies = [[Reply(list(range(10, 10 + n)), [True] * n) for n in (2, 9, 4)] for _ in prompts]
-    rollouts = Rollouts(prompts, replies, torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, 0.0]]))
-    reference = GPT(model.config)
-    pg = RL(RLConfig(kl_coef=0.1), 0, tok, chat_format(tok), grader_reward, reference, {})
-    trainer = SimpleNamespace(
-        raw_model=model,
-        rl=pg,
-        optimizers=[],
-        scaler=torch.amp.GradScaler(enabled=False),
-        rt=SimpleNamespace(device=torch.device("cpu"), autocast=torch.autocast("cpu", enabled=False)),
-        cfg=SimpleNamespace(training=SimpleNamespace(batch_size=6), optimizer=SimpleNamespace(grad_clip=0.0)),
-    )
+    config = GPTConfig(block_size=16, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32, bias=False)
+    model, reference = GPT(config), GPT(config)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [3, 1]]
+    replies = [
+        [Reply(list(range(10 + p, 10 + p + n)), [True] * (n - 1) + [p != 1]) for n in (2, 9, 4)] for p in range(3)
+    ]
+    rewards = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    rollouts = Rollouts(prompts, replies, rewards)
+    assert max(rollouts.lengths()) > config.block_size  # a question's row holds more than a context: positions don't
+    pg = RL(RLConfig(kl_coef=0.1, group_size=3), 0, tok, chat_format(tok), grader_reward, reference, {})
+
+    # each reply alone: its row prompt + reply, the loss written out
+    advantages = rollouts.advantages(scale=True)
+    nats = kl = counted = 0
+    for p, (prompt, group) in enumerate(zip(prompts, replies)):
+        for r, reply in enumerate(group):
+            ids = torch.tensor([prompt + reply.ids])
+            logp = model(ids[:, :-1])[0][0, len(prompt) - 1 :].log_softmax(-1)
+            with torch.no_grad():
+                ref = reference(ids[:, :-1])[0][0, len(prompt) - 1 :].log_softmax(-1)
+            for t, (token, sampled) in enumerate(zip(reply.ids, reply.sampled)):
+                if sampled:
+                    log_ratio = ref[t, token] - logp[t, token]
+                    nats = nats - advantages[p, r] * logp[t, token]
+                    kl = kl + log_ratio.exp() - log_ratio - 1
+                    counted += 1
+    alone = (nats + 0.1 * kl) / counted
+    alone.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+
     monkeypatch.setattr(pg, "rollouts", lambda tr, it: (None, rollouts))
-    grads = {}
-    for name, parts in (("parts", length_parts), ("one pass", lambda lengths, rows: [list(range(len(lengths)))])):
-        monkeypatch.setattr("quillgpt.rl.length_parts", parts)
+    one_pass = lambda lengths, most: [list(range(len(lengths)))]  # noqa: E731
+    for batch_size, split, passes in ((9, length_parts, 2), (3, length_parts, 3), (9, one_pass, 1)):
+        trainer = SimpleNamespace(
+            raw_model=model,
+            optimizers=[],
+            scaler=torch.amp.GradScaler(enabled=False),
+            rt=SimpleNamespace(device=torch.device("cpu"), autocast=torch.autocast("cpu", enabled=False)),
+            cfg=SimpleNamespace(
+                training=SimpleNamespace(batch_size=batch_size), optimizer=SimpleNamespace(grad_clip=0.0)
+            ),
+        )
+        monkeypatch.setattr("quillgpt.rl.length_parts", split)
         model.zero_grad(set_to_none=True)
         loss, _, _ = pg.step(trainer, 0)
-        grads[name] = (loss, [p.grad.clone() for p in model.parameters()], pg.tokens_per_step)
-    assert len(length_parts(rollouts.lengths(), 6)) > 1  # a real split
-    torch.testing.assert_close(grads["parts"][0], grads["one pass"][0])
-    for a, b in zip(grads["parts"][1], grads["one pass"][1], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert grads["parts"][2] < grads["one pass"][2] == 6 * 14  # fewer positions computed than 6 rows x 14
+        torch.testing.assert_close(loss, alone.detach(), rtol=1e-5, atol=1e-6)
+        for got, want in zip((p.grad for p in model.parameters()), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        assert len(split(rollouts.lengths(), batch_size // 3)) == passes
+    assert pg.tokens_per_step < sum(len(p) + len(r.ids) - 1 for p, g in zip(prompts, replies) for r in g)
 
 
 def test_the_sampler_samples_from_the_policy_the_step_trains(monkeypatch):
     """On-policy: the log-prob the sampler drew each reply token with (rows at their own positions in the slot cache,
     prompts of different lengths, rows that ended early) is the training forward's log-prob of that token as
-    Rollouts.rows lays it out, for every sampled token of every row."""
+    Rollouts.rows lays it out (each question read once, its replies after it), for every sampled token of every row."""
     tok = tokenizer()
     fmt = chat_format(tok)
     torch.manual_seed(0)
@@ -208,11 +239,12 @@ def test_the_sampler_samples_from_the_policy_the_step_trains(monkeypatch):
     replies = [r for g in groups for r in g]
     assert len({len(r.ids) for r in replies}) > 2 and any(r.ids[-1] == end for r in replies)
     sampler = [[seen[k][i, t].item() for k, t in enumerate(r.ids) if r.sampled[k]] for i, r in enumerate(replies)]
-    x, y = Rollouts(prompts, groups, torch.zeros(3, 4)).rows(torch.device("cpu"))
+    rollouts = Rollouts(prompts, groups, torch.zeros(3, 4))
+    rows = rollouts.rows(torch.device("cpu"), rollouts.advantages(scale=False))
     with torch.no_grad():
-        logp = token_logprobs(model, x, y, torch.autocast("cpu", enabled=False))
-    trained = [logp[i][y[i] >= 0].tolist() for i in range(len(replies))]
-    assert [len(t) for t in trained] == [len(s) for s in sampler]
+        logp = token_logprobs(model, rows, torch.autocast("cpu", enabled=False))
+    trained = [logp[q][rows.y[q] >= 0].tolist() for q in range(len(prompts))]  # a question's replies in turn
+    assert [len(t) for t in trained] == [sum(map(len, sampler[4 * q : 4 * q + 4])) for q in range(len(prompts))]
     assert torch.allclose(torch.tensor(sum(trained, [])), torch.tensor(sum(sampler, [])), atol=1e-4)
 
 
