@@ -116,6 +116,20 @@ def test_sampling_draws_the_top_k_distribution_scaled_by_the_temperature():
     torch.testing.assert_close(freq, expected, atol=0.02, rtol=0)
 
 
+def test_sampling_a_batch_over_the_whole_vocabulary_draws_each_rows_distribution_and_never_a_token_of_mass_0():
+    """No top-k: each of 64 rows draws from its own softmax (model.draw, one uniform number per row); a token whose
+    probability is 0 is never drawn, wherever it sits (first, between others, last)."""
+    logits = torch.tensor(
+        [[-float("inf"), 1.0, 0.0, -float("inf"), 2.0, -float("inf")], [3.0, 0.0, 0.0, 1.0, 0.0, 0.0]]
+    )
+    g = torch.Generator().manual_seed(0)
+    draws = torch.cat([sample_next(logits.repeat(32, 1), 1.0, None, None, g) for _ in range(200)], dim=1)  # (64, 200)
+    for row in range(2):
+        freq = torch.bincount(draws[row::2].flatten(), minlength=6).float() / draws[row::2].numel()
+        torch.testing.assert_close(freq, torch.softmax(logits[row], -1), atol=0.015, rtol=0)
+    assert set(draws[0::2].flatten().tolist()) == {1, 2, 4}
+
+
 def test_top_p_keeps_each_rows_own_nucleus():
     """Row 0's nucleus is its best token alone, row 1's the three near-equal ones: a batch draws each from its own."""
     logits = torch.tensor([[9.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, -5.0, -5.0]])
