@@ -32,8 +32,9 @@ PROMPT_LOGITS_BYTES = 64 << 20  # a pass of read_prompts holds at most this much
 def read_prompts(model: GPT, prompts: list[list[int]], group_size: int, cache: SlotCache) -> torch.Tensor:
     """Each prompt's keys and values into its group's rows of the cache; each row's next-token logits (rows, V).
     Prompts are read together, right-padded to the longest: causal attention keeps a prompt's positions blind to
-    the padding after it, and only its own positions are copied (one pass instead of a pass per prompt: a quarter
-    of the time for the RL demo's 18)."""
+    the padding after it (one pass instead of a pass per prompt: a quarter of the time for the RL demo's 18). The
+    padding's keys and values are copied with the prompt's, in one copy per layer: a row's positions past its prompt
+    are written by its own decoding steps before it attends to them."""
     device = next(model.parameters()).device
     width = max(map(len, prompts))
     per_pass = max(1, PROMPT_LOGITS_BYTES // (4 * width * model.config.vocab_size))
@@ -45,12 +46,8 @@ def read_prompts(model: GPT, prompts: list[list[int]], group_size: int, cache: S
             ids[i, : len(prompt)] = torch.tensor(prompt)
         read = model.new_cache(len(chunk), width)
         logits, _ = model(ids.to(device), cache=read)  # (n, width, V)
-        for i, prompt in enumerate(chunk):
-            n, p = len(prompt), start + i
-            k, v = [t[i : i + 1, :, :n] for t in read.k], [t[i : i + 1, :, :n] for t in read.v]  # (1, nkv, n, hs)
-            for row in range(p * group_size, (p + 1) * group_size):
-                cache.fill(row, k, v)
-            first.append(logits[i, n - 1].expand(group_size, -1))
+        cache.fill(start * group_size, read.k, read.v, each=group_size)
+        first += [logits[i, len(prompt) - 1].expand(group_size, -1) for i, prompt in enumerate(chunk)]
     return torch.cat(first)
 
 

@@ -119,12 +119,14 @@ class SlotCache:
         B = k.size(0)
         return self.k[layer][:B, :, : self.length], self.v[layer][:B, :, : self.length]
 
-    def fill(self, row: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        """A prefilled prompt's per-layer k, v (1, nkv, T, hs) into positions 0..T-1 of `row`."""
+    def fill(self, first: int, k: list[torch.Tensor], v: list[torch.Tensor], each: int = 1) -> None:
+        """Prefilled prompts' per-layer k, v (n, nkv, T, hs) into positions 0..T-1 of the rows from `first` on, each
+        prompt into `each` rows in a row (a group of replies to it: quillgpt/replies.py)."""
         for layer in range(len(self.k)):
-            T = k[layer].size(2)
-            self.k[layer][row, :, :T] = k[layer][0]
-            self.v[layer][row, :, :T] = v[layer][0]
+            n, _, T, _ = k[layer].shape
+            for buffer, new in ((self.k[layer], k[layer]), (self.v[layer], v[layer])):
+                rows = buffer[first : first + n * each]  # (n * each, nkv, L, hs)
+                rows.view(n, each, *rows.shape[1:])[:, :, :, :T] = new.unsqueeze(1)  # (n, each, nkv, L, hs)
 
     def relocate_row(self, src: int, dst: int) -> None:
         """Row src into row dst, whole: mid-step, src may hold one position more than its slot has counted yet."""
