@@ -798,8 +798,9 @@ def sample_next(
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One column per row of probs (B, n) -> (B, 1), drawn by inverse CDF from one uniform number per row: on a
     CPU, multinomial draws an exponential number per entry, slowly (most of a rollout's sampling: 144 rows of a
-    130-token vocabulary). The sums are in float64, so that the last columns' mass is not lost to rounding; the
-    search finds the first column whose sum passes the draw, never a column of mass 0."""
-    cdf = probs.double().cumsum(-1)  # (B, n)
-    u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)
+    130-token vocabulary). The sums are in float64 (but on Apple's MPS, which has none), so that the last columns'
+    mass is not lost to rounding; the search finds the first column whose sum passes the draw, never a column of
+    mass 0."""
+    cdf = probs.to(torch.float32 if probs.device.type == "mps" else torch.float64).cumsum(-1)  # (B, n)
+    u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device, dtype=cdf.dtype)  # in [0, 1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # (B, 1): u * the total stays below the total

@@ -116,7 +116,9 @@ def test_sampling_draws_the_top_k_distribution_scaled_by_the_temperature():
     torch.testing.assert_close(freq, expected, atol=0.02, rtol=0)
 
 
-def test_sampling_a_batch_over_the_whole_vocabulary_draws_each_rows_distribution_and_never_a_token_of_mass_0():
+def test_sampling_a_batch_over_the_whole_vocabulary_draws_each_rows_distribution_and_never_a_token_of_mass_0(
+    monkeypatch,
+):
     """No top-k: each of 64 rows draws from its own softmax (model.draw, one uniform number per row); a token whose
     probability is 0 is never drawn, wherever it sits (first, between others, last)."""
     logits = torch.tensor(
@@ -128,6 +130,9 @@ def test_sampling_a_batch_over_the_whole_vocabulary_draws_each_rows_distribution
         freq = torch.bincount(draws[row::2].flatten(), minlength=6).float() / draws[row::2].numel()
         torch.testing.assert_close(freq, torch.softmax(logits[row], -1), atol=0.015, rtol=0)
     assert set(draws[0::2].flatten().tolist()) == {1, 2, 4}
+    for u, first in ((0.0, 1), (1 - 2**-53, 4)):  # the draws at both ends: the first and last tokens of mass > 0
+        monkeypatch.setattr(torch, "rand", lambda *shape, dtype, **kw: torch.full(shape, u, dtype=dtype))  # noqa: B023
+        assert sample_next(logits[:1], 1.0, None, None).item() == first
 
 
 def test_top_p_keeps_each_rows_own_nucleus():
