@@ -132,7 +132,7 @@ class Rollouts:
             n = len(prompt) - 1
             ids, pos, targets, weights = prompt[:-1], list(range(n)), [-1] * n, [0.0] * n
             for reply, a in zip(group, adv):
-                ids = ids + prompt[-1:] + reply.ids[:-1]
+                ids += prompt[-1:] + reply.ids[:-1]
                 pos += range(n, n + len(reply.ids))
                 targets += [t if counted else -1 for t, counted in zip(reply.ids, reply.sampled)]
                 weights += [a] * len(reply.ids)
