@@ -23,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
+import subprocess
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -164,6 +166,30 @@ def compile_package(model: nn.Module, cache, path: Path) -> None:
         built = torch._inductor.aoti_compile_and_package(
             exported,
             package_path=os.path.join(tmp, "step.pt2"),
-            inductor_configs={"aot_inductor.package_constants_in_so": False},  # bind gives each model's weights
+            inductor_configs={
+                "aot_inductor.package_constants_in_so": False,  # bind gives each model's weights
+                "cpp.vec_isa_ok": True if compiler_takes_the_cpus_isas() else None,
+            },
         )
         os.replace(built, path)  # the same directory's file system: the package appears whole or not at all
+
+
+def compiler_takes_the_cpus_isas() -> bool:
+    """Whether inductor's C++ compiler takes the flags of every vector ISA this x86 CPU has (it compiles nothing with
+    all of them, in a few milliseconds). Then the CPU's flags alone pick the kernels' instructions, and inductor's
+    own probes are skipped: they build and load a test program per ISA, about half of a first compile on 2 cores
+    (docs/sampling.md). Where the compiler refuses one (an old one, a new CPU) or this is not an x86 CPU, inductor
+    probes as usual."""
+    try:
+        from torch._inductor import cpu_vec_isa
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        if platform.machine() not in ("x86_64", "AMD64"):
+            return False
+        cpu = cpu_vec_isa.x86_isa_checker()
+        isas = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in cpu for f in str(isa).split())]
+        flags = " ".join(isa.build_arch_flags() for isa in isas).split()
+        cmd = [get_cpp_compiler(), *flags, "-fsyntax-only", "-x", "c++", "-"]
+        return subprocess.run(cmd, input=b"", capture_output=True, timeout=60).returncode == 0
+    except (AttributeError, ImportError, OSError, subprocess.TimeoutExpired):  # another torch's internals, no compiler
+        return False

@@ -1,6 +1,10 @@
 """sample.py: determinism, stop sequences, batching, streaming, the prompt loop and prompt errors."""
 
 import io
+import os
+import platform
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -242,3 +246,70 @@ def test_unescape_decodes_backslash_escapes_and_keeps_unknown_ones():
     assert unescape(r"a\nb\tc\\n") == "a\nb\tc\\n"
     assert unescape("é\\n") == "é\n"
     assert unescape(r"\q") == r"\q"
+
+
+# A C++ compiler that refuses some vector instructions and logs each call: "probe" where it builds one of inductor's
+# test programs (a vector ISA's check), "build" otherwise, "refused" where it fails the call.
+REFUSING_COMPILER = """#!/bin/sh
+kind=build
+for arg in "$@"; do
+  case "$arg" in *.cpp) grep -q __avx_chk_kernel "$arg" 2>/dev/null && kind=probe;; esac
+done
+for arg in "$@"; do
+  case "$arg" in {refused}) echo "$kind refused" >> {log}; echo "refused: $arg" >&2; exit 1;; esac
+done
+echo "$kind" >> {log}
+exec {compiler} "$@"
+"""
+
+
+@pytest.fixture
+def refusing_compiler(tmp_path) -> tuple[Path, Path]:
+    """(the compiler, its log): g++ refusing the widest vector ISA of this x86 CPU (AVX-512 and AMX, else AVX2)."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if platform.machine() not in ("x86_64", "AMD64") or compiler is None:
+        pytest.skip("refuses an x86 CPU's vector instructions through g++")
+    widest = "-mavx512*|-mamx*" if re.search(r"\bavx512f\b", Path("/proc/cpuinfo").read_text()) else "-mavx2"
+    log, cxx = tmp_path / "compiler.log", tmp_path / "cxx"
+    cxx.write_text(REFUSING_COMPILER.format(refused=widest, log=log, compiler=compiler))
+    cxx.chmod(0o755)
+    return cxx, log
+
+
+def test_inductors_isa_probes_are_skipped_only_where_the_compiler_takes_every_isa_of_the_cpu(refusing_compiler):
+    from torch._inductor import config
+
+    from quillgpt.compiled_step import compiler_takes_the_cpus_isas
+
+    assert compiler_takes_the_cpus_isas()  # g++ takes them all
+    with config.patch({"cpp.cxx": (None, str(refusing_compiler[0]))}):
+        assert not compiler_takes_the_cpus_isas()
+    assert refusing_compiler[1].read_text().splitlines()[-1] == "build refused"  # the check itself, refused
+
+
+@pytest.mark.slow
+def test_a_compiler_refusing_the_cpus_vector_isa_still_gets_a_kept_step_through_inductors_probes(
+    tmp_path, refusing_compiler
+):
+    """sample.py --compile skips inductor's probes (a test program built and loaded per vector ISA) only where the C++
+    compiler takes every ISA of the CPU; where it refuses one, the probes find what it builds (or none: scalar
+    code), and the kept step gives the eager text."""
+    cxx, log = refusing_compiler
+    ckpt = write_char_checkpoint(tmp_path / "ckpt.pt")
+    env = {
+        **os.environ,
+        "CXX": str(cxx),
+        "QUILLGPT_CACHE": str(tmp_path / "cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
+    args = [sys.executable, "sample.py", "--ckpt", str(ckpt), "--prompt", "the ", "--temperature", "0"]
+    args += ["--max-new-tokens", "24", "--no-stream"]
+    runs = [
+        subprocess.run([*args, flag], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+        for flag in ("--compile", "--no-compile")
+    ]
+    assert all(run.returncode == 0 for run in runs), runs[0].stderr[-2000:]
+    assert runs[0].stdout == runs[1].stdout and len(set(runs[1].stdout)) > 5
+    assert len(list((tmp_path / "cache" / "decode").glob("*.pt2"))) == 1
+    calls = log.read_text().splitlines()
+    assert calls[calls.index("build refused") :].count("probe refused") >= 1 and calls[-1] == "build"
