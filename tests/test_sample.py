@@ -267,8 +267,8 @@ exec {compiler} "$@"
 def refusing_compiler(tmp_path) -> tuple[Path, Path]:
     """(the compiler, its log): g++ refusing the widest vector ISA of this x86 CPU (AVX-512 and AMX, else AVX2)."""
     compiler = shutil.which("g++") or shutil.which("c++")
-    if platform.machine() not in ("x86_64", "AMD64") or compiler is None:
-        pytest.skip("refuses an x86 CPU's vector instructions through g++")
+    if platform.machine() not in ("x86_64", "AMD64") or compiler is None or not Path("/proc/cpuinfo").is_file():
+        pytest.skip("refuses an x86 Linux CPU's vector instructions through g++")
     widest = "-mavx512*|-mamx*" if re.search(r"\bavx512f\b", Path("/proc/cpuinfo").read_text()) else "-mavx2"
     log, cxx = tmp_path / "compiler.log", tmp_path / "cxx"
     cxx.write_text(REFUSING_COMPILER.format(refused=widest, log=log, compiler=compiler))
