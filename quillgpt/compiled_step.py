@@ -187,8 +187,9 @@ def compiler_takes_the_cpus_isas() -> bool:
         if platform.machine() not in ("x86_64", "AMD64"):
             return False
         cpu = cpu_vec_isa.x86_isa_checker()
+        # the ISAs inductor would probe: those whose every CPU flag this CPU reports (its valid_vec_isa_list's filter)
         isas = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in cpu for f in str(isa).split())]
-        flags = " ".join(isa.build_arch_flags() for isa in isas).split()
+        flags = [flag for isa in isas for flag in isa.build_arch_flags().split()]
         cmd = [get_cpp_compiler(), *flags, "-fsyntax-only", "-x", "c++", "-"]
         return subprocess.run(cmd, input=b"", capture_output=True, timeout=60).returncode == 0
     except (AttributeError, ImportError, OSError, subprocess.TimeoutExpired):  # another torch's internals, no compiler
