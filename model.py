@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from quillgpt.config import GPTConfig
-from quillgpt.kernels import Dropout, causal_attention
+from quillgpt.kernels import Dropout, causal_attention, gelu
 
 
 class RMSNorm(nn.Module):
@@ -369,8 +369,10 @@ GATED = ("swiglu", "geglu")  # MLPs whose activation gates a second projection (
 
 def activation(config: GPTConfig):
     """The MLP's activation: GELU (exact or tanh, gelu_approx), ReLU squared, or the gate's SiLU or GELU."""
-    gelu = partial(F.gelu, approximate=config.gelu_approx)
-    return {"gelu": gelu, "relu2": lambda h: F.relu(h).square(), "swiglu": F.silu, "geglu": gelu}[config.mlp]
+    exact_or_tanh = partial(gelu, approximate=config.gelu_approx)
+    return {"gelu": exact_or_tanh, "relu2": lambda h: F.relu(h).square(), "swiglu": F.silu, "geglu": exact_or_tanh}[
+        config.mlp
+    ]
 
 
 class MLP(nn.Module):

@@ -11,6 +11,8 @@ PyTorch's own ops are the reference and the path everywhere else (CUDA, inferenc
   and reads them back, several times slower than PyTorch's softmax kernel in bf16.
 - bf16 causal attention without dropout: the CPU flash kernel's forward, and a backward from bf16
   batched matmuls (the flash backward is slower in bf16 than in fp32).
+- exact GELU on a few rows (decoding): PyTorch's own kernel rather than oneDNN's, which F.gelu calls for every
+  fp32 CPU tensor and which costs a fixed ~25 us a call.
 The measurements behind each choice are in docs/LOG.md. Tests check each against its PyTorch definition (gradients
 included).
 """
@@ -98,6 +100,27 @@ class Dropout(nn.Dropout):
             return super().forward(x)
         keep, scale = cpu_keep_mask(x, self.p)
         return x * keep * scale
+
+
+# Below this many elements PyTorch's own GELU kernel is faster than oneDNN's on the CPU (fp32, 2 threads: 8 against
+# 31 us for one 1,536-wide row, 29 against 36 at 16 rows; oneDNN wins from ~48k elements: docs/LOG.md)
+ONEDNN_GELU_FROM = 32768
+
+
+def gelu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """F.gelu. For an exact GELU of a few rows on the CPU (a decoding step's) it runs PyTorch's own kernel: F.gelu
+    goes to oneDNN for any contiguous fp32 (or native-bf16) CPU tensor, whose fixed cost is most of a decoding
+    row's GELU. oneDNN is switched off only around the call, and back on after, since the switch is global; where
+    it is already off (another thread in here, or the user) the call just runs."""
+    small_on_cpu = h.device.type == "cpu" and h.numel() < ONEDNN_GELU_FROM and approximate == "none"
+    tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    if not small_on_cpu or tracing or not torch._C._get_mkldnn_enabled():
+        return F.gelu(h, approximate=approximate)
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return F.gelu(h)
+    finally:
+        torch._C._set_mkldnn_enabled(True)
 
 
 def causal_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

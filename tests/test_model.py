@@ -318,3 +318,27 @@ def test_cpu_dropout_layer_and_attention_match_their_definitions():
     assert not torch.allclose(
         got, attn.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 12, 8))
     )
+
+
+def test_gelu_of_a_few_rows_runs_pytorchs_kernel_and_leaves_onednn_as_it_found_it():
+    """kernels.gelu is F.gelu; a decoding step's few rows get PyTorch's own kernel (what F.gelu computes with
+    oneDNN switched off, bit for bit), a training batch's stay with oneDNN, and the global oneDNN switch ends as
+    it began, on or off."""
+    torch.manual_seed(0)
+    row, batch = torch.randn(1, 1, 1536) * 3, torch.randn(64, 1536) * 3
+    assert kernels.ONEDNN_GELU_FROM > row.numel() and kernels.ONEDNN_GELU_FROM <= batch.numel()
+    torch.backends.mkldnn.enabled = False
+    try:
+        native_row = F.gelu(row)
+        # off already: gelu runs as it is and does not switch oneDNN back on
+        assert torch.equal(kernels.gelu(row), native_row) and not torch.backends.mkldnn.enabled
+    finally:
+        torch.backends.mkldnn.enabled = True
+    assert torch.equal(kernels.gelu(row), native_row) and torch.backends.mkldnn.enabled
+    assert torch.equal(kernels.gelu(batch), F.gelu(batch))
+    assert torch.allclose(kernels.gelu(row), F.gelu(row), rtol=0, atol=1e-5)
+    assert torch.equal(kernels.gelu(row, approximate="tanh"), F.gelu(row, approximate="tanh"))
+    x = row.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(kernels.gelu(x).sum(), x)
+    (want,) = torch.autograd.grad(F.gelu(x).sum(), x)
+    assert torch.allclose(grad, want, atol=1e-6)
