@@ -3,6 +3,7 @@
     python serve.py --ckpt checkpoints/base                              # http://127.0.0.1:8000/v1, the page at /
     python serve.py --ckpt checkpoints/chat --port 8080 --api-key s3cret    # requests need Authorization: Bearer s3cret
     python serve.py --ckpt exports/base.safetensors --host 0.0.0.0       # reachable from other machines
+    python serve.py --ckpt checkpoints/base-chat --compile    # CPU: a lone request by the compiled step (kept)
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both stream with "stream": true), GET /v1/models,
 GET /health, and a page at / to chat or complete in a browser (--no-page: the API only). Concurrent requests are
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 from pathlib import Path
 
 from quillgpt.errors import UserError, run_main
@@ -52,6 +54,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "theirs; bf16 may serve a full batch faster (the start-up line says which is in use)",
     )
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default %(default)s)")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="on a CPU, decode a request that runs alone with the one-token step compiled ahead of time and kept on "
+        "disk (compiled at start-up for the model's shape, tens of seconds, unless one is kept: chat.py --compile "
+        "keeps the same); default: with a kept one where there is one; --no-compile: eagerly",
+    )
     p.add_argument(
         "--max-queue", type=int, default=64, help="requests waiting for a slot before 503s (default %(default)s)"
     )
@@ -97,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(
         name, model.config.block_size, args.api_key, args.max_body_kb * 1024, args.control_tokens_in_content
     )
-    batcher = Batcher(model, tokenizer, args.max_batch, args.max_queue)
+    batcher = Batcher(model, tokenizer, args.max_batch, args.max_queue, args.compile)
+    if args.compile and not batcher.lone:
+        print(f"[--compile compiles a CPU step; on {args.device} every step runs eagerly]", file=sys.stderr)
     server = uvicorn.Server(
         uvicorn.Config(
             build_app(batcher, settings, page=not args.no_page), log_level="warning", timeout_graceful_shutdown=5
@@ -106,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
 
     host, port = sock.getsockname()[:2]
     root = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    print(f"serving {name} ({label}) on {root}/v1", flush=True)  # one line that scripts read the API's address from
+    lone = "; a lone request by the compiled step" if batcher.lone else ""
+    # one line that scripts read the API's address from
+    print(f"serving {name} ({label}{lone}) on {root}/v1", flush=True)
     if not args.no_page:
         print(f"the page: {root}/", flush=True)
     run_server(server, batcher, sock)

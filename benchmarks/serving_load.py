@@ -58,6 +58,7 @@ class ServerProcess:
         if not line.startswith("serving "):
             self.proc.wait(timeout=30)
             raise UserError(f"serve.py did not start: {self.proc.stderr.read().strip() or line.strip()}")
+        self.started = line.strip()  # what it serves, how, and where
         self.base = line.rsplit(" on ", 1)[1].strip()
         self.root = self.base.removesuffix("/v1")
         self.pid = self.proc.pid
@@ -159,6 +160,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32", help="serve.py's --dtype (default %(default)s)")
     p.add_argument("--device", default="cpu", help="serve.py's --device (default %(default)s)")
     p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve.py --compile: a lone request decoded by the compiled step, compiled at start-up unless one is "
+        "kept (default: --no-compile, every step eager)",
+    )
+    p.add_argument(
         "--vs-llama-cpp",
         action="store_true",
         help="the same levels against llama-cpp-python's server on the model's f32 GGUF (pip install "
@@ -211,10 +219,11 @@ class Level:
 
 
 def measure(
-    ckpt: str | Path, levels: list[int], requests: int, max_tokens: int, dtype: str, device: str = "cpu"
+    ckpt: str | Path, levels: list[int], requests: int, max_tokens: int, dtype: str, device: str = "cpu", *flags: str
 ) -> tuple[list[Level], list[str]]:
-    """serve.py on ckpt (measure_server)."""
-    with ServerProcess(ckpt, "--dtype", dtype, "--device", device, "--max-batch", str(max(levels))) as server:
+    """serve.py on ckpt, with these flags too (measure_server)."""
+    common = ("--dtype", dtype, "--device", device, "--max-batch", str(max(levels)))
+    with ServerProcess(ckpt, *common, *flags, startup_timeout=600) as server:
         return measure_server(server, levels, requests, max_tokens)
 
 
@@ -286,11 +295,12 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
         raise UserError("--vs-llama-cpp compares fp32 on the CPU (the f32 GGUF): leave --device and --dtype out")
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.ckpt or bench_checkpoint(args.config, cli, Path(tmp))
-        rows, ours_alone = measure(ckpt, levels, args.requests, args.max_tokens, args.dtype, args.device)
+        compile_flag = "--compile" if args.compile else "--no-compile"
+        rows, ours_alone = measure(ckpt, levels, args.requests, args.max_tokens, args.dtype, args.device, compile_flag)
         if args.vs_llama_cpp:
             theirs, theirs_alone = measure_llama_cpp(Path(ckpt), Path(tmp), levels, args.requests, args.max_tokens)
     print(
-        f"serve.py --dtype {args.dtype} --device {args.device}: {args.requests} requests per client, "
+        f"serve.py --dtype {args.dtype} --device {args.device} {compile_flag}: {args.requests} requests per client, "
         f"{args.max_tokens} tokens each, greedy; {load_average()}"
     )
     print_levels(rows)

@@ -120,20 +120,39 @@ def compiled_cache(model: nn.Module, batch: int, length: int, build: bool):
     holds them (the cache takes its length: a step compiled for a long generation serves the shorter ones, attending
     over its whole cache), or (build) a package compiled for `length` and kept first. None where none is kept and
     build is false."""
+    path = kept_package(model, batch, length, build)
+    if path is None:
+        return None
+    cache = model.new_cache(batch, package_length(path))
+    return cache, compiled_step(path, model, cache)
+
+
+def kept_package(model: nn.Module, batch: int, length: int, build: bool) -> Path | None:
+    """The file of the kept package of this model's shape and batch with the shortest cache that holds `length`
+    positions, or (build) of one compiled for `length` and kept first; None where none is kept and build is false."""
     key = package_key(model, batch)
     longer = [n for n in kept_lengths(key) if n >= length]
     if not longer and not build:
         return None
-    length = longer[0] if longer else length
-    path = packages_dir() / f"{key}-{length}.pt2"
-    cache = model.new_cache(batch, length)
+    path = packages_dir() / f"{key}-{longer[0] if longer else length}.pt2"
     if not path.is_file():
-        compile_package(model, cache, path)
+        compile_package(model, model.new_cache(batch, length), path)
+    return path
+
+
+def package_length(path: Path) -> int:
+    """The cache length a package was compiled for (its file name's <key>-<length>.pt2)."""
+    return int(path.stem.rsplit("-", 1)[1])
+
+
+def compiled_step(path: Path, model: nn.Module, cache) -> Callable:
+    """A kept package's step over `cache` (anything with per-layer k and v lists of the package's batch and length:
+    a KVCache, or serve.py's row of its slot buffers), loaded once per process."""
     if path not in _loaded:
         # the package's own C++ loader: torch._inductor.aoti_load_package would import inductor's Python first,
         # seconds of a process's start-up for the same loader
         _loaded[path] = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-    return cache, aoti_step(_loaded[path], model, cache)
+    return aoti_step(_loaded[path], model, cache)
 
 
 def aoti_step(runner, model: nn.Module, cache) -> Callable:

@@ -4,6 +4,7 @@ have OpenAI's error shape, the queue bound answers 503, a dropped stream frees i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from quillgpt.chat_session import ChatSession  # noqa: E402
 from quillgpt.chat_template import chat_format  # noqa: E402
 from quillgpt.checkpoint import save_checkpoint  # noqa: E402
 from quillgpt.generate import encode_prompt, generate_texts, load_for_sampling  # noqa: E402
+from quillgpt.serve.batcher import Batcher, Finish, GenRequest  # noqa: E402
 from quillgpt.tokenizer import CharTokenizer, hf_tokenizer  # noqa: E402
 
 CHARS = list("\n abcdefghijklmnopqrstuvwxyz.,:?!'<|>_")
@@ -313,6 +315,73 @@ def test_sixteen_concurrent_clients_get_the_sequential_greedy_answers(server):
         concurrent = list(pool.map(run, jobs + [(m,) for m in chats]))
     assert concurrent == sequential + sequential_chats
     assert server.health() == {"status": "ok", "active": 0, "queued": 0}
+
+
+def batcher_replies(batcher: Batcher, requests: list[tuple[int, GenRequest]]) -> tuple[list[str], list[int]]:
+    """Run the batcher in this process on requests submitted at given steps ((step, request), in step order): each
+    reply's text, and how many requests were active at each step."""
+    loop = asyncio.new_event_loop()
+    handles, active, waiting = [], [], list(requests)
+    decode_step = batcher.step
+
+    def submit_due() -> None:
+        while waiting and waiting[0][0] <= len(active):
+            handles.append(batcher.submit(waiting.pop(0)[1], loop))
+            batcher.admit()
+
+    def step() -> None:
+        submit_due()
+        active.append(len(batcher.active))
+        decode_step()
+
+    submit_due()
+    batcher.step = step
+    batcher.run(until=lambda: not (waiting or batcher.active or batcher.pending))
+    loop.run_until_complete(asyncio.sleep(0))  # the replies' text, put on their queues from the batcher
+    replies = []
+    for handle in handles:
+        items = [handle.queue.get_nowait() for _ in range(handle.queue.qsize())]
+        assert isinstance(items[-1], Finish) and items[-1].reason != "error", items[-1]
+        replies.append("".join(items[:-1]))
+    loop.close()
+    return replies, active
+
+
+def test_without_a_kept_step_the_batcher_compiles_nothing_and_decodes_eagerly(loaded, tmp_path, monkeypatch):
+    """serve.py's default takes a kept compiled step only: with none kept (an empty cache), or --no-compile, a lone
+    request runs the rows' eager step and start-up compiles nothing."""
+    monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path))
+    model, tokenizer = loaded
+    assert Batcher(model, tokenizer, compile=None).lone is None
+    assert Batcher(model, tokenizer, compile=False).lone is None
+    assert not list(tmp_path.rglob("*.pt2"))
+
+
+@pytest.mark.slow
+def test_a_lone_request_is_decoded_by_the_compiled_step_and_hands_over_to_the_batch(ckpt, loaded, server):
+    """serve.py --compile: a request decoded alone runs the compiled one-token step (kept on disk, as chat.py
+    --compile keeps it) over row 0 of the slot cache; when a second request joins, the rows' eager step takes the
+    first one over mid-reply, and gives it back when the second leaves. Every reply is the eager batcher's, and a
+    later serve.py of the model's shape uses the kept step with no flag."""
+    model, tokenizer = loaded
+    long, short = GenRequest(tokenizer.encode("the king "), 60, 0.0), GenRequest(tokenizer.encode("o"), 12, 0.0)
+    plan = [(0, long), (10, short)]  # the short one joins at step 10 and leaves before the long one ends
+    eager, eager_active = batcher_replies(Batcher(model, tokenizer, max_batch=4, compile=False), plan)
+    batcher = Batcher(model, tokenizer, max_batch=4, compile=True)
+    row, compiled = batcher.lone
+    lone_steps = []
+    batcher.lone = (row, lambda *a: lone_steps.append(1) or compiled(*a))  # counts the compiled step's calls
+    replies, active = batcher_replies(batcher, plan)
+    assert replies == eager and active == eager_active
+    assert len(lone_steps) == active.count(1) and 1 in active and 2 in active
+    assert active.index(2) < len(active) - 1 - active[::-1].index(2) < len(active) - 1  # alone again after the batch
+
+    with Server(ckpt, "--model-name", "tiny") as kept, Server(ckpt, "--model-name", "tiny", "--no-compile") as off:
+        assert "a lone request by the compiled step" in kept.started and "compiled" not in off.started
+        client, sequential = kept.client(), [(p, 20 + 7 * i) for i, p in enumerate(PROMPTS[:4])]
+        assert [complete(client, p, max_tokens=n) for p, n in sequential] == [
+            complete(server.client(), p, max_tokens=n) for p, n in sequential
+        ]
 
 
 def test_past_the_queue_bound_the_server_answers_503_with_retry_after(busy_server):

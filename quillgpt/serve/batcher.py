@@ -5,7 +5,10 @@ waits for a long one.
 
 The KV cache is one buffer per layer with a row per slot (SlotCache). The active requests keep rows 0..B-1: a
 request that leaves hands its row to the last one (a copy of that row's filled positions), so each step runs on the
-contiguous first B rows (GPT.decode_rows) and attends only up to the furthest position among them.
+contiguous first B rows (GPT.decode_rows) and attends only up to the furthest position among them. A request alone
+(row 0) is decoded by the compiled one-token step where there is one (serve.py --compile, or one kept by an earlier
+`chat.py --compile` of the model's shape: quillgpt/compiled_step.py), over row 0 itself, so the rows' step takes it
+over mid-reply when a second request arrives, and gives it back when that one leaves.
 
 A request's tokens follow sample.py's rules (quillgpt.generate): the same prompt encoding, the same sampling
 (model.sample_next), the end-of-turn ids and stop strings left out of the text, and text streamed only as far as it
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from model import GPT, sample_next
+from quillgpt.compiled_step import compiled_step, kept_package, package_length
 from quillgpt.generate import RowText, showable_length
 from quillgpt.tokenizer import Tokenizer
 from quillgpt.tools import Calculator, calculator_for
@@ -135,16 +139,46 @@ class SlotCache:
             self.v[layer][dst] = self.v[layer][src]
 
 
+@dataclass
+class FirstRow:
+    """Row 0 of a SlotCache's buffers as a batch-1 cache (views, not copies: what the compiled step writes there, the
+    rows' step reads, and the other way round)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @staticmethod
+    def of(cache: SlotCache) -> FirstRow:
+        return FirstRow([b[:1] for b in cache.k], [b[:1] for b in cache.v])
+
+
+def lone_request_step(model: GPT, cache: SlotCache, compile: bool | None) -> tuple[FirstRow, Callable] | None:
+    """The compiled one-token step over row 0 of the slot cache, for a request decoded alone, on a CPU: the kept
+    package of the model's shape at batch 1 and the cache's whole length (block_size, as `chat.py --compile` keeps),
+    compiled first where compile is True; None where compile is False, none is kept, or the model is not on a CPU."""
+    if compile is False or next(model.parameters()).device.type != "cpu":
+        return None
+    length = cache.k[0].size(2)
+    path = kept_package(model, 1, length, build=bool(compile))
+    if path is None or package_length(path) != length:  # never longer: the slot cache is block_size long
+        return None
+    row = FirstRow.of(cache)
+    return row, compiled_step(path, model, row)
+
+
 class Batcher:
     """The decoding loop (run, on the main thread: quillgpt.serve.app.run_server). submit() is called from the event
-    loop."""
+    loop. compile: decode a lone request with the compiled step (lone_request_step; None: only a kept one)."""
 
-    def __init__(self, model: GPT, tokenizer: Tokenizer, max_batch: int = 16, max_queue: int = 64):
+    def __init__(
+        self, model: GPT, tokenizer: Tokenizer, max_batch: int = 16, max_queue: int = 64, compile: bool | None = None
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
         self.device = next(model.parameters()).device
         self.calculator = calculator_for(tokenizer)  # None: no tool tokens, no tool
         self.cache = SlotCache(model, max_batch)
+        self.lone = lone_request_step(model, self.cache, compile)  # (row 0, its compiled step), or None
         self.active: list[Slot] = []  # active[i] owns row i of the cache
         self.pending: collections.deque[Handle] = collections.deque()
         self.lock = threading.Lock()
@@ -229,8 +263,12 @@ class Batcher:
         the furthest of them are known here, not read back."""
         tokens = torch.tensor([[s.next_token] for s in self.active], device=self.device)  # (B, 1)
         positions = torch.tensor([s.position for s in self.active], device=self.device)  # (B,)
-        self.cache.length = max(s.position for s in self.active) + 1
-        logits = self.model.decode_rows(tokens, positions, self.cache)
+        if len(self.active) == 1 and self.lone is not None:
+            row, compiled = self.lone
+            logits = compiled(tokens, positions, row)  # (1, V)
+        else:
+            self.cache.length = max(s.position for s in self.active) + 1
+            logits = self.model.decode_rows(tokens, positions, self.cache)
         for slot, token in zip(list(self.active), self.pick(logits, self.active)):
             slot.position += 1
             self.advance(slot, slot.inserted.popleft() if slot.inserted else token)
