@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from quillgpt.errors import UserError
 from quillgpt.files import cache_dir
 from quillgpt.precision import CPU_PATH_ENV
 
@@ -173,7 +174,28 @@ def aoti_step(runner, model: nn.Module, cache) -> Callable:
 
 def compile_package(model: nn.Module, cache, path: Path) -> None:
     """Export and compile decode_one over the cache's shapes, and move the package into place whole (a process
-    killed while compiling leaves nothing half-written)."""
+    killed while compiling leaves nothing half-written). A machine with no working C++ compiler, or a compiler that
+    fails on the step, is a UserError: one line, before the export where there is no compiler at all."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import CppCompileError, InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()
+        build_package(model, cache, path)
+    except InvalidCxxCompiler:
+        raise UserError(
+            "--compile needs a working C++ compiler (g++ or clang++, or $CXX): install one, or decode eagerly "
+            "with --no-compile"
+        ) from None
+    except CppCompileError as e:
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"--compile: the C++ compiler failed on the decoding step ({first}); --no-compile decodes eagerly"
+        ) from None
+
+
+def build_package(model: nn.Module, cache, path: Path) -> None:
+    """compile_package's work: torch.export, then AOTInductor into a temporary package moved into place."""
     token = torch.zeros((cache.k[0].size(0), 1), dtype=torch.long, device=cache.k[0].device)
     position = torch.zeros(1, dtype=torch.long, device=token.device)
     with torch.no_grad():

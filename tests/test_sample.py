@@ -287,6 +287,22 @@ def test_inductors_isa_probes_are_skipped_only_where_the_compiler_takes_every_is
     assert refusing_compiler[1].read_text().splitlines()[-1] == "build refused"  # the check itself, refused
 
 
+@pytest.mark.parametrize("script", ["sample.py", "serve.py"])
+def test_compile_without_a_working_cpp_compiler_is_one_line_and_exit_2(tmp_path, script):
+    """--compile on a machine whose C++ compiler doesn't run ($CXX a program that fails): one line naming the way
+    on, exit 2, before any export, and nothing kept."""
+    if script == "serve.py":
+        pytest.importorskip("fastapi")
+    ckpt = write_char_checkpoint(tmp_path / "ckpt.pt")
+    env = {**os.environ, "CXX": shutil.which("false") or "/bin/false", "QUILLGPT_CACHE": str(tmp_path / "cache")}
+    args = [sys.executable, script, "--ckpt", str(ckpt), "--compile"]
+    args += ["--prompt", "the ", "--max-new-tokens", "4"] if script == "sample.py" else ["--port", "0"]
+    run = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1].startswith("error: --compile needs a working C++ compiler")
+    assert "Traceback" not in run.stderr and not list(tmp_path.rglob("*.pt2"))
+
+
 @pytest.mark.slow
 def test_a_compiler_refusing_the_cpus_vector_isa_still_gets_a_kept_step_through_inductors_probes(
     tmp_path, refusing_compiler
