@@ -60,6 +60,8 @@ class ChatSession:
         self.decode = model.decode_one  # the step for the cache (GPT.decoding_cache), chosen with each new cache
         self.encoded = 0  # ids run through the model to read prompts (not to generate): what the cache saves
         self.reset(system)
+        if compile:  # compiled (or loaded) before the first message, where a failure ends the session at once
+            self.ensure_room(self.block_size, 0)
 
     @property
     def block_size(self) -> int:

@@ -176,8 +176,8 @@ def test_a_message_longer_than_the_context_is_an_error_and_the_conversation_goes
 
 def test_compiling_a_conversations_step_asks_for_the_whole_context_once(tmp_path, monkeypatch):
     """chat.py --compile compiles the decoding step for the model's whole context, which a conversation grows into,
-    not for each cache length it passes through (a compile takes tens of seconds). The compile itself is
-    test_decoding.py's."""
+    not for each cache length it passes through (a compile takes tens of seconds), and before the first message, so
+    that a compile that fails (no C++ compiler) ends the session at once. The compile itself is test_decoding.py's."""
     monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path))
     asked = []
 
@@ -187,10 +187,8 @@ def test_compiling_a_conversations_step_asks_for_the_whole_context_once(tmp_path
 
     monkeypatch.setattr(compiled_step, "compile_package", compile_package)
     with pytest.raises(KeyboardInterrupt):
-        ChatSession(random_chat_model(block_size=256), chat_tokenizer(), max_new_tokens=16, compile=True).reply(
-            TURNS[0]
-        )
-    assert asked == [256]  # the first turn needs 64 positions
+        ChatSession(random_chat_model(block_size=256), chat_tokenizer(), max_new_tokens=16, compile=True)
+    assert asked == [256]  # a first turn would need 64 positions
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, chatml_without_tool
 
 import sample
 from model import GPT, GPTConfig
@@ -23,16 +23,19 @@ from quillgpt.tokenizer import CharTokenizer
 CHARS = list("\n abcdefghijklmnopqrstuvwxyz.,:")
 
 
-def write_char_checkpoint(path: Path, seed: int = 0, **model_args) -> Path:
-    """A real quillgpt checkpoint of a tiny random char model (weights scaled up so greedy text varies)."""
+def write_char_checkpoint(path: Path, seed: int = 0, tokenizer=None, **model_args) -> Path:
+    """A real quillgpt checkpoint of a tiny random char model (weights scaled up so greedy text varies), over CHARS
+    or the given tokenizer."""
+    tokenizer = tokenizer or CharTokenizer(CHARS)
     torch.manual_seed(seed)
-    config = GPTConfig(**{**dict(block_size=32, vocab_size=len(CHARS), n_layer=2, n_head=2, n_embd=32), **model_args})
+    shape = dict(block_size=32, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_embd=32)
+    config = GPTConfig(**{**shape, **model_args})
     model = GPT(config)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(10.0 if p.dim() > 1 else 1.0)
     save_checkpoint(
-        path, {"model": model.state_dict(), "model_args": config.to_dict(), "tokenizer": CharTokenizer(CHARS).to_dict()}
+        path, {"model": model.state_dict(), "model_args": config.to_dict(), "tokenizer": tokenizer.to_dict()}
     )
     return path
 
@@ -287,17 +290,20 @@ def test_inductors_isa_probes_are_skipped_only_where_the_compiler_takes_every_is
     assert refusing_compiler[1].read_text().splitlines()[-1] == "build refused"  # the check itself, refused
 
 
-@pytest.mark.parametrize("script", ["sample.py", "serve.py"])
+@pytest.mark.parametrize("script", ["sample.py", "chat.py", "serve.py"])
 def test_compile_without_a_working_cpp_compiler_is_one_line_and_exit_2(tmp_path, script):
     """--compile on a machine whose C++ compiler doesn't run ($CXX a program that fails): one line naming the way
-    on, exit 2, before any export, and nothing kept."""
+    on, exit 2, before any export (chat.py's before the first message), and nothing kept."""
     if script == "serve.py":
         pytest.importorskip("fastapi")
-    ckpt = write_char_checkpoint(tmp_path / "ckpt.pt")
+    chat = chatml_without_tool(CharTokenizer(CHARS, eot=True)) if script == "chat.py" else None
+    ckpt = write_char_checkpoint(tmp_path / "ckpt.pt", tokenizer=chat)
     env = {**os.environ, "CXX": shutil.which("false") or "/bin/false", "QUILLGPT_CACHE": str(tmp_path / "cache")}
     args = [sys.executable, script, "--ckpt", str(ckpt), "--compile"]
-    args += ["--prompt", "the ", "--max-new-tokens", "4"] if script == "sample.py" else ["--port", "0"]
-    run = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    extra = {"sample.py": ["--prompt", "the ", "--max-new-tokens", "4"], "serve.py": ["--port", "0"], "chat.py": []}
+    run = subprocess.run(
+        args + extra[script], cwd=REPO_ROOT, env=env, input="hello\n", capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.strip().splitlines()[-1].startswith("error: --compile needs a working C++ compiler")
     assert "Traceback" not in run.stderr and not list(tmp_path.rglob("*.pt2"))
