@@ -358,11 +358,14 @@ def test_without_a_kept_step_the_batcher_compiles_nothing_and_decodes_eagerly(lo
 
 
 @pytest.mark.slow
-def test_a_lone_request_is_decoded_by_the_compiled_step_and_hands_over_to_the_batch(ckpt, loaded, server):
+def test_a_lone_request_is_decoded_by_the_compiled_step_and_hands_over_to_the_batch(
+    ckpt, loaded, server, tmp_path, monkeypatch
+):
     """serve.py --compile: a request decoded alone runs the compiled one-token step (kept on disk, as chat.py
     --compile keeps it) over row 0 of the slot cache; when a second request joins, the rows' eager step takes the
     first one over mid-reply, and gives it back when the second leaves. Every reply is the eager batcher's, and a
     later serve.py of the model's shape uses the kept step with no flag."""
+    monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path))  # the package kept here serves no other test's server
     model, tokenizer = loaded
     long, short = GenRequest(tokenizer.encode("the king "), 60, 0.0), GenRequest(tokenizer.encode("o"), 12, 0.0)
     plan = [(0, long), (10, short)]  # the short one joins at step 10 and leaves before the long one ends
