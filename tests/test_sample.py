@@ -290,7 +290,10 @@ def test_inductors_isa_probes_are_skipped_only_where_the_compiler_takes_every_is
     assert refusing_compiler[1].read_text().splitlines()[-1] == "build refused"  # the check itself, refused
 
 
-@pytest.mark.parametrize("script", ["sample.py", "chat.py", "serve.py"])
+@pytest.mark.parametrize(
+    "script",
+    ["sample.py", pytest.param("chat.py", marks=pytest.mark.slow), pytest.param("serve.py", marks=pytest.mark.slow)],
+)
 def test_compile_without_a_working_cpp_compiler_is_one_line_and_exit_2(tmp_path, script):
     """--compile on a machine whose C++ compiler doesn't run ($CXX a program that fails): one line naming the way
     on, exit 2, before any export (chat.py's before the first message), and nothing kept."""
