@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     batcher = Batcher(model, tokenizer, args.max_batch, args.max_queue, args.compile)
     if args.compile and not batcher.lone:
-        print(f"[--compile compiles a CPU step; on {args.device} every step runs eagerly]", file=sys.stderr)
+        print(f"[--compile compiles a CPU step; on {batcher.device} every step runs eagerly]", file=sys.stderr)
     server = uvicorn.Server(
         uvicorn.Config(
             build_app(batcher, settings, page=not args.no_page), log_level="warning", timeout_graceful_shutdown=5

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from model import GPT, sample_next
-from quillgpt.compiled_step import compiled_step, kept_package, package_length
+from quillgpt.compiled_step import compiled_step, kept_package
 from quillgpt.generate import RowText, showable_length
 from quillgpt.tokenizer import Tokenizer
 from quillgpt.tools import Calculator, calculator_for
@@ -158,9 +158,9 @@ def lone_request_step(model: GPT, cache: SlotCache, compile: bool | None) -> tup
     compiled first where compile is True; None where compile is False, none is kept, or the model is not on a CPU."""
     if compile is False or next(model.parameters()).device.type != "cpu":
         return None
-    length = cache.k[0].size(2)
-    path = kept_package(model, 1, length, build=bool(compile))
-    if path is None or package_length(path) != length:  # never longer: the slot cache is block_size long
+    # the slot cache is block_size long, and no kept package of the model is longer: a kept one has this length
+    path = kept_package(model, 1, cache.k[0].size(2), build=bool(compile))
+    if path is None:
         return None
     row = FirstRow.of(cache)
     return row, compiled_step(path, model, row)
