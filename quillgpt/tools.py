@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,7 +55,9 @@ def calculate(expression: str) -> str:
     if len(expression) > MAX_EXPRESSION_CHARS:
         return f"error: expression longer than {MAX_EXPRESSION_CHARS} characters"
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with warnings.catch_warnings():  # the parser warns on stderr of text like `3in`: the model's, not the user's
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return "error: not an arithmetic expression"
     try:

@@ -124,6 +124,14 @@ def test_errors_of_arithmetic_are_outputs_too():
     assert calculate("1" * (MAX_EXPRESSION_CHARS + 1)).startswith("error: expression longer")
 
 
+def test_a_malformed_number_is_an_error_output_and_nothing_on_stderr():
+    # the parser's SyntaxWarning ("invalid decimal literal") would print under a training run's log lines
+    code = "from quillgpt.tools import calculate; print(calculate('3in'), calculate('0x5for'))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.split("error: ") == ["", "not an arithmetic expression ", "not an arithmetic expression\n"]
+    assert done.stderr == ""
+
+
 # ---- the conversation form -----------------------------------------------------------------------------
 
 
