@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from quillgpt.config import GPTConfig
-from quillgpt.kernels import Dropout, causal_attention, gelu
+from quillgpt.kernels import Dropout, Linear, causal_attention, gelu
 
 
 class RMSNorm(nn.Module):
@@ -256,8 +256,8 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_width
         widths = (self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim)
         self.widths = widths  # of q, k and v in c_attn's output
-        self.c_attn = nn.Linear(config.n_embd, sum(widths), bias=config.bias or config.qkv_bias)
-        self.c_proj = nn.Linear(widths[0], config.n_embd, bias=config.bias)
+        self.c_attn = Linear(config.n_embd, sum(widths), bias=config.bias or config.qkv_bias)
+        self.c_proj = Linear(widths[0], config.n_embd, bias=config.bias)
         self.c_proj.is_residual_proj = True
         self.dropout = config.dropout
         self.resid_dropout = Dropout(config.dropout)
@@ -380,9 +380,9 @@ class MLP(nn.Module):
         super().__init__()
         hidden = hidden or mlp_hidden_width(config)
         self.act = activation(config)
-        self.c_gate = nn.Linear(config.n_embd, hidden, bias=config.bias) if config.mlp in GATED else None
-        self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
-        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.c_gate = Linear(config.n_embd, hidden, bias=config.bias) if config.mlp in GATED else None
+        self.c_fc = Linear(config.n_embd, hidden, bias=config.bias)
+        self.c_proj = Linear(hidden, config.n_embd, bias=config.bias)
         self.c_proj.is_residual_proj = True
         self.dropout = Dropout(config.dropout)
 
@@ -446,7 +446,7 @@ class GPT(nn.Module):
         else:
             self.set_rope_tables()
         self.embed_scale = config.n_embd**0.5 if config.embed_scale else 1.0  # Gemma's embeddings x sqrt(width)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)

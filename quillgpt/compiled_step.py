@@ -36,8 +36,14 @@ import torch.nn as nn
 
 from quillgpt.errors import UserError
 from quillgpt.files import cache_dir
+from quillgpt.kernels import split_pays
 from quillgpt.precision import CPU_PATH_ENV
 
+# Inductor's settings for a step whose linear maps split (kernels.linear), where inductor writes the matrix-vector
+# products as its own loops: a pointwise result of more than one op (a layer norm's output) is computed once into a
+# buffer. Left inlined, as by default on the CPU (up to 50 ops), it is recomputed inside the next product for every
+# output row: 2.6 against 1.25 ms a token (docs/LOG.md). Elsewhere (bf16's extern matmuls) the buffers cost ~7%.
+SPLIT_STEP_CONFIGS = {"realize_cpu_opcount_threshold": 1}
 _loaded: dict[Path, Callable] = {}  # packages loaded in this process, by file
 _bound: dict[int, int] = {}  # each loaded runner's binding: the ticket of the step whose model and cache it holds
 _tickets = count()
@@ -89,7 +95,7 @@ def bind(runner, model: nn.Module, cache) -> None:
 def package_key(model: nn.Module, batch: int) -> str:
     """A hash of what the compiled code depends on but the cache's length (a package's file name carries that), not
     the weights' values (bind copies those in): the weights' names, dtypes and shapes, the model's arguments and
-    modules, the batch, torch's version and the CPU's code path."""
+    modules, the batch, torch's version, the CPU's code path and whether its linear maps split (kernels.linear)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
@@ -100,9 +106,17 @@ def package_key(model: nn.Module, batch: int) -> str:
         "torch": torch.__version__,
         "cpu": torch.backends.cpu.get_cpu_capability(),
         "env": {k: os.environ.get(k, "") for k in CPU_PATH_ENV},
+        "split_linear": splits(model),  # the graph's linear maps, and inductor's settings, differ
     }
     digest.update(json.dumps(facts, sort_keys=True).encode())
     return digest.hexdigest()[:32]
+
+
+def splits(model: nn.Module) -> bool:
+    """Whether a decoding row's linear maps in this model split (kernels.linear): fp32 weights on a CPU where that
+    measured faster."""
+    weight = next(model.parameters())
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and split_pays()
 
 
 def packages_dir() -> Path:
@@ -210,6 +224,7 @@ def build_package(model: nn.Module, cache, path: Path) -> None:
             inductor_configs={
                 "aot_inductor.package_constants_in_so": False,  # bind gives each model's weights
                 "cpp.vec_isa_ok": True if compiler_takes_the_cpus_isas() else None,
+                **(SPLIT_STEP_CONFIGS if splits(model) else {}),
             },
         )
         os.replace(built, path)  # the same directory's file system: the package appears whole or not at all

@@ -13,6 +13,9 @@ PyTorch's own ops are the reference and the path everywhere else (CUDA, inferenc
   batched matmuls (the flash backward is slower in bf16 than in fp32).
 - exact GELU on a few rows (decoding): PyTorch's own kernel rather than oneDNN's, which F.gelu calls for every
   fp32 CPU tensor and which costs a fixed ~25 us a call.
+- an fp32 linear map of a few rows (decoding): the weight's row blocks times the rows in one batched matmul, one
+  block a thread, where this machine runs that faster than F.linear (measured once, split_pays): on an AMD EPYC
+  MKL's matrix-vector product ran on one thread at a quarter of the batched matmul's speed.
 The measurements behind each choice are in docs/LOG.md. Tests check each against its PyTorch definition (gradients
 included).
 """
@@ -20,6 +23,9 @@ included).
 from __future__ import annotations
 
 import hashlib
+import math
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +127,112 @@ def gelu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
         return F.gelu(h)
     finally:
         torch._C._set_mkldnn_enabled(True)
+
+
+# A linear map of this many rows or fewer (a decoding step's, a batcher's) may be split (linear); more go to F.linear
+SPLIT_MAX_ROWS = 16
+# and a weight of at least this many elements: below ~1 MB of fp32 the split's extra ops cost more than it saves
+# (AMD EPYC, 2 threads: 0.8-1.2x at 256k elements, 1.3-2.5x at 590k; docs/LOG.md)
+SPLIT_MIN_ELEMENTS = 1 << 18
+SPLIT_MARGIN = 1.25  # the split must measure this much faster than F.linear on the probe to be used
+SPLIT_PROBE_SHAPE = (2048, 512)  # the probe's weights, (out, in): a decoding model's MLP, 4 MB of fp32 each
+SPLIT_PROBE_WEIGHTS = 8  # weights it cycles through, 32 MB: a model's, not a cache's (a hot weight misleads)
+_split_pays: dict[int, bool] = {}  # this process's answer, by its number of threads
+
+
+class Linear(nn.Linear):
+    """nn.Linear (the same parameters, state-dict names and init), whose forward is kernels.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear. For a few rows in fp32 on the CPU without autograd (decoding), where this machine runs it faster
+    (split_pays): the weight's row blocks, one a thread, times the rows in one batched matmul."""
+    parts = split_parts(x, weight)
+    if parts == 1:
+        return F.linear(x, weight, bias)
+    out, width = weight.shape
+    rows = x.reshape(-1, width)  # (m, in)
+    # (parts, out / parts, in) @ (parts, in, m) -> (parts, out / parts, m). The rows as rows.t()'s strides, (0, 1,
+    # in), make the second operand BLAS-ready; a contiguous (in, 1) column took a slower path, 6x here
+    y = torch.bmm(weight.view(parts, out // parts, width), rows.t().unsqueeze(0).expand(parts, -1, -1))
+    y = y.permute(2, 0, 1).reshape(*x.shape[:-1], out)  # (m, parts, out / parts) -> (..., out)
+    return y if bias is None else y + bias
+
+
+def split_parts(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """Into how many row blocks linear splits this product: one (F.linear) but for a few fp32 rows on the CPU with
+    autograd off, a large enough contiguous weight, and a machine where the split pays (split_pays; never measured
+    while tracing: a graph takes what this process has measured)."""
+    if not (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled()):
+        return 1
+    if weight.numel() < SPLIT_MIN_ELEMENTS or x.numel() > SPLIT_MAX_ROWS * x.size(-1) or not weight.is_contiguous():
+        return 1
+    parts = math.gcd(weight.size(0), torch.get_num_threads())
+    if parts == 1:
+        return 1
+    tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    pays = _split_pays.get(torch.get_num_threads(), False) if tracing else split_pays()
+    return parts if pays else 1
+
+
+def split_key() -> str:
+    """What the split's speed depends on: the CPU, its code path (bench.py --isa's caps), the threads, torch."""
+    from quillgpt.machine import cpu_model
+    from quillgpt.precision import CPU_PATH_ENV
+
+    caps = ",".join(os.environ.get(k, "") for k in CPU_PATH_ENV)
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{cpu_model()}|{capability}|{caps}|{torch.get_num_threads()} threads|torch {torch.__version__}"
+
+
+def split_pays() -> bool:
+    """Whether this machine runs a decoding row's fp32 linear faster split (linear) than by F.linear: measured once
+    (SPLIT_PROBE_SHAPE, by SPLIT_MARGIN) and kept in the cache directory (files.cache_dir), so that every run on
+    the machine decodes the same way and pays the ~0.1 s probe once. An unreadable or unwritable file only costs
+    the probe again."""
+    from quillgpt.files import atomic_write_json, cache_dir
+    from quillgpt.precision import read_kept_peaks
+
+    threads = torch.get_num_threads()
+    if threads not in _split_pays:
+        path, key = cache_dir() / "split_linear.json", split_key()
+        kept = read_kept_peaks(path)
+        if key not in kept:
+            kept[key] = measure_split_speedup()
+            try:
+                atomic_write_json(path, kept)
+            except OSError:
+                pass
+        _split_pays[threads] = kept[key] >= SPLIT_MARGIN
+    return _split_pays[threads]
+
+
+def measure_split_speedup() -> float:
+    """F.linear's time over the split's for one row through SPLIT_PROBE_WEIGHTS weights of SPLIT_PROBE_SHAPE, each
+    side's best of 5 alternating rounds (a busy moment cannot fall on one side only)."""
+    out, width = SPLIT_PROBE_SHAPE
+    parts = math.gcd(out, torch.get_num_threads())
+    if parts == 1:
+        return 0.0
+    weights = [torch.full((out, width), 0.01 * (i + 1)) for i in range(SPLIT_PROBE_WEIGHTS)]
+    x = torch.full((1, width), 0.5)
+    split = [
+        lambda w=w: torch.bmm(w.view(parts, out // parts, width), x.t().unsqueeze(0).expand(parts, -1, -1))
+        for w in weights
+    ]
+    plain = [lambda w=w: F.linear(x, w) for w in weights]
+    best = {"plain": float("inf"), "split": float("inf")}
+    with torch.no_grad():
+        for _ in range(5):
+            for name, calls in (("plain", plain), ("split", split)):
+                t0 = time.perf_counter()
+                for call in calls:
+                    call()
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best["plain"] / best["split"]
 
 
 def causal_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,11 @@
 """model.py and kernels.py: shapes, causality, initialisation, KV-cache generation, sampling filters, and the CPU attention and dropout paths against their PyTorch definitions."""
 
 import hashlib
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -318,6 +322,63 @@ def test_cpu_dropout_layer_and_attention_match_their_definitions():
     assert not torch.allclose(
         got, attn.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 12, 8))
     )
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_decoding_rows_linear_splits_where_the_machine_runs_that_faster(monkeypatch, two_threads):
+    """kernels.linear is F.linear; a few fp32 rows without autograd on a machine where the split measured faster go
+    through one batched matmul of the weight's row blocks (aten::bmm), to fp32 rounding of F.linear; anything else
+    (autograd, bf16, many rows, a small weight, a machine where it measured slower) is F.linear itself."""
+    torch.manual_seed(0)
+    weight, bias, row = torch.randn(1536, 384), torch.randn(1536), torch.randn(1, 1, 384)
+    monkeypatch.setitem(kernels._split_pays, 2, True)
+
+    def ops(*args):
+        with torch.profiler.profile() as prof:
+            out = kernels.linear(*args)
+        return out, {e.key for e in prof.key_averages()}
+
+    with torch.no_grad():
+        for rows in (row, torch.randn(3, 5, 384)):  # a decoding row, a batcher's 15
+            got, ran = ops(rows, weight, bias)
+            assert (
+                kernels.split_parts(rows, weight) == 2 and "aten::bmm" in ran and got.shape == (*rows.shape[:-1], 1536)
+            )
+            assert torch.allclose(got, F.linear(rows, weight, bias), rtol=1e-5, atol=1e-4)
+        plain = [(torch.randn(17, 384), weight), (row.bfloat16(), weight.bfloat16()), (row[..., :64], weight[:64, :64])]
+        for x, w in plain:
+            got, ran = ops(x, w)
+            assert kernels.split_parts(x, w) == 1 and "aten::bmm" not in ran and torch.equal(got, F.linear(x, w))
+        monkeypatch.setitem(kernels._split_pays, 2, False)
+        assert kernels.split_parts(row, weight) == 1 and torch.equal(kernels.linear(row, weight), F.linear(row, weight))
+    monkeypatch.setitem(kernels._split_pays, 2, True)
+    x = row.clone().requires_grad_()
+    assert kernels.split_parts(x, weight) == 1  # training: autograd's F.linear
+    (grad,) = torch.autograd.grad(kernels.linear(x, weight).sum(), x)
+    assert torch.allclose(grad, weight.sum(0).view(1, 1, -1), atol=1e-4)
+
+
+def test_the_split_is_measured_once_per_machine_and_kept(tmp_path):
+    """split_pays measures, keeps the ratio in the cache directory under the machine's key, and a later process
+    takes the kept answer without measuring (here a planted one each way)."""
+    env = {**os.environ, "QUILLGPT_CACHE": str(tmp_path)}
+    code = "from quillgpt import kernels; print(kernels.split_pays(), kernels.split_key())"
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    measured, key = first.stdout.strip().split(" ", 1)
+    kept = json.loads((tmp_path / "split_linear.json").read_text())
+    assert list(kept) == [key] and (kept[key] >= kernels.SPLIT_MARGIN) == (measured == "True")
+    for ratio, answer in ((9.0, "True"), (0.5, "False")):
+        (tmp_path / "split_linear.json").write_text(json.dumps({key: ratio}))
+        again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert again.stdout.split(" ", 1)[0] == answer
+        assert json.loads((tmp_path / "split_linear.json").read_text()) == {key: ratio}  # read, not measured again
 
 
 def test_gelu_of_a_few_rows_runs_pytorchs_kernel_and_leaves_onednn_as_it_found_it():
