@@ -13,7 +13,7 @@ import torch
 from model import GPT, quantize_int8
 from quillgpt.errors import UserError
 from quillgpt.loading import load_model
-from quillgpt.precision import PRECISIONS, inference_precision
+from quillgpt.precision import PRECISIONS, inference_precision, int8_activations
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
@@ -54,7 +54,8 @@ def load_for_sampling(source: str | Path, device: str = "auto", dtype: str = "fp
     """A checkpoint, run directory, .safetensors file, or Hugging Face directory or hub name -> (model in `dtype` on
     the device (pick_device), tokenizer, label: the source, the precision and the device). dtype auto (the scripts'
     default): bf16 on a CUDA device that has it; on the CPU the faster of fp32 and bf16 at one decoding row
-    (DECODING_ROWS, quillgpt.precision). int8: weight-only int8 (CPU), its activations in the faster of them."""
+    (DECODING_ROWS, quillgpt.precision). int8: weight-only int8 (CPU), its activations in the precision its int8
+    product runs faster with (precision.int8_activations)."""
     device = pick_device(device)
     loaded = load_model(source)
     if loaded.tokenizer is None:
@@ -72,7 +73,10 @@ def load_for_sampling(source: str | Path, device: str = "auto", dtype: str = "fp
     if dtype == "int8" and device.type != "cpu":
         raise UserError(f"--dtype int8 is for the CPU (weight-only int8 matmuls); on {device} use bf16")
     width = loaded.model.config.n_embd
-    activations, _ = inference_precision("auto" if dtype == "int8" else dtype, device, width, DECODING_ROWS)
+    if dtype == "int8":
+        activations = int8_activations(width)
+    else:
+        activations, _ = inference_precision(dtype, device, width, DECODING_ROWS)
     loaded.model.eval().to(device=device, dtype=PRECISIONS[activations])
     model = quantize_int8(loaded.model, PRECISIONS[activations]) if dtype == "int8" else loaded.model
     precision = f"int8 ({activations} activations)" if dtype == "int8" else activations

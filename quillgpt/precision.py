@@ -194,6 +194,35 @@ def inference_precision(requested: str, device: torch.device, width: int, rows: 
     return rates.faster, rates
 
 
+INT8_PROBE_MAX_WIDTH = 1024  # the int8 probe's width cap: its slow fp32 side took ~2 ms a call at 1,024
+
+
+@functools.cache
+def int8_activations(width: int) -> str:
+    """The activations' precision a weight-only int8 model decodes with on the CPU: bf16 where the int8 product
+    (torch._weight_int8pack_mm) of one row of `width` measures BF16_MARGIN faster with bf16 activations than with
+    fp32, else fp32. The product's own speed decides, not bf16's matmul rate: with fp32 activations it ran 13x slower
+    than with bf16 on an AMD EPYC, 11x on its AVX2 path too (docs/LOG.md)."""
+    return measured_faster(*read_int8_rates(width))
+
+
+def read_int8_rates(width: int) -> tuple[float, float]:
+    """(fp32, bf16) products a second of int8 weights (4 * width, width) with one row of activations in each
+    precision, each side's best of PROBE_ROUNDS alternating rounds after a warm-up."""
+    width = max(1, min(width, INT8_PROBE_MAX_WIDTH))
+    weights = [torch.randint(-127, 128, (4 * width, width), dtype=torch.int8) for _ in range(2)]
+    best = dict.fromkeys(("fp32", "bf16"), float("inf"))
+    with torch.no_grad():
+        for _ in range(PROBE_ROUNDS + 1):  # the first round warms both up
+            for name in best:
+                x, scale = torch.randn(1, width, dtype=PRECISIONS[name]), torch.rand(4 * width, dtype=PRECISIONS[name])
+                t0 = time.perf_counter()
+                for w in weights:
+                    torch._weight_int8pack_mm(x, w, scale)
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return len(weights) / best["fp32"], len(weights) / best["bf16"]
+
+
 def cuda_has_native_bf16() -> bool:
     """bf16 on this CUDA device runs in hardware (Ampere and later). torch's is_bf16_supported() also counts
     emulation, which on older cards is slower than fp16 with a GradScaler."""

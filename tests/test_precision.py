@@ -159,10 +159,30 @@ def test_bench_probe_on_the_avx2_path_shows_the_capped_kernels_and_rates():
     assert "'ONEDNN_MAX_CPU_ISA': 'AVX2'" in out.stdout
 
 
-@pytest.mark.parametrize("dtype", ["auto", "int8"])
-def test_sampling_dtype_follows_the_rates_at_the_decoding_shape(tmp_path, monkeypatch, dtype):
-    """sample.py's auto dtype, and int8's activations, are the faster of fp32 and bf16 at a decoding step's shape:
-    with bf16 measured emulated, fp32; with bf16 measured fast, bf16 (rates injected, the rule is what's tested)."""
+def test_int8_activations_follow_the_int8_products_rates(tmp_path, monkeypatch):
+    """int8's activations are the precision the int8 product itself runs faster with at the model's width (rates
+    injected, the rule is what's tested); the real probe reads both, and the label names the activations."""
+    import torch
+    from test_export import write_char_checkpoint
+
+    from quillgpt import generate, precision
+
+    ckpt = write_char_checkpoint(tmp_path / "ckpt.pt")
+    fp32, bf16 = precision.read_int8_rates(64)
+    assert fp32 > 0 and bf16 > 0
+    for rates, expected in (((100.0, 120.0), torch.float32), ((100.0, 1300.0), torch.bfloat16)):
+        monkeypatch.setattr(precision, "read_int8_rates", lambda width, r=rates: r)
+        precision.int8_activations.cache_clear()
+        model, _, label = generate.load_for_sampling(ckpt, "cpu", "int8")
+        assert model.transformer.wte.weight.dtype == expected and model.lm_head.weight.dtype == torch.int8
+        assert model.lm_head.scale.dtype == expected
+        assert f"int8 ({'bf16' if expected == torch.bfloat16 else 'fp32'} activations)" in label
+    precision.int8_activations.cache_clear()
+
+
+def test_sampling_dtype_follows_the_rates_at_the_decoding_shape(tmp_path, monkeypatch):
+    """sample.py's auto dtype is the faster of fp32 and bf16 at a decoding step's shape: with bf16 measured
+    emulated, fp32; with bf16 measured fast, bf16 (rates injected, the rule is what's tested)."""
     import torch
     from test_export import write_char_checkpoint
 
@@ -173,10 +193,8 @@ def test_sampling_dtype_follows_the_rates_at_the_decoding_shape(tmp_path, monkey
         monkeypatch.setattr(
             precision, "measure_cpu_rates", lambda w, r, a=fp32, b=bf16: MatmulRates(a, b, (r, w, 4 * w))
         )
-        model, _, _ = generate.load_for_sampling(ckpt, "cpu", dtype)
+        model, _, _ = generate.load_for_sampling(ckpt, "cpu", "auto")
         assert model.transformer.wte.weight.dtype == expected
-        if dtype == "int8":
-            assert model.lm_head.weight.dtype == torch.int8 and model.lm_head.scale.dtype == expected
 
 
 def test_muon_orthogonalises_in_fp32_where_bf16_measures_slower(tiny_data, tmp_path):
