@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from quillgpt.errors import UserError
 from quillgpt.files import cache_dir
-from quillgpt.kernels import split_pays
+from quillgpt.kernels import SPLIT_MAX_ROWS, SPLIT_MIN_ELEMENTS, split_pays
 from quillgpt.precision import CPU_PATH_ENV
 
 # Inductor's settings for a step whose linear maps split (kernels.linear), where inductor writes the matrix-vector
@@ -106,7 +106,8 @@ def package_key(model: nn.Module, batch: int) -> str:
         "torch": torch.__version__,
         "cpu": torch.backends.cpu.get_cpu_capability(),
         "env": {k: os.environ.get(k, "") for k in CPU_PATH_ENV},
-        "split_linear": splits(model),  # the graph's linear maps, and inductor's settings, differ
+        # the graph's linear maps, and inductor's settings, differ where they split (and with the split's bounds)
+        "split_linear": splits(model) and [SPLIT_MIN_ELEMENTS, SPLIT_MAX_ROWS],
     }
     digest.update(json.dumps(facts, sort_keys=True).encode())
     return digest.hexdigest()[:32]

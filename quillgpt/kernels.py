@@ -131,9 +131,10 @@ def gelu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 
 # A linear map of this many rows or fewer (a decoding step's, a batcher's) may be split (linear); more go to F.linear
 SPLIT_MAX_ROWS = 16
-# and a weight of at least this many elements: below ~1 MB of fp32 the split's extra ops cost more than it saves
-# (AMD EPYC, 2 threads: 0.8-1.2x at 256k elements, 1.3-2.5x at 590k; docs/LOG.md)
-SPLIT_MIN_ELEMENTS = 1 << 18
+# and a weight of at least this many elements (512 KB of fp32): below it the split's extra ops cost more than it
+# saves. In a decoding step (AMD EPYC, 2 threads; docs/LOG.md) 2^17 against 2^18: 2.53 against 2.83 ms a token at
+# width 384 (its 384 x 384 projections split too), 1.67 against 1.92 at 256; 2^16 slowed width 128 by 20%
+SPLIT_MIN_ELEMENTS = 1 << 17
 SPLIT_MARGIN = 1.25  # the split must measure this much faster than F.linear on the probe to be used
 SPLIT_PROBE_SHAPE = (2048, 512)  # the probe's weights, (out, in): a decoding model's MLP, 4 MB of fp32 each
 SPLIT_PROBE_WEIGHTS = 8  # weights it cycles through, 32 MB: a model's, not a cache's (a hot weight misleads)
