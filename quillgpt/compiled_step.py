@@ -42,7 +42,7 @@ from quillgpt.precision import CPU_PATH_ENV
 # Inductor's settings for a step whose linear maps split (kernels.linear), where inductor writes the matrix-vector
 # products as its own loops: a pointwise result of more than one op (a layer norm's output) is computed once into a
 # buffer. Left inlined, as by default on the CPU (up to 50 ops), it is recomputed inside the next product for every
-# output row: 2.6 against 1.25 ms a token (docs/LOG.md). Elsewhere (bf16's extern matmuls) the buffers cost ~7%.
+# output row: 2.6 against 1.25 ms a token (docs/LOG.md). Elsewhere (extern matmuls) the buffers cost ~7%.
 SPLIT_STEP_CONFIGS = {"realize_cpu_opcount_threshold": 1}
 _loaded: dict[Path, Callable] = {}  # packages loaded in this process, by file
 _bound: dict[int, int] = {}  # each loaded runner's binding: the ticket of the step whose model and cache it holds
@@ -114,10 +114,10 @@ def package_key(model: nn.Module, batch: int) -> str:
 
 
 def splits(model: nn.Module) -> bool:
-    """Whether a decoding row's linear maps in this model split (kernels.linear): fp32 weights on a CPU where that
-    measured faster."""
+    """Whether a compiled step's linear maps in this model split (kernels.linear): fp32 or bf16 weights on a CPU
+    where that measured faster."""
     weight = next(model.parameters())
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and split_pays()
+    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and split_pays()
 
 
 def packages_dir() -> Path:

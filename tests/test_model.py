@@ -365,6 +365,26 @@ def test_a_decoding_rows_linear_splits_where_the_machine_runs_that_faster(monkey
     assert torch.allclose(grad, weight.sum(0).view(1, 1, -1), atol=1e-4)
 
 
+def test_an_exported_decoding_step_splits_bf16_products_too(monkeypatch, two_threads):
+    """A graph being compiled splits a row's bf16 product as well as fp32's (inductor writes split products as its
+    own loops), by what this process measured, never probing while tracing; eager bf16 stays F.linear."""
+    layer = kernels.Linear(384, 1536, bias=False).to(torch.bfloat16).eval()
+    row = torch.randn(1, 1, 384, dtype=torch.bfloat16)
+
+    def exported_ops() -> set[str]:
+        with torch.no_grad():
+            graph = torch.export.export(layer, (row,), strict=False).graph
+        return {str(node.target) for node in graph.nodes if node.op == "call_function"}
+
+    for pays in (True, False):
+        monkeypatch.setitem(kernels._split_pays, 2, pays)
+        assert ("aten.bmm.default" in exported_ops()) == pays
+        with torch.no_grad():
+            assert kernels.split_parts(row, layer.weight) == 1  # eager
+    monkeypatch.delitem(kernels._split_pays, 2)
+    assert "aten.bmm.default" not in exported_ops() and 2 not in kernels._split_pays  # unmeasured: not split
+
+
 def test_the_split_is_measured_once_per_machine_and_kept(tmp_path):
     """split_pays measures, keeps the ratio in the cache directory under the machine's key, and a later process
     takes the kept answer without measuring (here a planted one each way)."""
