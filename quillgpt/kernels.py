@@ -13,8 +13,8 @@ PyTorch's own ops are the reference and the path everywhere else (CUDA, inferenc
   batched matmuls (the flash backward is slower in bf16 than in fp32).
 - exact GELU on a few rows (decoding): PyTorch's own kernel rather than oneDNN's, which F.gelu calls for every
   fp32 CPU tensor and which costs a fixed ~25 us a call.
-- an fp32 linear map of a few rows (decoding): the weight's row blocks times the rows in one batched matmul, one
-  block a thread, where this machine runs that faster than F.linear (measured once, split_pays): on an AMD EPYC
+- an fp32 linear map of a few rows (decoding; bf16 too in a compiled step): the weight's row blocks times the rows
+  in one batched matmul, one block a thread, where this machine runs that faster than F.linear (measured once, split_pays): on an AMD EPYC
   MKL's matrix-vector product ran on one thread at a quarter of the batched matmul's speed.
 The measurements behind each choice are in docs/LOG.md. Tests check each against its PyTorch definition (gradients
 included).
@@ -149,18 +149,23 @@ class Linear(nn.Linear):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear. For a few rows in fp32 on the CPU without autograd (decoding), where this machine runs it faster
-    (split_pays): the weight's row blocks, one a thread, times the rows in one batched matmul."""
+    """F.linear. For a few rows in fp32 on the CPU without autograd (decoding; bf16 too in a graph being compiled),
+    where this machine runs it faster (split_pays): the weight's row blocks, one a thread, times the rows in one
+    batched matmul (split_product)."""
     parts = split_parts(x, weight)
     if parts == 1:
         return F.linear(x, weight, bias)
-    out, width = weight.shape
-    rows = x.reshape(-1, width)  # (m, in)
-    # (parts, out / parts, in) @ (parts, in, m) -> (parts, out / parts, m). The rows as rows.t()'s strides, (0, 1,
-    # in), make the second operand BLAS-ready; a contiguous (in, 1) column took a slower path, 6x here
-    y = torch.bmm(weight.view(parts, out // parts, width), rows.t().unsqueeze(0).expand(parts, -1, -1))
-    y = y.permute(2, 0, 1).reshape(*x.shape[:-1], out)  # (m, parts, out / parts) -> (..., out)
+    y = split_product(x.reshape(-1, x.size(-1)), weight, parts)  # (parts, out / parts, m)
+    y = y.permute(2, 0, 1).reshape(*x.shape[:-1], weight.size(0))  # (m, parts, out / parts) -> (..., out)
     return y if bias is None else y + bias
+
+
+def split_product(rows: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """The weight's row blocks times the rows in one batched matmul: rows (m, in), weight (out, in) ->
+    (parts, out / parts, m). The rows go in with rows.t()'s strides, (0, 1, in), which make the second operand
+    BLAS-ready; a contiguous (in, 1) column took bmm's slower path, 6x here."""
+    out, width = weight.shape
+    return torch.bmm(weight.view(parts, out // parts, width), rows.t().unsqueeze(0).expand(parts, -1, -1))
 
 
 def split_parts(x: torch.Tensor, weight: torch.Tensor) -> int:
@@ -196,7 +201,7 @@ def split_key() -> str:
 def split_pays() -> bool:
     """Whether this machine runs a decoding row's fp32 linear faster split (linear) than by F.linear: measured once
     (SPLIT_PROBE_SHAPE, by SPLIT_MARGIN) and kept in the cache directory (files.cache_dir), so that every run on
-    the machine decodes the same way and pays the ~0.1 s probe once. An unreadable or unwritable file only costs
+    the machine decodes the same way and pays the ~30 ms probe once. An unreadable or unwritable file only costs
     the probe again."""
     from quillgpt.files import atomic_write_json, cache_dir
     from quillgpt.precision import read_kept_peaks
@@ -224,10 +229,7 @@ def measure_split_speedup() -> float:
         return 0.0
     weights = [torch.full((out, width), 0.01 * (i + 1)) for i in range(SPLIT_PROBE_WEIGHTS)]
     x = torch.full((1, width), 0.5)
-    split = [
-        lambda w=w: torch.bmm(w.view(parts, out // parts, width), x.t().unsqueeze(0).expand(parts, -1, -1))
-        for w in weights
-    ]
+    split = [lambda w=w: split_product(x, w, parts) for w in weights]
     plain = [lambda w=w: F.linear(x, w) for w in weights]
     best = {"plain": float("inf"), "split": float("inf")}
     with torch.no_grad():
