@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from quillgpt.errors import UserError
 from quillgpt.files import cache_dir
-from quillgpt.kernels import SPLIT_MAX_ROWS, SPLIT_MIN_ELEMENTS, split_pays
+from quillgpt.kernels import SPLIT_MAX_ROWS, SPLIT_MIN_ELEMENTS, graph_splits
 from quillgpt.precision import CPU_PATH_ENV
 
 # Inductor's settings for a step whose linear maps split (kernels.linear), where inductor writes the matrix-vector
@@ -114,10 +114,8 @@ def package_key(model: nn.Module, batch: int) -> str:
 
 
 def splits(model: nn.Module) -> bool:
-    """Whether a compiled step's linear maps in this model split (kernels.linear): fp32 or bf16 weights on a CPU
-    where that measured faster."""
-    weight = next(model.parameters())
-    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and split_pays()
+    """Whether a compiled step's linear maps in this model split (kernels.graph_splits)."""
+    return graph_splits(next(model.parameters()))
 
 
 def packages_dir() -> Path:

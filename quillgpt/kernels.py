@@ -33,6 +33,10 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from quillgpt.files import atomic_write_json, cache_dir
+from quillgpt.machine import cpu_model
+from quillgpt.precision import CPU_PATH_ENV, read_kept_peaks
+
 
 def tag_compile_caches_with_this_file() -> None:
     """torch.compile's on-disk caches key a graph by the ops in it, not by the Python of a custom op's registered
@@ -138,6 +142,10 @@ SPLIT_MIN_ELEMENTS = 1 << 17
 SPLIT_MARGIN = 1.25  # the split must measure this much faster than F.linear on the probe to be used
 SPLIT_PROBE_SHAPE = (2048, 512)  # the probe's weights, (out, in): a decoding model's MLP, 4 MB of fp32 each
 SPLIT_PROBE_WEIGHTS = 8  # weights it cycles through, 32 MB: a model's, not a cache's (a hot weight misleads)
+# What splits: eager, fp32 only (oneDNN's bf16 product beats a split of it: 1.5 against 2.4 ms a token); a graph
+# being compiled, bf16 too, whose split products inductor writes as its own loops (a bf16 step: 0.94 against 1.40 ms)
+EAGER_SPLIT_DTYPES = (torch.float32,)
+GRAPH_SPLIT_DTYPES = (torch.float32, torch.bfloat16)
 _split_pays: dict[int, bool] = {}  # this process's answer, by its number of threads
 
 
@@ -175,9 +183,7 @@ def split_parts(x: torch.Tensor, weight: torch.Tensor) -> int:
     if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != weight.dtype:
         return 1
     tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
-    # eager, fp32 only: oneDNN's bf16 product beats a split of it (1.5 against 2.4 ms a token). A graph splits bf16
-    # too, whose split products inductor writes as its own loops (a compiled bf16 step: 0.94 against 1.40 ms)
-    if x.dtype not in ((torch.float32, torch.bfloat16) if tracing else (torch.float32,)):
+    if x.dtype not in (GRAPH_SPLIT_DTYPES if tracing else EAGER_SPLIT_DTYPES):
         return 1
     if weight.numel() < SPLIT_MIN_ELEMENTS or x.numel() > SPLIT_MAX_ROWS * x.size(-1) or not weight.is_contiguous():
         return 1
@@ -188,11 +194,14 @@ def split_parts(x: torch.Tensor, weight: torch.Tensor) -> int:
     return parts if pays else 1
 
 
+def graph_splits(weight: torch.Tensor) -> bool:
+    """Whether a graph compiled now splits a decoding row's products over weights like this one (what
+    split_parts decides while tracing, once this process has measured the machine)."""
+    return weight.device.type == "cpu" and weight.dtype in GRAPH_SPLIT_DTYPES and split_pays()
+
+
 def split_key() -> str:
     """What the split's speed depends on: the CPU, its code path (bench.py --isa's caps), the threads, torch."""
-    from quillgpt.machine import cpu_model
-    from quillgpt.precision import CPU_PATH_ENV
-
     caps = ",".join(os.environ.get(k, "") for k in CPU_PATH_ENV)
     capability = torch.backends.cpu.get_cpu_capability()
     return f"{cpu_model()}|{capability}|{caps}|{torch.get_num_threads()} threads|torch {torch.__version__}"
@@ -203,9 +212,6 @@ def split_pays() -> bool:
     (SPLIT_PROBE_SHAPE, by SPLIT_MARGIN) and kept in the cache directory (files.cache_dir), so that every run on
     the machine decodes the same way and pays the ~30 ms probe once. An unreadable or unwritable file only costs
     the probe again."""
-    from quillgpt.files import atomic_write_json, cache_dir
-    from quillgpt.precision import read_kept_peaks
-
     threads = torch.get_num_threads()
     if threads not in _split_pays:
         path, key = cache_dir() / "split_linear.json", split_key()
