@@ -163,17 +163,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     parts = split_parts(x, weight)
     if parts == 1:
         return F.linear(x, weight, bias)
-    y = split_product(x.reshape(-1, x.size(-1)), weight, parts)  # (parts, out / parts, m)
-    y = y.permute(2, 0, 1).reshape(*x.shape[:-1], weight.size(0))  # (m, parts, out / parts) -> (..., out)
+    rows = x.reshape(-1, x.size(-1))  # (m, in)
+    y = split_product(rows, weight, parts)  # (parts, out / parts, m)
+    if rows.size(0) > 1:  # one row's blocks are already its outputs in order
+        y = y.permute(2, 0, 1)  # (m, parts, out / parts)
+    y = y.reshape(*x.shape[:-1], weight.size(0))  # (..., out)
     return y if bias is None else y + bias
 
 
 def split_product(rows: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
     """The weight's row blocks times the rows in one batched matmul: rows (m, in), weight (out, in) ->
-    (parts, out / parts, m). The rows go in with rows.t()'s strides, (0, 1, in), which make the second operand
-    BLAS-ready; a contiguous (in, 1) column took bmm's slower path, 6x here."""
+    (parts, out / parts, m). The rows go in as one view with rows.t()'s strides repeated, (0, 1, in), which make
+    the second operand BLAS-ready; a contiguous (in, 1) column took bmm's slower path, 6x here."""
     out, width = weight.shape
-    return torch.bmm(weight.view(parts, out // parts, width), rows.t().unsqueeze(0).expand(parts, -1, -1))
+    m = rows.size(0)
+    columns = rows.contiguous().as_strided((parts, width, m), (0, 1, width))  # (parts, in, m), the same memory
+    return torch.bmm(weight.view(parts, out // parts, width), columns)
 
 
 def split_parts(x: torch.Tensor, weight: torch.Tensor) -> int:
