@@ -146,7 +146,7 @@ def evaluate(req: EvalRequest) -> dict:
         keep_freed_memory()  # batches re-allocate the same activations, which glibc would fault in again (docs/LOG.md)
     model.to(device).eval()
     rows = min(req.context, model.config.block_size) * 4  # a few windows a forward pass
-    precision, _ = inference_precision(req.precision, device, model.config.n_embd, rows)
+    precision = inference_precision(req.precision, device, model.config.n_embd, rows)
     autocast = precision_autocast(device.type, precision)
     report = {
         "checkpoint": loaded.source,

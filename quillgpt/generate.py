@@ -76,7 +76,7 @@ def load_for_sampling(source: str | Path, device: str = "auto", dtype: str = "fp
     if dtype == "int8":
         activations = int8_activations(width)
     else:
-        activations, _ = inference_precision(dtype, device, width, DECODING_ROWS)
+        activations = inference_precision(dtype, device, width, DECODING_ROWS)
     loaded.model.eval().to(device=device, dtype=PRECISIONS[activations])
     model = quantize_int8(loaded.model, PRECISIONS[activations]) if dtype == "int8" else loaded.model
     precision = f"int8 ({activations} activations)" if dtype == "int8" else activations

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import time
 from pathlib import Path
 
@@ -33,9 +32,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from quillgpt.files import atomic_write_json, cache_dir
-from quillgpt.machine import cpu_model
-from quillgpt.precision import CPU_PATH_ENV, read_kept_peaks
+from quillgpt.precision import kept_measurement, machine_key
 
 
 def tag_compile_caches_with_this_file() -> None:
@@ -205,29 +202,14 @@ def graph_splits(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype in GRAPH_SPLIT_DTYPES and split_pays()
 
 
-def split_key() -> str:
-    """What the split's speed depends on: the CPU, its code path (bench.py --isa's caps), the threads, torch."""
-    caps = ",".join(os.environ.get(k, "") for k in CPU_PATH_ENV)
-    capability = torch.backends.cpu.get_cpu_capability()
-    return f"{cpu_model()}|{capability}|{caps}|{torch.get_num_threads()} threads|torch {torch.__version__}"
-
-
 def split_pays() -> bool:
     """Whether this machine runs a decoding row's fp32 linear faster split (linear) than by F.linear: measured once
-    (SPLIT_PROBE_SHAPE, by SPLIT_MARGIN) and kept in the cache directory (files.cache_dir), so that every run on
-    the machine decodes the same way and pays the ~30 ms probe once. An unreadable or unwritable file only costs
-    the probe again."""
+    (SPLIT_PROBE_SHAPE, by SPLIT_MARGIN) and kept (precision.kept_measurement), so that every run on the machine
+    decodes the same way and pays the ~30 ms probe once."""
     threads = torch.get_num_threads()
     if threads not in _split_pays:
-        path, key = cache_dir() / "split_linear.json", split_key()
-        kept = read_kept_peaks(path)
-        if key not in kept:
-            kept[key] = measure_split_speedup()
-            try:
-                atomic_write_json(path, kept)
-            except OSError:
-                pass
-        _split_pays[threads] = kept[key] >= SPLIT_MARGIN
+        speedup = kept_measurement("split_linear.json", machine_key(), measure_split_speedup, float)
+        _split_pays[threads] = speedup >= SPLIT_MARGIN
     return _split_pays[threads]
 
 

@@ -5,7 +5,8 @@ On a CPU, bf16 is only worth it where its matmuls run faster than fp32's: AVX512
 faster, while an AVX2-only CPU emulates them, far slower. CPU flags can't decide this (a flag can be present while a
 library's path is emulated, and a library can gain a fast path no flag shows), so `auto` times a matmul at the
 model's own shape in both precisions and takes bf16 where it is clearly faster (BF16_MARGIN), else fp32. The probe
-is bounded in time, and paid once per process and shape.
+is bounded in time, and paid once per process and shape; sampling's and evaluation's answer once per machine and
+shape (kept_measurement).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import functools
 import json
 import os
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -26,6 +29,8 @@ from quillgpt.machine import cpu_flags, cpu_model
 
 # the environment caps that change which CPU kernels torch runs (bench.py --isa sets them: benchmarks/conditions.py)
 CPU_PATH_ENV = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+
+T = TypeVar("T")
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BF16_MARGIN = 1.5  # bf16 must measure this much faster: near parity, fp32's exactness wins and no re-run flips
@@ -91,7 +96,7 @@ def measure_cpu_rates(width: int, rows: int) -> MatmulRates:
     slowed between calls, so the same config picks the same precision however busy the machine. Where the one-thread
     readings disagree too (near parity, BF16_MARGIN), the CPU's class decides (cpu_bf16_class: native bf16 matmuls
     or not, from its flags and the libraries' caps); the text says so wherever the readings were not of one mind."""
-    rows, width = max(1, min(rows, PROBE_MAX_ROWS)), max(1, min(width, PROBE_MAX_WIDTH))
+    rows, width = probe_shape(width, rows)
     readings = [read_rates(width, rows) for _ in range(2)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -100,6 +105,11 @@ def measure_cpu_rates(width: int, rows: int) -> MatmulRates:
     finally:
         torch.set_num_threads(threads)
     return settle(readings, single, (rows, width, 4 * width), cpu_bf16_class())
+
+
+def probe_shape(width: int, rows: int) -> tuple[int, int]:
+    """(rows, width) of the probe's matmul for a model's: capped, so that it stays well under a second."""
+    return max(1, min(rows, PROBE_MAX_ROWS)), max(1, min(width, PROBE_MAX_WIDTH))
 
 
 def settle(
@@ -180,18 +190,21 @@ def emulation_warning(rates: MatmulRates) -> str:
     )
 
 
-def inference_precision(requested: str, device: torch.device, width: int, rows: int) -> tuple[str, MatmulRates | None]:
+def inference_precision(requested: str, device: torch.device, width: int, rows: int) -> str:
     """The precision sampling or evaluation runs in: `requested`, or for "auto" bf16 on a CUDA device that has it and
     on the CPU whichever of fp32 and bf16 measures faster at (rows, width) @ (width, 4 * width) — decoding one token
-    is a (1, width) row, where reading the weights, not the arithmetic, sets the pace. Returns the rates measured."""
+    is a (1, width) row, where reading the weights, not the arithmetic, sets the pace. The CPU's answer is measured
+    once per machine and shape and kept (kept_measurement): ~0.5 s of every sample.py start, and every run on the
+    machine then decodes in the same precision."""
     if requested != "auto":
-        return requested, None
+        return requested
     if device.type == "cuda":
-        return ("bf16" if cuda_has_native_bf16() else "fp32"), None
+        return "bf16" if cuda_has_native_bf16() else "fp32"
     if device.type != "cpu":
-        return "fp32", None
-    rates = measure_cpu_rates(width, rows)
-    return rates.faster, rates
+        return "fp32"
+    rows, width = probe_shape(width, rows)
+    key = f"{machine_key()}|{rows}x{width}"
+    return kept_measurement("auto_precision.json", key, lambda: measure_cpu_rates(width, rows).faster, str)
 
 
 INT8_PROBE_MAX_WIDTH = 1024  # the int8 probe's width cap: its slow fp32 side took ~2 ms a call at 1,024
@@ -238,11 +251,9 @@ def kept_peaks_path() -> Path:
 
 
 def peak_key(rates: MatmulRates, precision: str) -> str:
-    """What a kept rate is comparable across: this CPU and code path, the threads, the probe's shape, the precision."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    caps = ",".join(os.environ.get(k, "") for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"))
+    """What a kept rate is comparable across: this machine (machine_key), the probe's shape, the precision."""
     m, k, n = rates.shape
-    return f"{cpu_model()}|{capability}|{caps}|{torch.get_num_threads()} threads|{m}x{k}x{n}|{precision}"
+    return f"{machine_key()}|{m}x{k}x{n}|{precision}"
 
 
 def kept_peak(rates: MatmulRates, precision: str) -> tuple[float, str]:
@@ -251,7 +262,7 @@ def kept_peak(rates: MatmulRates, precision: str) -> tuple[float, str]:
     rate, does not report a high MFU). An unreadable file starts again from this reading; one that cannot be written
     leaves this run's reading."""
     measured, path, key = rates.rate(precision), kept_peaks_path(), peak_key(rates, precision)
-    kept = read_kept_peaks(path)
+    kept = read_kept(path, (int, float))
     best = max(measured, float(kept.get(key, 0.0)))
     if best > float(kept.get(key, 0.0)):
         try:
@@ -262,10 +273,39 @@ def kept_peak(rates: MatmulRates, precision: str) -> tuple[float, str]:
     return best, f"the best {precision} rate this machine has shown at this shape, {when}; kept in {path}"
 
 
-def read_kept_peaks(path: Path) -> dict[str, float]:
+# ---- measurements kept between runs ---------------------------------------------------------------------------
+
+
+def machine_key() -> str:
+    """What a kept measurement of this machine's kernels holds for: the CPU, its code path (bench.py --isa's caps),
+    the threads and torch's version."""
+    caps = ",".join(os.environ.get(k, "") for k in CPU_PATH_ENV)
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{cpu_model()}|{capability}|{caps}|{torch.get_num_threads()} threads|torch {torch.__version__}"
+
+
+def kept_measurement(name: str, key: str, measure: Callable[[], T], kind: type) -> T:
+    """A measurement of this machine kept in the cache directory's file `name` (files.cache_dir) under `key`: read
+    where kept (and of `kind`), else measured and written, so that every run on the machine takes the same answer
+    and pays the probe once. An unreadable file costs the probe again; one that cannot be written, only this
+    run's answer."""
+    path = cache_dir() / name
+    kept = read_kept(path, (kind,))
+    if key not in kept:
+        kept[key] = measure()
+        try:
+            atomic_write_json(path, kept)
+        except OSError:
+            pass
+    return kept[key]
+
+
+def read_kept(path: Path, kinds: tuple[type, ...]) -> dict:
+    """A file of kept measurements: {key: value}, every value of one of `kinds`; {} where there is none, or where it
+    is not such a file."""
     try:
         kept = json.loads(path.read_text())
     except (OSError, ValueError):  # none yet, or not JSON
         return {}
-    ok = isinstance(kept, dict) and all(isinstance(v, (int, float)) for v in kept.values())
+    ok = isinstance(kept, dict) and all(isinstance(v, kinds) and not isinstance(v, bool) for v in kept.values())
     return kept if ok else {}

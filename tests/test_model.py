@@ -389,7 +389,7 @@ def test_the_split_is_measured_once_per_machine_and_kept(tmp_path):
     """split_pays measures, keeps the ratio in the cache directory under the machine's key, and a later process
     takes the kept answer without measuring (here a planted one each way)."""
     env = {**os.environ, "QUILLGPT_CACHE": str(tmp_path)}
-    code = "from quillgpt import kernels; print(kernels.split_pays(), kernels.split_key())"
+    code = "from quillgpt import kernels, precision; print(kernels.split_pays(), precision.machine_key())"
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     measured, key = first.stdout.strip().split(" ", 1)
     kept = json.loads((tmp_path / "split_linear.json").read_text())

@@ -182,7 +182,8 @@ def test_int8_activations_follow_the_int8_products_rates(tmp_path, monkeypatch):
 
 def test_sampling_dtype_follows_the_rates_at_the_decoding_shape(tmp_path, monkeypatch):
     """sample.py's auto dtype is the faster of fp32 and bf16 at a decoding step's shape: with bf16 measured
-    emulated, fp32; with bf16 measured fast, bf16 (rates injected, the rule is what's tested)."""
+    emulated, fp32; with bf16 measured fast, bf16 (rates injected, the rule is what's tested; each on a machine
+    with nothing kept yet)."""
     import torch
     from test_export import write_char_checkpoint
 
@@ -190,11 +191,41 @@ def test_sampling_dtype_follows_the_rates_at_the_decoding_shape(tmp_path, monkey
 
     ckpt = write_char_checkpoint(tmp_path / "ckpt.pt")
     for fp32, bf16, expected in ((100e9, 1e9, torch.float32), (100e9, 400e9, torch.bfloat16)):
+        monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / f"cache-{expected}"))
         monkeypatch.setattr(
             precision, "measure_cpu_rates", lambda w, r, a=fp32, b=bf16: MatmulRates(a, b, (r, w, 4 * w))
         )
         model, _, _ = generate.load_for_sampling(ckpt, "cpu", "auto")
         assert model.transformer.wte.weight.dtype == expected
+
+
+def test_autos_cpu_precision_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    """The first auto load measures and keeps its answer under the machine's key and the probe's shape; later loads
+    take the kept answer without measuring (a planted one each way), and an unreadable file is measured again."""
+    import torch
+    from test_export import write_char_checkpoint
+
+    from quillgpt import generate, precision
+
+    monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "cache"))
+    kept = tmp_path / "cache" / "auto_precision.json"
+    ckpt = write_char_checkpoint(tmp_path / "ckpt.pt")
+    monkeypatch.setattr(precision, "measure_cpu_rates", lambda w, r: MatmulRates(100e9, 1e9, (r, w, 4 * w)))
+    model, _, _ = generate.load_for_sampling(ckpt, "cpu", "auto")
+    ((key, answer),) = json.loads(kept.read_text()).items()
+    assert answer == "fp32" and key.startswith(precision.machine_key() + "|1x")
+
+    def unmeasured(width, rows):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(precision, "measure_cpu_rates", unmeasured)
+    for planted, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        kept.write_text(json.dumps({key: planted}))
+        model, _, label = generate.load_for_sampling(ckpt, "cpu", "auto")
+        assert model.transformer.wte.weight.dtype == dtype and label.endswith(f"{planted} on cpu")
+    kept.write_text("{not json")
+    with pytest.raises(AssertionError, match="measured again"):
+        generate.load_for_sampling(ckpt, "cpu", "auto")
 
 
 def test_muon_orthogonalises_in_fp32_where_bf16_measures_slower(tiny_data, tmp_path):
@@ -264,4 +295,4 @@ def test_a_gpu_that_only_emulates_bf16_trains_in_fp16_and_samples_in_fp32(monkey
             torch.cuda, "is_bf16_supported", lambda including_emulation=True, h=hardware: h or including_emulation
         )
         assert trainer.resolve_precision("auto", cuda) == training
-        assert precision.inference_precision("auto", cuda, 64, 1)[0] == sampling
+        assert precision.inference_precision("auto", cuda, 64, 1) == sampling
