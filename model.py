@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
 from typing import NamedTuple
@@ -426,6 +427,19 @@ class Block(nn.Module):
         return x
 
 
+def building_on_meta() -> bool:
+    """Whether modules are being built on the meta device, as a model to be given its weights is (hf.load_hf): not
+    initialised then, since normal_ and arange on a meta tensor import torch._dynamo, a second of a sample.py start."""
+    return torch.get_default_device().type == "meta"
+
+
+def embedding(rows: int, width: int) -> nn.Embedding:
+    """nn.Embedding, not initialised on the meta device (building_on_meta)."""
+    if building_on_meta():
+        return nn.Embedding(rows, width, _weight=torch.empty(rows, width))
+    return nn.Embedding(rows, width)
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -435,26 +449,30 @@ class GPT(nn.Module):
         self.loss_chunks = 1  # training.loss_chunks: >1 computes the training loss by chunks (chunked_loss)
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wte=embedding(config.vocab_size, config.n_embd),
                 drop=Dropout(config.dropout),
                 h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
                 ln_f=make_norm(config),
             )
         )
         if config.pos_emb == "learned":
-            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+            self.transformer.wpe = embedding(config.block_size, config.n_embd)
         else:
             self.set_rope_tables()
         self.embed_scale = config.n_embd**0.5 if config.embed_scale else 1.0  # Gemma's embeddings x sqrt(width)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight
-        self.apply(self._init_weights)
+        if not building_on_meta():
+            self.apply(self._init_weights)
 
     def set_rope_tables(self) -> None:
         """The rotary tables of the config (rope_tables), as buffers not saved with the weights: rope_cos and
-        rope_sin, and rope_cos_local and rope_sin_local where sliding layers have their own."""
-        for kind, (cos, sin) in rope_tables(self.config).items():
+        rope_sin, and rope_cos_local and rope_sin_local where sliding layers have their own. Computed on the CPU
+        where the model is built on the meta device (building_on_meta): they are not among the weights it is given."""
+        with torch.device("cpu") if building_on_meta() else nullcontext():
+            tables = rope_tables(self.config)
+        for kind, (cos, sin) in tables.items():
             suffix = "" if kind == "global" else f"_{kind}"
             self.register_buffer(f"rope_cos{suffix}", cos, persistent=False)
             self.register_buffer(f"rope_sin{suffix}", sin, persistent=False)

@@ -76,8 +76,6 @@ def load_hf(
     del state
     if config.tie_embeddings:  # assign gives each module its own Parameter: tie them again
         model.lm_head.weight = model.transformer.wte.weight
-    if config.pos_emb == "rope":  # non-persistent buffers, still on the meta device
-        model.set_rope_tables()
     return (model if dtype is None else model.to(dtype)), tokenizer
 
 

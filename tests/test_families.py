@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import save_hf_family, save_hf_tokenizer, word_salad
+from conftest import REPO_ROOT, save_hf_family, save_hf_tokenizer, word_salad
 from test_lora import built_trainer, logits, lora_overrides, lora_run, max_diff
 
 import export
@@ -47,6 +49,24 @@ def test_logits_and_greedy_decoding_equal_transformers(family_dir):
     prompt = torch.randint(2, 300, (1, 12), generator=torch.Generator().manual_seed(1))
     theirs = hf.generate(prompt, max_new_tokens=48, min_new_tokens=48, do_sample=False, eos_token_id=None)
     assert torch.equal(model.generate(prompt, 48, temperature=0), theirs)  # the KV cache past every window
+
+
+def test_loading_a_family_directory_leaves_torch_compile_unimported(transformers, tmp_path):
+    """A model is built on the meta device to be given its weights, and is not initialised there (model.embedding,
+    MoE.init_experts): normal_ on a meta tensor imports torch._dynamo, a second of every sample.py start from a
+    Hugging Face directory. A dense family and an MoE one, loaded in a fresh process."""
+    directories = []
+    for family in ("gemma3", "qwen3_moe"):
+        save_hf_family(transformers, family, tmp_path / family)
+        save_hf_tokenizer(transformers, tmp_path / family, word_salad(3_000))
+        directories.append(str(tmp_path / family))
+    code = (
+        "import sys; from quillgpt.loading import load_model\n"
+        f"for d in {directories!r}: load_model(d)\n"
+        "print('torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_export_writes_the_same_family_with_our_logits(family_dir, transformers, tmp_path):
