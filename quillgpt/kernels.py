@@ -182,17 +182,18 @@ def split_parts(x: torch.Tensor, weight: torch.Tensor) -> int:
     """Into how many row blocks linear splits this product: one (F.linear) but for a few fp32 rows on the CPU with
     autograd off (bf16 too in a graph being compiled), a large enough contiguous weight, and a machine where the
     split pays (split_pays; never measured while tracing: a graph takes what this process has measured)."""
-    if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != weight.dtype:
+    if torch.is_grad_enabled() or not x.is_cpu or x.dtype != weight.dtype:
+        return 1
+    if weight.numel() < SPLIT_MIN_ELEMENTS or x.numel() > SPLIT_MAX_ROWS * x.size(-1) or not weight.is_contiguous():
         return 1
     tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
     if x.dtype not in (GRAPH_SPLIT_DTYPES if tracing else EAGER_SPLIT_DTYPES):
         return 1
-    if weight.numel() < SPLIT_MIN_ELEMENTS or x.numel() > SPLIT_MAX_ROWS * x.size(-1) or not weight.is_contiguous():
-        return 1
-    parts = math.gcd(weight.size(0), torch.get_num_threads())
+    threads = torch.get_num_threads()
+    parts = math.gcd(weight.size(0), threads)
     if parts == 1:
         return 1
-    pays = _split_pays.get(torch.get_num_threads(), False) if tracing else split_pays()
+    pays = _split_pays.get(threads, False) if tracing else split_pays()
     return parts if pays else 1
 
 
