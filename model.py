@@ -263,10 +263,11 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = Dropout(config.dropout)
         # qk_norm over each head's query and key, or over all heads' at once (OLMo 2): the norm's width
-        per_head = config.qk_norm_scope == "head"
-        self.qk_norm_widths = (self.head_dim, self.head_dim) if per_head else widths[:2]
-        self.q_norm = make_norm(config, self.qk_norm_widths[0], used=config.qk_norm)
-        self.k_norm = make_norm(config, self.qk_norm_widths[1], used=config.qk_norm)
+        self.qk_norm = config.qk_norm
+        self.qk_norm_per_head = config.qk_norm_scope == "head"
+        qk_norm_widths = (self.head_dim, self.head_dim) if self.qk_norm_per_head else widths[:2]
+        self.q_norm = make_norm(config, qk_norm_widths[0], used=config.qk_norm)
+        self.k_norm = make_norm(config, qk_norm_widths[1], used=config.qk_norm)
         # scores are scaled by head_dim ** -0.5 everywhere (SDPA, the CPU kernels); another scale goes on the queries
         self.q_scale = config.attn_scale * self.head_dim**0.5 if config.attn_scale else 1.0
         self.window = layer_window(config, layer)
@@ -283,12 +284,10 @@ class CausalSelfAttention(nn.Module):
         """With a step, decodes one token against the cache (GPT.decode_one); with documents, each attends only
         within itself (packed rows, no cache)."""
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.widths, dim=2)
-        q = self.q_norm(q.view(B, T, -1, self.qk_norm_widths[0]))  # (B, T, nh or 1, hs or nh * hs)
-        k = self.k_norm(k.view(B, T, -1, self.qk_norm_widths[1]))
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        heads = self.c_attn(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh + 2 * nkv, T, hs)
+        q, k, v = heads.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)  # (B, nh | nkv | nkv, T, hs)
+        if self.qk_norm:
+            q, k = self.norm_queries_and_keys(q, k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.q_scale != 1.0:
@@ -306,8 +305,18 @@ class CausalSelfAttention(nn.Module):
             if cache is not None:
                 k, v = (t.to(q.dtype) for t in cache.update(self.layer, k, v))  # (B, nkv, start + T, hs)
             y = self.attend(q, k, v, start, dropout)
-        y = y.transpose(1, 2).contiguous().view(B, T, self.widths[0])  # (B, T, nh * hs)
+        y = y.transpose(1, 2).reshape(B, T, self.widths[0])  # (B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
+
+    def norm_queries_and_keys(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk_norm: q (B, nh, T, hs) and k (B, nkv, T, hs) normed over each head's hs, or (OLMo 2) over all of a
+        position's heads at once."""
+        if self.qk_norm_per_head:
+            return self.q_norm(q), self.k_norm(k)
+        B, _, T, hs = q.shape
+        q = self.q_norm(q.transpose(1, 2).reshape(B, T, -1)).view(B, T, -1, hs).transpose(1, 2)
+        k = self.k_norm(k.transpose(1, 2).reshape(B, T, -1)).view(B, T, -1, hs).transpose(1, 2)
+        return q, k
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, dropout: float) -> torch.Tensor:
         """T queries at positions start... against S = start + T keys: q (B, nh, T, hs), k and v (B, nkv, S, hs).
