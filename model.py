@@ -340,7 +340,13 @@ class CausalSelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=self.n_kv_head != self.n_head)
         B, nh, _, hs = q.shape
         q = q.view(B, self.n_kv_head, nh // self.n_kv_head, hs)  # (B, nkv, group, hs): GQA without copying k, v
-        scores = (q @ k.transpose(-2, -1)).float() * hs**-0.5  # (B, nkv, group, L)
+        # (B, nkv, group, L). A bf16 batched matmul copies a transposed operand (k's, the big one), so there k comes
+        # first; fp32's (MKL) takes it as it is, and is slow with a one-column second operand (docs/LOG.md)
+        if q.dtype == torch.float32:
+            scores = q @ k.transpose(-2, -1)
+        else:
+            scores = (k @ q.transpose(-2, -1)).transpose(-2, -1)
+        scores = scores.float() * hs**-0.5
         mask = ~visible.view(-1, 1, 1, visible.size(-1))  # (1 or B, 1, 1, L): one mask, or one per row (decode_rows)
         probs = scores.masked_fill(mask, float("-inf")).softmax(-1).to(v.dtype)
         return (probs @ v).view(B, nh, 1, hs)
@@ -742,11 +748,16 @@ class GPT(nn.Module):
                 setattr(self, name, table[:block_size].clone())
 
     def new_cache(self, batch: int, length: int | None = None) -> KVCache:
-        """Room for `length` positions (at most, and by default, block_size)."""
+        """Room for `length` positions (at most, and by default, block_size), in the dtype keys and values come in:
+        the weights', or under autocast (RL's sampler) autocast's, which holds them exactly and is attended without
+        converting the cache every step (a quarter of RL's sampling time when the cache was fp32: docs/LOG.md)."""
         cfg = self.config
         p = self.transformer.wte.weight  # the head may be int8 (quantize_int8)
         length = min(length or cfg.block_size, cfg.block_size)
-        return KVCache(cfg.n_layer, batch, cfg.kv_heads, length, cfg.head_width, p.device, p.dtype)
+        kind = p.device.type
+        autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+        dtype = torch.get_autocast_dtype(kind) if autocast else p.dtype
+        return KVCache(cfg.n_layer, batch, cfg.kv_heads, length, cfg.head_width, p.device, dtype)
 
 
 class Int8Linear(nn.Module):

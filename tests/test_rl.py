@@ -14,7 +14,7 @@ import torch
 
 import quillgpt.rl as rl
 import quillgpt.tasks as tasks
-from model import GPT, GPTConfig, sample_next
+from model import GPT, GPTConfig, KVCache, sample_next
 from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.config import ConfigError, RLConfig
@@ -215,19 +215,26 @@ def test_the_pass_over_question_rows_gives_the_loss_and_gradients_of_each_reply_
     assert pg.tokens_per_step < sum(len(p) + len(r.ids) - 1 for p, g in zip(prompts, replies) for r in g)
 
 
-def test_the_sampler_samples_from_the_policy_the_step_trains(monkeypatch):
-    """On-policy: the log-prob the sampler drew each reply token with (rows at their own positions in the slot cache,
-    prompts of different lengths, rows that ended early) is the training forward's log-prob of that token as
-    Rollouts.rows lays it out (each question read once, its replies after it), for every sampled token of every row."""
+def rows_that_end_apart():
+    """(tokenizer, chat format, a tiny policy, 3 prompts of different lengths): the policy ends its turn now and
+    then, so a group's rows finish at different steps."""
     tok = tokenizer()
     fmt = chat_format(tok)
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_embd=32, bias=False))
     end = tok.special_tokens["<|im_end|>"]
-    with torch.no_grad():  # end the turn now and then: rows finish at different steps
+    with torch.no_grad():
         model.lm_head.weight[end] *= 6 / model.lm_head.weight[end].norm()
-    model.eval()
     prompts = [fmt.prompt_ids([{"role": "user", "content": q}]) for q in ("Hi", "Reverse the word card.", "Why?")]
+    return tok, fmt, model.eval(), prompts
+
+
+def test_the_sampler_samples_from_the_policy_the_step_trains(monkeypatch):
+    """On-policy: the log-prob the sampler drew each reply token with (rows at their own positions in the slot cache,
+    prompts of different lengths, rows that ended early) is the training forward's log-prob of that token as
+    Rollouts.rows lays it out (each question read once, its replies after it), for every sampled token of every row."""
+    tok, fmt, model, prompts = rows_that_end_apart()
+    end = tok.special_tokens["<|im_end|>"]
     seen = []
 
     def recording(logits, *args, **kwargs):
@@ -246,6 +253,27 @@ def test_the_sampler_samples_from_the_policy_the_step_trains(monkeypatch):
     trained = [logp[q][rows.y[q] >= 0].tolist() for q in range(len(prompts))]  # a question's replies in turn
     assert [len(t) for t in trained] == [sum(map(len, sampler[4 * q : 4 * q + 4])) for q in range(len(prompts))]
     assert torch.allclose(torch.tensor(sum(trained, [])), torch.tensor(sum(sampler, [])), atol=1e-4)
+
+
+def test_under_autocast_the_sampler_keeps_keys_and_values_in_its_dtype_and_samples_the_same_replies(monkeypatch):
+    """A cache built under autocast (RL's sampler, a bf16 run) is in autocast's dtype: keys and values come in it, so
+    it holds them exactly and attention reads it without a conversion every step. Every reply, token for token, is
+    the one the cache in the weights' dtype (fp32) gives."""
+    tok, fmt, model, prompts = rows_that_end_apart()
+    cfg = model.config
+
+    def fp32_cache(self, batch, length=None):
+        length = min(length or cfg.block_size, cfg.block_size)
+        return KVCache(cfg.n_layer, batch, cfg.kv_heads, length, cfg.head_width, torch.device("cpu"), torch.float32)
+
+    assert model.new_cache(2, 16).k[0].dtype == torch.float32  # outside autocast: the weights'
+    with torch.autocast("cpu", torch.bfloat16):
+        assert model.new_cache(2, 16).k[0].dtype == torch.bfloat16
+        ours = sample_groups(model, tok, fmt, prompts, 4, 12, 1.0, None, torch.Generator().manual_seed(1))
+        monkeypatch.setattr(GPT, "new_cache", fp32_cache)
+        fp32 = sample_groups(model, tok, fmt, prompts, 4, 12, 1.0, None, torch.Generator().manual_seed(1))
+    assert len({len(r.ids) for g in ours for r in g}) > 2  # rows ended apart: relocated rows, shrinking steps
+    assert [[r.ids for r in g] for g in ours] == [[r.ids for r in g] for g in fp32]
 
 
 def test_the_sampler_answers_calculator_calls_and_marks_their_output_inserted():
