@@ -154,7 +154,7 @@ class KVCache:
         self, layer: int, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token's k, v (B, nkv, 1, hs) at `position` (a (1,) tensor); returns the whole buffers (B, nkv, L, hs)."""
-        self.k[layer].index_copy_(2, position, k.to(self.k[layer].dtype))  # under autocast k is bf16, the cache not
+        self.k[layer].index_copy_(2, position, k.to(self.k[layer].dtype))  # a cache built outside autocast may differ
         self.v[layer].index_copy_(2, position, v.to(self.v[layer].dtype))
         return self.k[layer], self.v[layer]
 

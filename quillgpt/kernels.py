@@ -14,8 +14,8 @@ PyTorch's own ops are the reference and the path everywhere else (CUDA, inferenc
 - exact GELU on a few rows (decoding): PyTorch's own kernel rather than oneDNN's, which F.gelu calls for every
   fp32 CPU tensor and which costs a fixed ~25 us a call.
 - an fp32 linear map of a few rows (decoding; bf16 too in a compiled step): the weight's row blocks times the rows
-  in one batched matmul, one block a thread, where this machine runs that faster than F.linear (measured once, split_pays): on an AMD EPYC
-  MKL's matrix-vector product ran on one thread at a quarter of the batched matmul's speed.
+  in one batched matmul, one block a thread, where this machine runs that faster than F.linear (measured once,
+  split_pays): on an AMD EPYC MKL's matrix-vector product ran on one thread at a quarter of the batched matmul's speed.
 The measurements behind each choice are in docs/LOG.md. Tests check each against its PyTorch definition (gradients
 included).
 """

@@ -83,7 +83,7 @@ class MoE(nn.Module):
     @torch.no_grad()
     def init_experts(self, config: GPTConfig) -> None:
         """As GPT._init_weights initialises an nn.Linear (which these stacked weights are not): N(0, 0.02), the output
-        projection scaled by 1/sqrt(2 * n_layer), or zero with zero_init_proj. Not on the meta device (model.embedding)."""
+        projection scaled by 1/sqrt(2 * n_layer), or zero with zero_init_proj. Not on the meta device (model.building_on_meta)."""
         if self.w_up.is_meta:
             return
         for w in (getattr(self, "w_gate", None), self.w_up):

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import torch
 
-from quillgpt.errors import UserError
+from quillgpt.errors import UserError, WriteError
 from quillgpt.files import atomic_write_json, cache_dir
 from quillgpt.machine import cpu_flags, cpu_model
 
@@ -295,7 +295,7 @@ def kept_measurement(name: str, key: str, measure: Callable[[], T], kind: type) 
         kept[key] = measure()
         try:
             atomic_write_json(path, kept)
-        except OSError:
+        except WriteError:
             pass
     return kept[key]
 

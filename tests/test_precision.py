@@ -228,6 +228,21 @@ def test_autos_cpu_precision_is_measured_once_per_machine_and_kept(tmp_path, mon
         generate.load_for_sampling(ckpt, "cpu", "auto")
 
 
+def test_an_unwritable_cache_directory_costs_only_the_probe_again(tmp_path, monkeypatch):
+    """Where the cache directory cannot be written (here it lies under a file), auto measures and decodes in what it
+    measured; nothing fails."""
+    import torch
+    from test_export import write_char_checkpoint
+
+    from quillgpt import generate, precision
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "a-file" / "cache"))
+    monkeypatch.setattr(precision, "measure_cpu_rates", lambda w, r: MatmulRates(100e9, 400e9, (r, w, 4 * w)))
+    model, _, _ = generate.load_for_sampling(write_char_checkpoint(tmp_path / "ckpt.pt"), "cpu", "auto")
+    assert model.transformer.wte.weight.dtype == torch.bfloat16
+
+
 def test_muon_orthogonalises_in_fp32_where_bf16_measures_slower(tiny_data, tmp_path):
     """Muon's Newton-Schulz matmuls follow the measured rates as training does: fp32 where bf16 is emulated (bf16
     would make the optimizer the slowest part of the step), bf16 where it is fast."""

@@ -117,7 +117,7 @@ class SlotCache:
         self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.arange(k.size(0), device=k.device)
-        # k (B, nkv, 1, hs) -> (B, nkv, hs) at (row, :, position); under autocast (RL's sampler) k is bf16, the cache not
+        # k (B, nkv, 1, hs) -> (B, nkv, hs) at (row, :, position), in the cache's dtype (GPT.new_cache's)
         self.k[layer][rows, :, positions] = k[:, :, 0].to(self.k[layer].dtype)
         self.v[layer][rows, :, positions] = v[:, :, 0].to(self.v[layer].dtype)
         B = k.size(0)
