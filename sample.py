@@ -20,7 +20,8 @@ keeps its last block_size tokens, with a notice on stderr.
 Speed: the KV cache is allocated once and each new token is one decode step over it (model.GPT.decode_one).
 --compile compiles that step ahead of time on a CPU (quillgpt/compiled_step.py: tens of seconds, once per model
 shape, batch and cache length) and keeps it on disk; later runs, of any checkpoint of that shape and a cache no
-longer than its, load it in a tenth of a second and use it with no flag (--no-compile: eager). A compiled step runs
+longer than its, load it in a tenth of a second and use it with no flag (--no-compile: eager). A CPU training run
+of 5 minutes or more keeps the step for its model as it ends (train.py, training.keep_decoding_step). A compiled step runs
 the token in C++, about twice as fast as the eager one on a small model.
 --dtype bf16 halves the bytes of weights each token reads, --dtype int8 (weight-only, one scale per output row;
 CPU) quarters them: at batch 1 the matmuls are vector-matrix products bound by reading the weights, not by FLOPs.

@@ -12,6 +12,9 @@
     # resume the run named in the config (or pass a run directory / checkpoint)
     python train.py --config configs/shakespeare_char/cpu.toml --resume
 
+    # on a CPU a run of 5 minutes or more ends by compiling sample.py's decoding step for its model's shape and
+    # keeping it (training.keep_decoding_step): sample.py, chat.py and serve.py decode with it from their first run
+
     # check a config and its feasibility without training
     python train.py --config configs/gpt2/124M.toml --validate
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +44,7 @@ from quillgpt.config import build_config, load_toml, parse_overrides
 from quillgpt.data import find_dataset
 from quillgpt.errors import run_main
 from quillgpt.feasibility import check_memory, report_feasibility
+from quillgpt.generate import keep_decoding_step, keeps_decoding_step
 from quillgpt.metrics import MetricsLog
 from quillgpt.rl import build_rl
 from quillgpt.run_model import plan_model
@@ -76,6 +81,7 @@ def train(
     """Train from a TOML file plus overrides ({"training.max_iters": 10} or CLI-style list). Python API.
     validate_only: train nothing; the dict of what --validate checked (the model's arguments and parameters, the
     memory estimate, the measured step time)."""
+    started = time.monotonic()
     dist = distributed.from_env()
     peer_failed = False
     try:
@@ -94,13 +100,19 @@ def train(
             log = start_run(tr, state, resumed=ckpt is not None)
             with StopRequest() as stop, distributed.reporting_peer_failures(dist):  # reported while signals are ours
                 outcome = fit(tr, state, log, stop)
-            return report(tr, outcome, log)
+            result = report(tr, outcome, log)
     except distributed.PeerFailure:
         peer_failed = True  # the process group is broken: destroying it waits on, or aborts with, the dead peer
         raise
     finally:
         if not peer_failed:
             distributed.shutdown()
+    seconds = time.monotonic() - started
+    t = cfg.training
+    keeping = keeps_decoding_step(t.keep_decoding_step, t.eval_only, result.stop_reason, seconds)
+    if dist.is_main and result.checkpoint_path and keeping:  # the other ranks are gone: rank 0 alone compiles
+        keep_decoding_step(result.checkpoint_path)
+    return result
 
 
 def report(tr: Trainer, outcome: Outcome, log: MetricsLog | None) -> TrainResult:

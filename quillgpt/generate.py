@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 from typing import TextIO
 
@@ -81,6 +82,50 @@ def load_for_sampling(source: str | Path, device: str = "auto", dtype: str = "fp
     model = quantize_int8(loaded.model, PRECISIONS[activations]) if dtype == "int8" else loaded.model
     precision = f"int8 ({activations} activations)" if dtype == "int8" else activations
     return model, tokenizer, f"{loaded.source}, {precision} on {device}"
+
+
+# A run at least this long keeps its decoding step by default (keep_decoding_step): the compile, 15-30 s on 2 cores
+# for the presets' models, is then a small part of it, and the tests' few-second runs never pay it
+KEEP_STEP_AFTER_SECONDS = 300
+
+
+def keeps_decoding_step(setting: bool | None, eval_only: bool, stop_reason: str, seconds: float) -> bool:
+    """Whether a run that ended so keeps sample.py's compiled decoding step (training.keep_decoding_step): not an
+    evaluation, nor a run stopped by a signal (its user wants it to stop) or by non-finite losses; else the setting,
+    and where it is None (auto) a run of KEEP_STEP_AFTER_SECONDS or more on a machine where sample.py decodes on the
+    CPU."""
+    if eval_only or stop_reason == "signal" or stop_reason.startswith("stopped:"):
+        return False
+    if setting is None:
+        return seconds >= KEEP_STEP_AFTER_SECONDS and pick_device("auto").type == "cpu"
+    return setting
+
+
+def keep_decoding_step(checkpoint: str | Path) -> None:
+    """Compile the one-token decoding step sample.py would decode this checkpoint with on this machine (loaded as
+    it loads it: dtype auto, the CPU; batch 1; the model's whole context, which chat.py's conversations and
+    serve.py's lone requests use too) and keep it (quillgpt/compiled_step.py), unless a kept one holds that context:
+    from their first run, the three decode this model, and any other of its shape, with it by default. A machine
+    where it can't be compiled (no C++ compiler) gets one line, not an error: the run itself is done."""
+    from quillgpt.compiled_step import kept_package
+
+    model, _, label = load_for_sampling(checkpoint, device="cpu", dtype="auto")
+    length = model.config.block_size
+    if kept := kept_package(model, 1, length, build=False):
+        print(f"[sample.py's compiled decoding step for this model's shape is kept already: {kept.name}]", flush=True)
+        return
+    print(
+        f"[compiling sample.py's decoding step for {label} (batch 1, {length} positions; once per model shape; "
+        "training.keep_decoding_step = false skips it)]",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    try:
+        path = kept_package(model, 1, length, build=True)
+    except UserError as e:
+        print(f"[not kept: {e}]", flush=True)
+        return
+    print(f"[kept in {time.perf_counter() - t0:.0f}s: {path}; sample.py, chat.py and serve.py use it]", flush=True)
 
 
 def sampling_error(temperature: float, top_p: float | None) -> str | None:

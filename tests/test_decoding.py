@@ -5,6 +5,7 @@ never waits for the device in a decoding step, but to read its new tokens (on th
 CPU)."""
 
 import asyncio
+import shutil
 
 import pytest
 import torch
@@ -78,6 +79,61 @@ def test_a_compiled_step_is_kept_and_serves_every_model_of_its_shape_and_every_s
     wider = random_chat_model(block_size=128, **{**MODERN_SWITCHES, "n_kv_head": 2})  # another shape
     wider.generate(prompt, 10, temperature=0, compile=None)
     assert not steps
+
+
+def test_only_a_finished_run_of_five_minutes_or_more_keeps_the_decoding_step_by_default():
+    """training.keep_decoding_step: none (auto) keeps sample.py's compiled step after a run long enough that the
+    compile is a small part of it, where sample.py decodes on the CPU; true and false decide alone; an evaluation, a
+    run stopped by a signal or by non-finite losses never keeps one."""
+    from quillgpt.generate import KEEP_STEP_AFTER_SECONDS, keeps_decoding_step, pick_device
+
+    cpu_here = pick_device("auto").type == "cpu"
+    assert keeps_decoding_step(None, False, "finished", KEEP_STEP_AFTER_SECONDS) == cpu_here
+    assert keeps_decoding_step(None, False, "early stopping: val_loss has not improved", 3600) == cpu_here
+    assert not keeps_decoding_step(None, False, "finished", KEEP_STEP_AFTER_SECONDS - 1)
+    assert keeps_decoding_step(True, False, "finished", 1) and not keeps_decoding_step(False, False, "finished", 3600)
+    for ending in ("signal", "stopped: 10 consecutive non-finite steps; the last good checkpoint is intact"):
+        assert not keeps_decoding_step(True, False, ending, 3600)
+    assert not keeps_decoding_step(True, True, "finished", 3600)  # eval_only
+
+
+@pytest.mark.slow
+def test_a_run_that_keeps_its_decoding_step_leaves_the_one_sample_py_decodes_with(tmp_path, monkeypatch, capsys):
+    """A run told to (training.keep_decoding_step) compiles the step for the model as sample.py loads it and keeps
+    it: sample.py's lookup finds it for any cache up to the context, and a generation with it gives the eager greedy
+    tokens. A run of that shape later finds it kept and compiles nothing; a short run (auto) keeps none; with no
+    working C++ compiler the run ends as it would, with one line."""
+    from test_export import tiny_run, words
+
+    from train import train
+
+    monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "cache"))
+    text = words("abcdefgh ")
+    train(overrides=tiny_run(tmp_path, "kept", text, "short"))  # auto, a few seconds
+    assert not list(tmp_path.rglob("*.pt2")) and "[compiling" not in capsys.readouterr().out
+    run = train(overrides=tiny_run(tmp_path, "kept", text, "keeps", **{"training.keep_decoding_step": True}))
+    printed = capsys.readouterr().out
+    model, _, _ = load_for_sampling(run.checkpoint_path, "cpu", "auto")
+    path = compiled_step.kept_package(model, 1, model.config.block_size, build=False)
+    assert path is not None and f"{path}; sample.py, chat.py and serve.py use it]" in printed
+    assert compiled_step.kept_package(model, 1, 8, build=False) == path  # a short call's cache: the kept one serves
+    steps = []
+    monkeypatch.setattr(compiled_step, "aoti_step", lambda *a: steps.append(a[2].length) or real(*a))
+    prompt = torch.tensor([[1, 2, 3]])
+    kept = model.generate(prompt, 20, temperature=0, compile=None)
+    assert steps == [32] and torch.equal(kept, model.generate(prompt, 20, temperature=0, compile=False))
+    monkeypatch.setattr(compiled_step, "compile_package", lambda *a: pytest.fail("compiled again"))
+    train(overrides=tiny_run(tmp_path, "kept", text, "again", **{"training.keep_decoding_step": True}))
+    assert "is kept already" in capsys.readouterr().out
+    from torch._inductor import config
+
+    monkeypatch.undo()
+    monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "cache"))
+    with config.patch({"cpp.cxx": (None, shutil.which("false") or "/bin/false")}):
+        wider = tiny_run(tmp_path, "kept", text, "wider", **{"training.keep_decoding_step": True, "model.n_embd": 48})
+        assert train(overrides=wider).iterations == 6
+    assert "[not kept: --compile needs a working C++ compiler" in capsys.readouterr().out
+    assert len(list(tmp_path.rglob("*.pt2"))) == 1
 
 
 def test_the_eager_step_reads_the_filled_prefix_and_matches_the_masked_whole_cache(loaded, monkeypatch):
