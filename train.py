@@ -111,7 +111,7 @@ def train(
     t = cfg.training
     keeping = keeps_decoding_step(t.keep_decoding_step, t.eval_only, result.stop_reason, seconds)
     if dist.is_main and result.checkpoint_path and keeping:  # the other ranks are gone: rank 0 alone compiles
-        keep_decoding_step(result.checkpoint_path)
+        keep_decoding_step(result.checkpoint_path, dist.world_size)
     return result
 
 

@@ -256,7 +256,8 @@ class TrainingConfig:
         "at the end of the run, compile the one-token decoding step sample.py, chat.py and serve.py decode this model "
         "with on this machine's CPU (sample.py --compile's) and keep it, so that they use it from their first run: "
         "true, false, or none (auto): where the run took 5 minutes or more (the compile takes 15-30 s on 2 cores) "
-        "and sample.py decodes on the CPU here; never after a stop by a signal or by non-finite losses",
+        "and sample.py decodes on the CPU here; never after a stop by a signal or by non-finite losses, nor in a run "
+        "of several processes (its ranks' threads are not sample.py's)",
     )
     loss_chunks: int = _f(
         1,

@@ -101,14 +101,23 @@ def keeps_decoding_step(setting: bool | None, eval_only: bool, stop_reason: str,
     return setting
 
 
-def keep_decoding_step(checkpoint: str | Path) -> None:
+def keep_decoding_step(checkpoint: str | Path, processes: int = 1) -> None:
     """Compile the one-token decoding step sample.py would decode this checkpoint with on this machine (loaded as
     it loads it: dtype auto, the CPU; batch 1; the model's whole context, which chat.py's conversations and
     serve.py's lone requests use too) and keep it (quillgpt/compiled_step.py), unless a kept one holds that context:
     from their first run, the three decode this model, and any other of its shape, with it by default. A machine
-    where it can't be compiled (no C++ compiler) gets one line, not an error: the run itself is done."""
+    where it can't be compiled (no C++ compiler) gets one line, not an error: the run itself is done. So does a run
+    of several processes (torchrun): its ranks run on a share of the cores (OMP_NUM_THREADS), and a step is compiled
+    for the threads it runs on, which sample.py's are not."""
     from quillgpt.compiled_step import kept_package
 
+    if processes > 1:
+        print(
+            f"[sample.py's decoding step not kept: the {processes} processes of this run each had a share of the "
+            "cores, and a step is compiled for sample.py's threads; sample.py --compile keeps it once]",
+            flush=True,
+        )
+        return
     model, _, label = load_for_sampling(checkpoint, device="cpu", dtype="auto")
     length = model.config.block_size
     if kept := kept_package(model, 1, length, build=False):

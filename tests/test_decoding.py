@@ -97,6 +97,17 @@ def test_only_a_finished_run_of_five_minutes_or_more_keeps_the_decoding_step_by_
     assert not keeps_decoding_step(True, True, "finished", 3600)  # eval_only
 
 
+def test_a_run_of_several_processes_keeps_no_decoding_step_and_says_why(capsys, tmp_path, monkeypatch):
+    """A torchrun job's ranks ran on a share of the cores, and a kept step is compiled for the threads it will run
+    on (sample.py's): rank 0 says so in one line and compiles nothing."""
+    from quillgpt.generate import keep_decoding_step
+
+    monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "cache"))
+    keep_decoding_step(tmp_path / "not-read.pt", processes=2)
+    assert "decoding step not kept: the 2 processes of this run" in capsys.readouterr().out
+    assert not (tmp_path / "cache").exists()
+
+
 @pytest.mark.slow
 def test_a_run_that_keeps_its_decoding_step_leaves_the_one_sample_py_decodes_with(tmp_path, monkeypatch, capsys):
     """A run told to (training.keep_decoding_step) compiles the step for the model as sample.py loads it and keeps
