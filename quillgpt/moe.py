@@ -98,7 +98,8 @@ class MoE(nn.Module):
         flat = x.reshape(B * T, C)  # (N, C): routing and dispatch see tokens, not sequences
         routing = self.route(flat)
         out, load = self.dispatch(flat, routing)
-        self.keep_balance(routing, load)
+        if self.training:  # what training reads (its loss, the trainer's tally); inference keeps nothing, computes less
+            self.keep_balance(routing, load)
         out = self.dropout(out)
         if self.shared is not None:
             out = out + self.shared(flat)  # every token, unweighted (DeepSeek's shared experts)
