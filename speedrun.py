@@ -111,6 +111,8 @@ def run_once(
         "false",
         "--logging.json_log",
         "false",
+        "--training.keep_decoding_step",  # a race ends at its final evaluation: no decoding step compiled after it
+        "false",
         *(["--training.eval_interval", str(args.eval_interval)] if args.eval_interval else []),
         *extra,
         *variant[1],
