@@ -107,9 +107,8 @@ def keep_decoding_step(checkpoint: str | Path, processes: int = 1) -> None:
     serve.py's lone requests use too) and keep it (quillgpt/compiled_step.py), unless a kept one holds that context:
     from their first run, the three decode this model, and any other of its shape, with it by default. Where it
     can't be compiled (no C++ compiler, a model torch.export refuses) the run gets one line, not an error: the run
-    itself is done. So does a run
-    of several processes (torchrun): its ranks run on a share of the cores (OMP_NUM_THREADS), and a step is compiled
-    for the threads it runs on, which sample.py's are not."""
+    itself is done. So does a run of several processes (torchrun): its ranks run on a share of the cores
+    (OMP_NUM_THREADS), and a step is compiled for the threads it runs on, which sample.py's are not."""
     from quillgpt.compiled_step import kept_package
 
     if processes > 1:
@@ -133,8 +132,8 @@ def keep_decoding_step(checkpoint: str | Path, processes: int = 1) -> None:
     try:
         path = kept_package(model, 1, length, build=True)
     except Exception as e:  # the run is done and saved: a step that can't be kept costs a line, not the run's exit
-        why = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        print(f"[not kept: {why or type(e).__name__}]", flush=True)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        print(f"[not kept: {why}]", flush=True)
         return
     print(f"[kept in {time.perf_counter() - t0:.0f}s: {path}; sample.py, chat.py and serve.py use it]", flush=True)
 
