@@ -25,7 +25,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from quillgpt.config import GPTConfig
-from quillgpt.kernels import Dropout, Linear, causal_attention, gelu
+from quillgpt.kernels import Dropout, Linear, causal_attention, gelu, tracing
 
 
 class RMSNorm(nn.Module):
@@ -175,7 +175,7 @@ class DecodeStep(NamedTuple):
         never read back from the device, which would make the host wait for it every token. Under torch.compile (or
         with a position per row) the whole cache, the unfilled part masked: fixed shapes, one graph for every
         position, and cache.pos is not read (a graph would be specialised to it)."""
-        if position.numel() == 1 and not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+        if position.numel() == 1 and not tracing():
             return DecodeStep(position, cache.pos + 1, None)
         return DecodeStep(position, cache.length, torch.arange(cache.length, device=position.device) <= position)
 

@@ -13,8 +13,9 @@ import torch
 
 from model import GPT, quantize_int8
 from quillgpt.errors import UserError
+from quillgpt.kernels import ROW_PROBE_MAX_WIDTH, measure_bf16_row_speedup
 from quillgpt.loading import load_model
-from quillgpt.precision import PRECISIONS, inference_precision, int8_activations
+from quillgpt.precision import PRECISIONS, inference_precision, int8_activations, kept_measurement, machine_key
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
@@ -25,10 +26,6 @@ COMPILE_HELP = (
     "quillgpt/compiled_step.py); default: with a kept one where there is one, else eagerly; --no-compile: eagerly"
 )
 DEVICES = "auto | cpu | cuda | cuda:N | mps"  # what --device takes in sample.py, chat.py, serve.py and eval.py
-# auto's precision on the CPU is decided at one decoding row, whatever the batch: sample.py (any --num-samples),
-# chat.py and serve.py (any --max-batch) decode a model in the same precision on one machine, so their greedy text
-# agrees (measured at the server's batch, bf16 can win where one row's step runs faster in fp32)
-DECODING_ROWS = 1
 
 
 def pick_device(name: str) -> torch.device:
@@ -51,11 +48,31 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
+# bf16 decodes by default where one decoding row's products measure this much faster in bf16 than in fp32: a row
+# reads each weight once, and bf16 reads half the bytes; below it the step, whose other ops don't speed up, would
+# gain under ~10% for fp32's exactness (on an AMD EPYC, 1.6-1.9x on the products, 1.26x a step: docs/LOG.md)
+DECODING_BF16_MARGIN = 1.25
+
+
+def decoding_precision(requested: str, device: torch.device, width: int) -> str:
+    """The precision sample.py, chat.py and serve.py decode a model of this width in: `requested`, or for "auto" bf16
+    on a CUDA device that has it, and on the CPU bf16 where one decoding row's linear maps, run as the step runs them
+    (kernels.linear), measure DECODING_BF16_MARGIN faster in bf16 than in fp32 (a token of decoding is a row at
+    a time, whatever the batch: the three decode in one precision on one machine, so their greedy text agrees).
+    The speed-up is measured once per machine and width and kept (kept_measurement)."""
+    if requested != "auto" or device.type != "cpu":
+        return inference_precision(requested, device, width, 1)
+    width = min(width, ROW_PROBE_MAX_WIDTH)
+    key = f"{machine_key()}|{width}"
+    speedup = kept_measurement("bf16_row_speedup.json", key, lambda: measure_bf16_row_speedup(width), float)
+    return "bf16" if speedup >= DECODING_BF16_MARGIN else "fp32"
+
+
 def load_for_sampling(source: str | Path, device: str = "auto", dtype: str = "fp32") -> tuple[GPT, Tokenizer, str]:
     """A checkpoint, run directory, .safetensors file, or Hugging Face directory or hub name -> (model in `dtype` on
     the device (pick_device), tokenizer, label: the source, the precision and the device). dtype auto (the scripts'
-    default): bf16 on a CUDA device that has it; on the CPU the faster of fp32 and bf16 at one decoding row
-    (DECODING_ROWS, quillgpt.precision). int8: weight-only int8 (CPU), its activations in the precision its int8
+    default): bf16 on a CUDA device that has it; on the CPU bf16 where one decoding row's products run clearly
+    faster in it (decoding_precision). int8: weight-only int8 (CPU), its activations in the precision its int8
     product runs faster with (precision.int8_activations)."""
     device = pick_device(device)
     loaded = load_model(source)
@@ -77,7 +94,7 @@ def load_for_sampling(source: str | Path, device: str = "auto", dtype: str = "fp
     if dtype == "int8":
         activations = int8_activations(width)
     else:
-        activations = inference_precision(dtype, device, width, DECODING_ROWS)
+        activations = decoding_precision(dtype, device, width)
     loaded.model.eval().to(device=device, dtype=PRECISIONS[activations])
     model = quantize_int8(loaded.model, PRECISIONS[activations]) if dtype == "int8" else loaded.model
     precision = f"int8 ({activations} activations)" if dtype == "int8" else activations

@@ -16,6 +16,8 @@ PyTorch's own ops are the reference and the path everywhere else (CUDA, inferenc
 - an fp32 linear map of a few rows (decoding; bf16 too in a compiled step): the weight's row blocks times the rows
   in one batched matmul, one block a thread, where this machine runs that faster than F.linear (measured once,
   split_pays): on an AMD EPYC MKL's matrix-vector product ran on one thread at a quarter of the batched matmul's speed.
+- a bf16 or fp16 linear map of a row or two (eager decoding): PyTorch's own matrix-vector kernel, not oneDNN's, which
+  reorders the weight on every call.
 The measurements behind each choice are in docs/LOG.md. Tests check each against its PyTorch definition (gradients
 included).
 """
@@ -115,19 +117,31 @@ ONEDNN_GELU_FROM = 32768
 
 
 def gelu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """F.gelu. For an exact GELU of a few rows on the CPU (a decoding step's) it runs PyTorch's own kernel: F.gelu
-    goes to oneDNN for any contiguous fp32 (or native-bf16) CPU tensor, whose fixed cost is most of a decoding
-    row's GELU. oneDNN is switched off only around the call, and back on after, since the switch is global; where
-    it is already off (another thread in here, or the user) the call just runs."""
+    """F.gelu. For an exact GELU of a few rows on the CPU (a decoding step's) it runs PyTorch's own kernel
+    (without_onednn): F.gelu goes to oneDNN for any contiguous fp32 (or native-bf16) CPU tensor, whose fixed cost is
+    most of a decoding row's GELU."""
     small_on_cpu = h.device.type == "cpu" and h.numel() < ONEDNN_GELU_FROM and approximate == "none"
-    tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
-    if not small_on_cpu or tracing or not torch._C._get_mkldnn_enabled():
+    if not small_on_cpu or tracing():
         return F.gelu(h, approximate=approximate)
+    return without_onednn(F.gelu, h)
+
+
+def without_onednn(op, *args):
+    """op(*args) with oneDNN switched off around the call, so that PyTorch's own CPU kernel runs. The switch is
+    global, so it is back on after; where it is already off (another thread in here, or the user) the call just
+    runs."""
+    if not torch._C._get_mkldnn_enabled():
+        return op(*args)
     torch._C._set_mkldnn_enabled(False)
     try:
-        return F.gelu(h)
+        return op(*args)
     finally:
         torch._C._set_mkldnn_enabled(True)
+
+
+def tracing() -> bool:
+    """Whether torch.compile or torch.export is tracing this code (a graph takes no eager-only path)."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
 # A linear map of this many rows or fewer (a decoding step's, a batcher's) may be split (linear); more go to F.linear
@@ -143,6 +157,10 @@ SPLIT_PROBE_WEIGHTS = 8  # weights it cycles through, 32 MB: a model's, not a ca
 # being compiled, bf16 too, whose split products inductor writes as its own loops (a bf16 step: 0.94 against 1.40 ms)
 EAGER_SPLIT_DTYPES = (torch.float32,)
 GRAPH_SPLIT_DTYPES = (torch.float32, torch.bfloat16)
+# Products that run PyTorch's own kernel for a few rows (reduced_rows): its matrix-vector product reads a row's
+# weights at ~30 GB/s here where oneDNN's reorder reads them twice; at four rows and more oneDNN was faster
+REDUCED_ROW_DTYPES = (torch.bfloat16, torch.float16)
+REDUCED_MAX_ROWS = 2
 _split_pays: dict[int, bool] = {}  # this process's answer, by its number of threads
 
 
@@ -159,13 +177,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     batched matmul (split_product)."""
     parts = split_parts(x, weight)
     if parts == 1:
-        return F.linear(x, weight, bias)
+        return without_onednn(F.linear, x, weight, bias) if reduced_rows(x, weight) else F.linear(x, weight, bias)
     rows = x.reshape(-1, x.size(-1))  # (m, in)
     y = split_product(rows, weight, parts)  # (parts, out / parts, m)
     if rows.size(0) > 1:  # one row's blocks are already its outputs in order
         y = y.permute(2, 0, 1)  # (m, parts, out / parts)
     y = y.reshape(*x.shape[:-1], weight.size(0))  # (..., out)
     return y if bias is None else y + bias
+
+
+def reduced_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear runs this product by PyTorch's own matrix-vector kernel (oneDNN off): a row or two in bf16
+    or fp16 on the CPU, eager, with autograd off (a decoding step). oneDNN reorders the weight on every call, which
+    for one row cost 2.7x the kernel's time on an AMD EPYC; from four rows its blocked kernel wins (docs/LOG.md)."""
+    if torch.is_grad_enabled() or not x.is_cpu or x.dtype not in REDUCED_ROW_DTYPES or x.dtype != weight.dtype:
+        return False
+    return x.numel() <= REDUCED_MAX_ROWS * x.size(-1) and not tracing()
 
 
 def split_product(rows: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
@@ -186,14 +213,14 @@ def split_parts(x: torch.Tensor, weight: torch.Tensor) -> int:
         return 1
     if weight.numel() < SPLIT_MIN_ELEMENTS or x.numel() > SPLIT_MAX_ROWS * x.size(-1) or not weight.is_contiguous():
         return 1
-    tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
-    if x.dtype not in (GRAPH_SPLIT_DTYPES if tracing else EAGER_SPLIT_DTYPES):
+    graph = tracing()
+    if x.dtype not in (GRAPH_SPLIT_DTYPES if graph else EAGER_SPLIT_DTYPES):
         return 1
     threads = torch.get_num_threads()
     parts = math.gcd(weight.size(0), threads)
     if parts == 1:
         return 1
-    pays = _split_pays.get(threads, False) if tracing else split_pays()
+    pays = _split_pays.get(threads, False) if graph else split_pays()
     return parts if pays else 1
 
 
@@ -215,25 +242,54 @@ def split_pays() -> bool:
 
 
 def measure_split_speedup() -> float:
-    """F.linear's time over the split's for one row through SPLIT_PROBE_WEIGHTS weights of SPLIT_PROBE_SHAPE, each
-    side's best of 5 alternating rounds (a busy moment cannot fall on one side only)."""
+    """F.linear's time over the split's for one row through SPLIT_PROBE_WEIGHTS weights of SPLIT_PROBE_SHAPE."""
     out, width = SPLIT_PROBE_SHAPE
     parts = math.gcd(out, torch.get_num_threads())
     if parts == 1:
         return 0.0
     weights = [torch.full((out, width), 0.01 * (i + 1)) for i in range(SPLIT_PROBE_WEIGHTS)]
     x = torch.full((1, width), 0.5)
-    split = [lambda w=w: split_product(x, w, parts) for w in weights]
-    plain = [lambda w=w: F.linear(x, w) for w in weights]
-    best = {"plain": float("inf"), "split": float("inf")}
-    with torch.no_grad():
-        for _ in range(5):
-            for name, calls in (("plain", plain), ("split", split)):
-                t0 = time.perf_counter()
-                for call in calls:
-                    call()
-                best[name] = min(best[name], time.perf_counter() - t0)
+    best = best_of_alternating(
+        {
+            "plain": lambda: [F.linear(x, w) for w in weights],
+            "split": lambda: [split_product(x, w, parts) for w in weights],
+        }
+    )
     return best["plain"] / best["split"]
+
+
+# The decoding-row probe's weights: (4 * width, width) each, enough of them for this many bytes of fp32 (decoding
+# reads every weight once a token: a hot weight misleads), the width capped (past it the rate no longer changes)
+ROW_PROBE_BYTES = 32 << 20
+ROW_PROBE_MAX_WIDTH = 1024
+
+
+def measure_bf16_row_speedup(width: int) -> float:
+    """fp32's time over bf16's for one decoding row through a model's worth of (4 * width, width) weights, each
+    precision's product as linear runs it (the split or F.linear in fp32, PyTorch's matrix-vector kernel in bf16)."""
+    width = min(width, ROW_PROBE_MAX_WIDTH)
+    count = max(2, math.ceil(ROW_PROBE_BYTES / (16 * width * width)))
+    weights = {torch.float32: [torch.full((4 * width, width), 0.01 * (i + 1)) for i in range(count)]}
+    weights[torch.bfloat16] = [w.bfloat16() for w in weights[torch.float32]]
+    rows = {dtype: torch.full((1, width), 0.5, dtype=dtype) for dtype in weights}
+    best = best_of_alternating(
+        {dtype: lambda dtype=dtype: [linear(rows[dtype], w) for w in weights[dtype]] for dtype in weights}
+    )
+    return best[torch.float32] / best[torch.bfloat16]
+
+
+def best_of_alternating(calls: dict, rounds: int = 5) -> dict:
+    """Each call's best time over `rounds` rounds after a warm-up one, the calls taking turns in each (a busy moment
+    cannot fall on one side only), autograd off."""
+    best = dict.fromkeys(calls, float("inf"))
+    with torch.no_grad():
+        for round in range(rounds + 1):
+            for name, call in calls.items():
+                t0 = time.perf_counter()
+                call()
+                if round:
+                    best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 def causal_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

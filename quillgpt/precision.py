@@ -191,11 +191,9 @@ def emulation_warning(rates: MatmulRates) -> str:
 
 
 def inference_precision(requested: str, device: torch.device, width: int, rows: int) -> str:
-    """The precision sampling or evaluation runs in: `requested`, or for "auto" bf16 on a CUDA device that has it and
-    on the CPU whichever of fp32 and bf16 measures faster at (rows, width) @ (width, 4 * width) — decoding one token
-    is a (1, width) row, where reading the weights, not the arithmetic, sets the pace. The CPU's answer is measured
-    once per machine and shape and kept (kept_measurement): ~0.5 s of every sample.py start, and every run on the
-    machine then decodes in the same precision."""
+    """The precision evaluation runs in: `requested`, or for "auto" bf16 on a CUDA device that has it and on the CPU
+    whichever of fp32 and bf16 measures faster at (rows, width) @ (width, 4 * width). The CPU's answer is measured
+    once per machine and shape and kept (kept_measurement): every run on the machine then takes the same."""
     if requested != "auto":
         return requested
     if device.type == "cuda":

@@ -352,7 +352,7 @@ def test_a_decoding_rows_linear_splits_where_the_machine_runs_that_faster(monkey
                 kernels.split_parts(rows, weight) == 2 and "aten::bmm" in ran and got.shape == (*rows.shape[:-1], 1536)
             )
             assert torch.allclose(got, F.linear(rows, weight, bias), rtol=1e-5, atol=1e-4)
-        plain = [(torch.randn(17, 384), weight), (row.bfloat16(), weight.bfloat16()), (row[..., :64], weight[:64, :64])]
+        plain = [(torch.randn(17, 384), weight), (row[..., :64], weight[:64, :64])]
         for x, w in plain:
             got, ran = ops(x, w)
             assert kernels.split_parts(x, w) == 1 and "aten::bmm" not in ran and torch.equal(got, F.linear(x, w))
@@ -399,6 +399,40 @@ def test_the_split_is_measured_once_per_machine_and_kept(tmp_path):
         again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert again.stdout.split(" ", 1)[0] == answer
         assert json.loads((tmp_path / "split_linear.json").read_text()) == {key: ratio}  # read, not measured again
+
+
+def test_a_bf16_decoding_row_runs_pytorchs_own_product_and_leaves_onednn_as_it_found_it(monkeypatch):
+    """kernels.linear of a row or two in bf16 or fp16 without autograd is F.linear with oneDNN switched off (which
+    reorders the weight on every call), to the bit; four rows, autograd, fp32, or a graph being traced keep
+    F.linear as it is; the global oneDNN switch ends as it began, on or off."""
+    torch.manual_seed(0)
+    calls = []  # whether oneDNN was on at each F.linear kernels.linear made
+    plain_linear = F.linear
+
+    def spy(*args):
+        calls.append(torch.backends.mkldnn.enabled)
+        return plain_linear(*args)
+
+    def onednn_during(x, w, b=None) -> bool:
+        calls.clear()
+        kernels.linear(x, w, b)
+        return calls[0]
+
+    monkeypatch.setattr(F, "linear", spy)
+    for dtype in (torch.bfloat16, torch.float16):
+        weight, bias = torch.randn(1536, 384, dtype=dtype), torch.randn(1536, dtype=dtype)
+        with torch.no_grad():
+            for rows in (torch.randn(1, 1, 384, dtype=dtype), torch.randn(2, 1, 384, dtype=dtype)):
+                assert not onednn_during(rows, weight, bias) and torch.backends.mkldnn.enabled
+                with torch.backends.mkldnn.flags(enabled=False):
+                    assert torch.equal(kernels.linear(rows, weight, bias), plain_linear(rows, weight, bias))
+                    assert not onednn_during(rows, weight) and not torch.backends.mkldnn.enabled  # left off
+            assert onednn_during(torch.randn(4, 1, 384, dtype=dtype), weight, bias)
+            assert not kernels.reduced_rows(torch.randn(1, 384), weight.float())  # fp32: F.linear or the split
+        assert onednn_during(torch.randn(1, 384, dtype=dtype, requires_grad=True), weight)
+    monkeypatch.setattr(kernels, "tracing", lambda: True)
+    with torch.no_grad():
+        assert not kernels.reduced_rows(torch.randn(1, 384, dtype=torch.bfloat16), weight.bfloat16())
 
 
 def test_gelu_of_a_few_rows_runs_pytorchs_kernel_and_leaves_onednn_as_it_found_it():

@@ -180,52 +180,67 @@ def test_int8_activations_follow_the_int8_products_rates(tmp_path, monkeypatch):
     precision.int8_activations.cache_clear()
 
 
-def test_sampling_dtype_follows_the_rates_at_the_decoding_shape(tmp_path, monkeypatch):
-    """sample.py's auto dtype is the faster of fp32 and bf16 at a decoding step's shape: with bf16 measured
-    emulated, fp32; with bf16 measured fast, bf16 (rates injected, the rule is what's tested; each on a machine
-    with nothing kept yet)."""
+def test_sampling_dtype_follows_a_decoding_rows_measured_speed(tmp_path, monkeypatch):
+    """sample.py's auto dtype on the CPU is bf16 where one decoding row's products measure DECODING_BF16_MARGIN
+    faster in bf16, else fp32 (speed-ups injected, the rule is what's tested; each on a machine with nothing kept
+    yet)."""
     import torch
     from test_export import write_char_checkpoint
 
-    from quillgpt import generate, precision
+    from quillgpt import generate
 
     ckpt = write_char_checkpoint(tmp_path / "ckpt.pt")
-    for fp32, bf16, expected in ((100e9, 1e9, torch.float32), (100e9, 400e9, torch.bfloat16)):
-        monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / f"cache-{expected}"))
-        monkeypatch.setattr(
-            precision, "measure_cpu_rates", lambda w, r, a=fp32, b=bf16: MatmulRates(a, b, (r, w, 4 * w))
-        )
+    margin = generate.DECODING_BF16_MARGIN
+    for speedup, expected in ((0.4, torch.float32), (margin * 0.95, torch.float32), (margin, torch.bfloat16)):
+        monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / f"cache-{speedup}"))
+        monkeypatch.setattr(generate, "measure_bf16_row_speedup", lambda width, s=speedup: s)
         model, _, _ = generate.load_for_sampling(ckpt, "cpu", "auto")
         assert model.transformer.wte.weight.dtype == expected
 
 
-def test_autos_cpu_precision_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
-    """The first auto load measures and keeps its answer under the machine's key and the probe's shape; later loads
-    take the kept answer without measuring (a planted one each way), and an unreadable file is measured again."""
+def test_a_decoding_rows_speed_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    """The first auto load measures and keeps the speed-up under the machine's key and the model's width; later
+    loads take the kept one without measuring (a planted one each way), and an unreadable file is measured again."""
     import torch
     from test_export import write_char_checkpoint
 
     from quillgpt import generate, precision
 
     monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "cache"))
-    kept = tmp_path / "cache" / "auto_precision.json"
+    kept = tmp_path / "cache" / "bf16_row_speedup.json"
     ckpt = write_char_checkpoint(tmp_path / "ckpt.pt")
-    monkeypatch.setattr(precision, "measure_cpu_rates", lambda w, r: MatmulRates(100e9, 1e9, (r, w, 4 * w)))
+    monkeypatch.setattr(generate, "measure_bf16_row_speedup", lambda width: 1.0)
     model, _, _ = generate.load_for_sampling(ckpt, "cpu", "auto")
-    ((key, answer),) = json.loads(kept.read_text()).items()
-    assert answer == "fp32" and key.startswith(precision.machine_key() + "|1x")
+    ((key, speedup),) = json.loads(kept.read_text()).items()
+    width = model.config.n_embd
+    assert speedup == 1.0 and key == f"{precision.machine_key()}|{width}"
 
-    def unmeasured(width, rows):
+    def unmeasured(width):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(precision, "measure_cpu_rates", unmeasured)
-    for planted, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+    monkeypatch.setattr(generate, "measure_bf16_row_speedup", unmeasured)
+    for planted, dtype in ((2.0, torch.bfloat16), (1.0, torch.float32)):
         kept.write_text(json.dumps({key: planted}))
         model, _, label = generate.load_for_sampling(ckpt, "cpu", "auto")
-        assert model.transformer.wte.weight.dtype == dtype and label.endswith(f"{planted} on cpu")
+        name = "bf16" if dtype == torch.bfloat16 else "fp32"
+        assert model.transformer.wte.weight.dtype == dtype and label.endswith(f"{name} on cpu")
     kept.write_text("{not json")
     with pytest.raises(AssertionError, match="measured again"):
         generate.load_for_sampling(ckpt, "cpu", "auto")
+
+
+def test_a_decoding_rows_probe_measures_both_precisions_and_auto_follows_it(tmp_path, monkeypatch):
+    """The real probe: one row through a model's worth of weights in each precision gives a positive speed-up, kept
+    under the machine's key and width, and auto's choice is the margin's verdict on it."""
+    import torch
+
+    from quillgpt import generate, precision
+
+    monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path))
+    chosen = generate.decoding_precision("auto", torch.device("cpu"), 96)
+    speedup = json.loads((tmp_path / "bf16_row_speedup.json").read_text())[f"{precision.machine_key()}|96"]
+    assert speedup > 0 and chosen == ("bf16" if speedup >= generate.DECODING_BF16_MARGIN else "fp32")
+    assert generate.decoding_precision("fp32", torch.device("cpu"), 96) == "fp32"
 
 
 def test_an_unwritable_cache_directory_costs_only_the_probe_again(tmp_path, monkeypatch):
@@ -234,11 +249,11 @@ def test_an_unwritable_cache_directory_costs_only_the_probe_again(tmp_path, monk
     import torch
     from test_export import write_char_checkpoint
 
-    from quillgpt import generate, precision
+    from quillgpt import generate
 
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "a-file" / "cache"))
-    monkeypatch.setattr(precision, "measure_cpu_rates", lambda w, r: MatmulRates(100e9, 400e9, (r, w, 4 * w)))
+    monkeypatch.setattr(generate, "measure_bf16_row_speedup", lambda width: 2.0)
     model, _, _ = generate.load_for_sampling(write_char_checkpoint(tmp_path / "ckpt.pt"), "cpu", "auto")
     assert model.transformer.wte.weight.dtype == torch.bfloat16
 
