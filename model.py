@@ -99,27 +99,37 @@ def rope_frequencies(config: GPTConfig) -> torch.Tensor:
 
 
 def rope_tables(config: GPTConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """(cos, sin) of every position and rotating pair, (T, rotary_width / 2) each, by the kind of layer that reads
+    """(cos, sin) of every position and rotating dimension, (T, rotary_width) each, by the kind of layer that reads
     them: "global" (rope_theta, scaled), and "local" for sliding-window layers where they have a base of their own
-    (rope_theta_local, unscaled: Gemma 3)."""
+    (rope_theta_local, unscaled: Gemma 3). Dimensions i and i + rotary_width / 2 rotate as a pair by the same angle,
+    as in transformers' Llama: both halves hold the pair's cos and sin, sin's first half negated (apply_rope)."""
     positions = torch.arange(config.block_size, dtype=torch.float32)
-    angles = torch.outer(positions, rope_frequencies(config))  # (T, rotary_width / 2)
-    scale = config.rope_attention_factor  # LongRoPE's: both tables, so every score by its square
-    tables = {"global": (angles.cos() * scale, angles.sin() * scale)}
+
+    def tables(frequencies: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.outer(positions, frequencies)  # (T, rotary_width / 2)
+        cos, sin = angles.cos() * scale, angles.sin() * scale
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # (T, rotary_width) each
+
+    # LongRoPE's attention factor scales both tables, so every score by its square
+    rotary = {"global": tables(rope_frequencies(config), config.rope_attention_factor)}
     if config.rope_theta_local is not None:
-        local = replace(config, rope_theta=config.rope_theta_local, rope_scaling="none")
-        angles = torch.outer(positions, rope_frequencies(local))
-        tables["local"] = (angles.cos(), angles.sin())
-    return tables
+        rotary["local"] = tables(
+            rope_frequencies(replace(config, rope_theta=config.rope_theta_local, rope_scaling="none"))
+        )
+    return rotary
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, nh, T, hs); rotate the two halves of each head's first 2 * cos.size(-1) dimensions as complex pairs
-    rotating = 2 * cos.size(-1)
-    x1, x2 = x[..., :rotating].chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return rotated if rotating == x.size(-1) else torch.cat((rotated, x[..., rotating:]), dim=-1)
+    """x (B, nh, T, hs) with each head's first rotary_width dimensions rotated by the tables (rope_tables): x * cos
+    plus its halves swapped times the signed sin, which is (x1 cos - x2 sin, x2 cos + x1 sin) to the bit, in four
+    ops where the halves written out took eleven (a decoding step calls this twice a layer)."""
+    if cos.dtype != x.dtype:  # autocast's activations, fp32 tables
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    rotating = cos.size(-1)
+    if rotating == x.size(-1):
+        return x * cos + x.roll(rotating // 2, dims=-1) * sin
+    part = x[..., :rotating]
+    return torch.cat((part * cos + part.roll(rotating // 2, dims=-1) * sin, x[..., rotating:]), dim=-1)
 
 
 class KVCache:
@@ -567,9 +577,9 @@ class GPT(nn.Module):
             )
             x = x + self.transformer.wpe(pos)  # (T, C) or (B, T, C)
         if positions is None:
-            ropes = self.ropes(lambda table: table[start : start + T])  # (T, hs/2)
+            ropes = self.ropes(lambda table: table[start : start + T])  # (T, rotary_width)
         else:
-            ropes = self.ropes(lambda table: table[positions].unsqueeze(1))  # (B, 1, T, hs/2)
+            ropes = self.ropes(lambda table: table[positions].unsqueeze(1))  # (B, 1, T, rotary_width)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
             rope, mask = ropes[block.attn.rope_kind], documents[block.attn.window]
@@ -630,7 +640,7 @@ class GPT(nn.Module):
         x = self.embed(token)  # (B, 1, C)
         if self.config.pos_emb == "learned":
             x = x + self.transformer.wpe(position)
-        ropes = self.ropes(lambda table: table.index_select(0, position))  # (1, hs/2)
+        ropes = self.ropes(lambda table: table.index_select(0, position))  # (1, rotary_width)
         step = DecodeStep.at(position, cache)
         for block in self.transformer.h:
             x = block(x, ropes[block.attn.rope_kind], cache, step)
@@ -645,7 +655,7 @@ class GPT(nn.Module):
         x = self.embed(tokens)  # (B, 1, C)
         if self.config.pos_emb == "learned":
             x = x + self.transformer.wpe(positions).unsqueeze(1)  # (B, 1, C)
-        ropes = self.ropes(lambda table: table[positions].view(B, 1, 1, -1))  # (B, 1, 1, hs/2)
+        ropes = self.ropes(lambda table: table[positions].view(B, 1, 1, -1))  # (B, 1, 1, rotary_width)
         visible = torch.arange(cache.length, device=tokens.device) <= positions[:, None]  # (B, L)
         step = DecodeStep(positions, cache.length, visible)
         for block in self.transformer.h:
@@ -744,7 +754,7 @@ class GPT(nn.Module):
         if self.config.pos_emb == "learned":
             self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size].clone())
         for name, table in list(self.named_buffers(recurse=False)):
-            if name.startswith("rope_"):  # the rotary tables, (T, hs/2) each
+            if name.startswith("rope_"):  # the rotary tables, (T, rotary_width) each
                 setattr(self, name, table[:block_size].clone())
 
     def new_cache(self, batch: int, length: int | None = None) -> KVCache:
