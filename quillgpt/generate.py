@@ -13,7 +13,7 @@ import torch
 
 from model import GPT, quantize_int8
 from quillgpt.errors import UserError
-from quillgpt.kernels import ROW_PROBE_MAX_WIDTH, measure_bf16_row_speedup
+from quillgpt.kernels import ROW_PROBE_MAX_WIDTH, measure_bf16_speedup
 from quillgpt.loading import load_model
 from quillgpt.precision import PRECISIONS, inference_precision, int8_activations, kept_measurement, machine_key
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
@@ -52,27 +52,33 @@ def pick_device(name: str) -> torch.device:
 # reads each weight once, and bf16 reads half the bytes; below it the step, whose other ops don't speed up, would
 # gain under ~10% for fp32's exactness (on an AMD EPYC, 1.6-1.9x on the products, 1.26x a step: docs/LOG.md)
 DECODING_BF16_MARGIN = 1.25
+# ... and where a batch of this many rows (serve.py's default --max-batch) runs no slower in bf16: where bf16 is
+# emulated (AVX2 only) one row ran 1.6x faster in bf16, and 16 rows at half fp32's speed (docs/LOG.md)
+DECODING_BATCH_ROWS = 16
 
 
 def decoding_precision(requested: str, device: torch.device, width: int) -> str:
-    """The precision sample.py, chat.py and serve.py decode a model of this width in: `requested`, or for "auto" bf16
-    on a CUDA device that has it, and on the CPU bf16 where one decoding row's linear maps, run as the step runs them
-    (kernels.linear), measure DECODING_BF16_MARGIN faster in bf16 than in fp32 (a token of decoding is a row at
-    a time, whatever the batch: the three decode in one precision on one machine, so their greedy text agrees).
-    The speed-up is measured once per machine and width and kept (kept_measurement)."""
+    """The precision sample.py, chat.py and serve.py decode a model of this width in, whatever their batch (so that
+    on one machine the three agree on greedy text): `requested`, or for "auto" bf16 on a CUDA device that has it,
+    and on the CPU bf16 where the products of one decoding row, run as the step runs them (kernels.linear), measure
+    DECODING_BF16_MARGIN faster in bf16 than in fp32 and those of DECODING_BATCH_ROWS rows no slower. Each speed-up
+    is measured once per machine and width and kept (kept_measurement)."""
     if requested != "auto" or device.type != "cpu":
         return inference_precision(requested, device, width, 1)
     width = min(width, ROW_PROBE_MAX_WIDTH)
-    key = f"{machine_key()}|{width}"
-    speedup = kept_measurement("bf16_row_speedup.json", key, lambda: measure_bf16_row_speedup(width), float)
-    return "bf16" if speedup >= DECODING_BF16_MARGIN else "fp32"
+
+    def speedup(rows: int) -> float:
+        key = f"{machine_key()}|{width}|{rows} rows"
+        return kept_measurement("bf16_decoding_speedup.json", key, lambda: measure_bf16_speedup(width, rows), float)
+
+    return "bf16" if speedup(1) >= DECODING_BF16_MARGIN and speedup(DECODING_BATCH_ROWS) >= 1.0 else "fp32"
 
 
 def load_for_sampling(source: str | Path, device: str = "auto", dtype: str = "fp32") -> tuple[GPT, Tokenizer, str]:
     """A checkpoint, run directory, .safetensors file, or Hugging Face directory or hub name -> (model in `dtype` on
     the device (pick_device), tokenizer, label: the source, the precision and the device). dtype auto (the scripts'
-    default): bf16 on a CUDA device that has it; on the CPU bf16 where one decoding row's products run clearly
-    faster in it (decoding_precision). int8: weight-only int8 (CPU), its activations in the precision its int8
+    default): bf16 on a CUDA device that has it; on the CPU bf16 where decoding's products run clearly faster in it
+    (decoding_precision). int8: weight-only int8 (CPU), its activations in the precision its int8
     product runs faster with (precision.int8_activations)."""
     device = pick_device(device)
     loaded = load_model(source)

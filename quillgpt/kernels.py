@@ -258,22 +258,23 @@ def measure_split_speedup() -> float:
     return best["plain"] / best["split"]
 
 
-# The decoding-row probe's weights: (4 * width, width) each, enough of them for this many bytes of fp32 (decoding
-# reads every weight once a token: a hot weight misleads), the width capped (past it the rate no longer changes)
+# The decoding probe's weights: (4 * width, width) each, enough of them for this many bytes of fp32 (decoding reads
+# every weight once a token: a hot weight misleads), the width capped (past it the rate no longer changes)
 ROW_PROBE_BYTES = 32 << 20
 ROW_PROBE_MAX_WIDTH = 1024
 
 
-def measure_bf16_row_speedup(width: int) -> float:
-    """fp32's time over bf16's for one decoding row through a model's worth of (4 * width, width) weights, each
-    precision's product as linear runs it (the split or F.linear in fp32, PyTorch's matrix-vector kernel in bf16)."""
+def measure_bf16_speedup(width: int, rows: int) -> float:
+    """fp32's time over bf16's for `rows` decoding rows through a model's worth of (4 * width, width) weights, each
+    precision's product as linear runs it (in fp32 the split or F.linear; in bf16 PyTorch's matrix-vector kernel
+    for a row or two, else F.linear)."""
     width = min(width, ROW_PROBE_MAX_WIDTH)
     count = max(2, math.ceil(ROW_PROBE_BYTES / (16 * width * width)))
     weights = {torch.float32: [torch.full((4 * width, width), 0.01 * (i + 1)) for i in range(count)]}
     weights[torch.bfloat16] = [w.bfloat16() for w in weights[torch.float32]]
-    rows = {dtype: torch.full((1, width), 0.5, dtype=dtype) for dtype in weights}
+    x = {dtype: torch.full((rows, width), 0.5, dtype=dtype) for dtype in weights}
     best = best_of_alternating(
-        {dtype: lambda dtype=dtype: [linear(rows[dtype], w) for w in weights[dtype]] for dtype in weights}
+        {dtype: lambda dtype=dtype: [linear(x[dtype], w) for w in weights[dtype]] for dtype in weights}
     )
     return best[torch.float32] / best[torch.bfloat16]
 

@@ -180,47 +180,54 @@ def test_int8_activations_follow_the_int8_products_rates(tmp_path, monkeypatch):
     precision.int8_activations.cache_clear()
 
 
-def test_sampling_dtype_follows_a_decoding_rows_measured_speed(tmp_path, monkeypatch):
+def test_sampling_dtype_is_bf16_where_a_row_runs_clearly_faster_in_it_and_a_batch_no_slower(tmp_path, monkeypatch):
     """sample.py's auto dtype on the CPU is bf16 where one decoding row's products measure DECODING_BF16_MARGIN
-    faster in bf16, else fp32 (speed-ups injected, the rule is what's tested; each on a machine with nothing kept
-    yet)."""
+    faster in bf16 and a serve.py batch's no slower, else fp32 (speed-ups injected, the rule is what's tested; each
+    on a machine with nothing kept yet)."""
     import torch
     from test_export import write_char_checkpoint
 
     from quillgpt import generate
 
     ckpt = write_char_checkpoint(tmp_path / "ckpt.pt")
-    margin = generate.DECODING_BF16_MARGIN
-    for speedup, expected in ((0.4, torch.float32), (margin * 0.95, torch.float32), (margin, torch.bfloat16)):
-        monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / f"cache-{speedup}"))
-        monkeypatch.setattr(generate, "measure_bf16_row_speedup", lambda width, s=speedup: s)
+    margin, batch = generate.DECODING_BF16_MARGIN, generate.DECODING_BATCH_ROWS
+    cases = [
+        ((0.4, 2.0), torch.float32),
+        ((margin * 0.95, 2.0), torch.float32),
+        ((margin, 0.5), torch.float32),  # an AVX2-only CPU: one row faster, a batch at half speed
+        ((margin, 1.0), torch.bfloat16),
+    ]
+    for i, ((row, rows), expected) in enumerate(cases):
+        monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / f"cache-{i}"))
+        monkeypatch.setattr(generate, "measure_bf16_speedup", lambda width, n, a=row, b=rows: {1: a, batch: b}[n])
         model, _, _ = generate.load_for_sampling(ckpt, "cpu", "auto")
         assert model.transformer.wte.weight.dtype == expected
 
 
-def test_a_decoding_rows_speed_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
-    """The first auto load measures and keeps the speed-up under the machine's key and the model's width; later
-    loads take the kept one without measuring (a planted one each way), and an unreadable file is measured again."""
+def test_decodings_speed_ups_are_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    """The first auto load measures and keeps the speed-ups under the machine's key, the model's width and the rows;
+    later loads take the kept ones without measuring (planted ones each way), and an unreadable file is measured
+    again."""
     import torch
     from test_export import write_char_checkpoint
 
     from quillgpt import generate, precision
 
     monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "cache"))
-    kept = tmp_path / "cache" / "bf16_row_speedup.json"
+    kept = tmp_path / "cache" / "bf16_decoding_speedup.json"
     ckpt = write_char_checkpoint(tmp_path / "ckpt.pt")
-    monkeypatch.setattr(generate, "measure_bf16_row_speedup", lambda width: 1.0)
+    monkeypatch.setattr(generate, "measure_bf16_speedup", lambda width, rows: 2.0)
     model, _, _ = generate.load_for_sampling(ckpt, "cpu", "auto")
-    ((key, speedup),) = json.loads(kept.read_text()).items()
-    width = model.config.n_embd
-    assert speedup == 1.0 and key == f"{precision.machine_key()}|{width}"
+    key = f"{precision.machine_key()}|{model.config.n_embd}"
+    row, batch = f"{key}|1 rows", f"{key}|{generate.DECODING_BATCH_ROWS} rows"
+    assert json.loads(kept.read_text()) == {row: 2.0, batch: 2.0}
 
-    def unmeasured(width):
+    def unmeasured(width, rows):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(generate, "measure_bf16_row_speedup", unmeasured)
-    for planted, dtype in ((2.0, torch.bfloat16), (1.0, torch.float32)):
-        kept.write_text(json.dumps({key: planted}))
+    monkeypatch.setattr(generate, "measure_bf16_speedup", unmeasured)
+    for planted, dtype in (((2.0, 1.5), torch.bfloat16), ((2.0, 0.5), torch.float32), ((1.0, 2.0), torch.float32)):
+        kept.write_text(json.dumps(dict(zip((row, batch), planted))))
         model, _, label = generate.load_for_sampling(ckpt, "cpu", "auto")
         name = "bf16" if dtype == torch.bfloat16 else "fp32"
         assert model.transformer.wte.weight.dtype == dtype and label.endswith(f"{name} on cpu")
@@ -229,17 +236,21 @@ def test_a_decoding_rows_speed_is_measured_once_per_machine_and_kept(tmp_path, m
         generate.load_for_sampling(ckpt, "cpu", "auto")
 
 
-def test_a_decoding_rows_probe_measures_both_precisions_and_auto_follows_it(tmp_path, monkeypatch):
-    """The real probe: one row through a model's worth of weights in each precision gives a positive speed-up, kept
-    under the machine's key and width, and auto's choice is the margin's verdict on it."""
+def test_decodings_probe_measures_both_precisions_and_auto_follows_it(tmp_path, monkeypatch):
+    """The real probe: a row, and a batch, through a model's worth of weights in each precision give positive
+    speed-ups, kept under the machine's key and width, and auto's choice is the rule's verdict on them."""
     import torch
 
     from quillgpt import generate, precision
 
     monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path))
     chosen = generate.decoding_precision("auto", torch.device("cpu"), 96)
-    speedup = json.loads((tmp_path / "bf16_row_speedup.json").read_text())[f"{precision.machine_key()}|96"]
-    assert speedup > 0 and chosen == ("bf16" if speedup >= generate.DECODING_BF16_MARGIN else "fp32")
+    kept = json.loads((tmp_path / "bf16_decoding_speedup.json").read_text())
+    row = kept[f"{precision.machine_key()}|96|1 rows"]
+    batch = kept.get(f"{precision.machine_key()}|96|{generate.DECODING_BATCH_ROWS} rows")  # not where a row is slower
+    assert row > 0 and (batch is None or batch > 0)
+    bf16 = row >= generate.DECODING_BF16_MARGIN and batch >= 1.0
+    assert chosen == ("bf16" if bf16 else "fp32")
     assert generate.decoding_precision("fp32", torch.device("cpu"), 96) == "fp32"
 
 
@@ -253,7 +264,7 @@ def test_an_unwritable_cache_directory_costs_only_the_probe_again(tmp_path, monk
 
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "a-file" / "cache"))
-    monkeypatch.setattr(generate, "measure_bf16_row_speedup", lambda width: 2.0)
+    monkeypatch.setattr(generate, "measure_bf16_speedup", lambda width, rows: 2.0)
     model, _, _ = generate.load_for_sampling(write_char_checkpoint(tmp_path / "ckpt.pt"), "cpu", "auto")
     assert model.transformer.wte.weight.dtype == torch.bfloat16
 
