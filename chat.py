@@ -53,8 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dtype",
         choices=DTYPES,
         default="auto",
-        help="weights' dtype (default auto, as sample.py: bf16 on a CUDA device that has it, on the CPU the faster of "
-        "fp32 and bf16 at one decoding row, measured); int8: weight-only int8 on the CPU",
+        help="weights' dtype (default auto, as sample.py: bf16 on a CUDA device that has it, on the CPU bf16 where "
+        "decoding measures clearly faster in it); int8: weight-only int8 on the CPU",
     )
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help=COMPILE_HELP)
     args = p.parse_args(argv)

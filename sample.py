@@ -82,8 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dtype",
         choices=DTYPES,
         default="auto",
-        help="weights' dtype while sampling (default auto: bf16 on a CUDA device that has it; on the CPU the faster of "
-        "fp32 and bf16 at one decoding row, measured, as chat.py and serve.py pick); int8: weight-only int8 on the "
+        help="weights' dtype while sampling (default auto: bf16 on a CUDA device that has it; on the CPU bf16 where "
+        "decoding measures clearly faster in it (a row, and a 16-row batch), as chat.py and serve.py pick); int8: weight-only int8 on the "
         "CPU, its activations in the faster of them",
     )
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help=COMPILE_HELP)

@@ -50,8 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dtype",
         choices=DTYPES,
         default="auto",
-        help="as sample.py's: auto picks at one decoding row, as sample.py and chat.py do, so greedy replies are "
-        "theirs; bf16 may serve a full batch faster (the start-up line says which is in use)",
+        help="as sample.py's: auto picks as sample.py and chat.py do, so greedy replies are theirs (the start-up "
+        "line says which precision is in use)",
     )
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default %(default)s)")
     p.add_argument(
