@@ -50,10 +50,10 @@ def pick_device(name: str) -> torch.device:
 
 # bf16 decodes by default where one decoding row's products measure this much faster in bf16 than in fp32: a row
 # reads each weight once, and bf16 reads half the bytes; below it the step, whose other ops don't speed up, would
-# gain under ~10% for fp32's exactness (on an AMD EPYC, 1.6-1.9x on the products, 1.26x a step: docs/LOG.md)
+# gain under ~10% for fp32's exactness (on an AMD EPYC, 1.4-1.9x on the products, 1.2-1.26x a step: docs/LOG.md)
 DECODING_BF16_MARGIN = 1.25
 # ... and where a batch of this many rows (serve.py's default --max-batch) runs no slower in bf16: where bf16 is
-# emulated (AVX2 only) one row ran 1.6x faster in bf16, and 16 rows at half fp32's speed (docs/LOG.md)
+# emulated (AVX2 only) one row ran 1.2-1.4x faster in bf16, and 16 rows at half fp32's speed (docs/LOG.md)
 DECODING_BATCH_ROWS = 16
 
 
