@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
-    if why := sampling_error(args.temperature, args.top_p):
+    if why := sampling_error(args.temperature, args.top_p, args.top_k, args.seed):
         p.error(why)
     return args
 

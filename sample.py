@@ -91,9 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None, help="stream the first sample")
     p.add_argument("--verbose", action="store_true", help="print tokens/s at the end")
     args = p.parse_args(argv)
-    if args.num_samples < 1 or args.max_new_tokens < 0:
-        p.error("--num-samples must be >= 1 and --max-new-tokens >= 0")
-    if why := sampling_error(args.temperature, args.top_p):
+    if why := sampling_error(
+        args.temperature, args.top_p, args.top_k, args.seed, args.num_samples, args.max_new_tokens
+    ):
         p.error(why)
     args.stop = [unescape(s) for s in args.stop]
     return args

@@ -19,6 +19,9 @@ import socket
 import sys
 from pathlib import Path
 
+import psutil
+import torch
+
 from quillgpt.errors import UserError, run_main
 from quillgpt.generate import DEVICES, DTYPES, load_for_sampling
 
@@ -32,6 +35,9 @@ except ImportError as e:
     SERVE_EXTRA_MISSING = f"serve.py needs {e.name}: pip install '.[serve]'"
 else:
     SERVE_EXTRA_MISSING = None
+
+
+MAX_BATCH, MAX_QUEUE = 4096, 1 << 20  # the numbers --max-batch and --max-queue take at most
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,8 +84,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "apply_chat_template, so a client can end its turn and write others' (default: it is encoded as text)",
     )
     args = p.parse_args(argv)
-    if args.max_batch < 1 or args.max_queue < 0 or args.max_body_kb < 1:
-        p.error("--max-batch and --max-body-kb must be >= 1, --max-queue >= 0")
+    if not (1 <= args.max_batch <= MAX_BATCH and 0 <= args.max_queue <= MAX_QUEUE and 1 <= args.max_body_kb <= 1 << 20):
+        p.error(
+            f"--max-batch must be in 1..{MAX_BATCH}, --max-queue in 0..{MAX_QUEUE} and --max-body-kb in 1..{1 << 20}"
+        )
     if not 0 <= args.port < 65536:
         p.error("--port must be in 0..65535")
     return args
@@ -97,6 +105,19 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_slot_memory(model, slots: int) -> None:
+    """The slot cache (a row of the whole context per --max-batch slot) must fit in the memory free now: one line
+    naming the numbers, not an allocator's traceback."""
+    c, p = model.config, next(model.parameters())
+    needed = 2 * c.n_layer * slots * c.kv_heads * c.block_size * c.head_width * p.element_size()
+    free = psutil.virtual_memory().available if p.device.type == "cpu" else torch.cuda.mem_get_info(p.device)[0]
+    if needed > free:
+        raise UserError(
+            f"--max-batch {slots}: the KV cache's {slots} rows of {c.block_size} positions need {needed / 1e9:.2f} GB, "
+            f"and {free / 1e9:.2f} GB are free: serve fewer requests at once"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if SERVE_EXTRA_MISSING:
@@ -107,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(
         name, model.config.block_size, args.api_key, args.max_body_kb * 1024, args.control_tokens_in_content
     )
+    check_slot_memory(model, args.max_batch)
     batcher = Batcher(model, tokenizer, args.max_batch, args.max_queue, args.compile)
     if args.compile and not batcher.lone:
         print(f"[--compile compiles a CPU step; on {batcher.device} every step runs eagerly]", file=sys.stderr)

@@ -20,11 +20,15 @@ Measured: docs/sampling.md.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -35,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from quillgpt.errors import UserError
-from quillgpt.files import cache_dir
+from quillgpt.files import cache_dir, fsync_dir, sha256_file
 from quillgpt.kernels import SPLIT_MAX_ROWS, SPLIT_MIN_ELEMENTS, graph_splits
 from quillgpt.precision import CPU_PATH_ENV
 
@@ -122,10 +126,24 @@ def packages_dir() -> Path:
     return cache_dir() / "decode"
 
 
-def kept_lengths(key: str) -> list[int]:
-    """The cache lengths kept packages of this key were compiled for, shortest first: files named <key>-<length>.pt2."""
-    names = (path.name.removeprefix(f"{key}-").removesuffix(".pt2") for path in packages_dir().glob(f"{key}-*.pt2"))
-    return sorted(int(name) for name in names if name.isdigit())
+def package_name(key: str, length: int, digest: str) -> str:
+    """<key>-<length>-<digest>.pt2: the cache length the package holds, and the first DIGEST_CHARS of its sha256,
+    which loading checks (verified). The digest is in the name, not in a file beside it, so that a package and its
+    digest appear in one rename: two processes keeping the same step at once each keep a whole, valid file."""
+    return f"{key}-{length}-{digest[:DIGEST_CHARS]}.pt2"
+
+
+DIGEST_CHARS = 16
+
+
+def kept_packages(key: str) -> list[tuple[int, Path]]:
+    """The kept packages of this key, (cache length, file), shortest cache first."""
+    found = []
+    for path in packages_dir().glob(f"{key}-*.pt2"):
+        parts = path.stem.removeprefix(f"{key}-").split("-")
+        if len(parts) == 2 and parts[0].isdigit():
+            found.append((int(parts[0]), path))
+    return sorted(found)
 
 
 def compiled_cache(model: nn.Module, batch: int, length: int, build: bool):
@@ -133,39 +151,79 @@ def compiled_cache(model: nn.Module, batch: int, length: int, build: bool):
     (token, position, cache) -> logits: the kept package of this model's shape and batch with the shortest cache that
     holds them (the cache takes its length: a step compiled for a long generation serves the shorter ones, attending
     over its whole cache), or (build) a package compiled for `length` and kept first. None where none is kept and
-    build is false."""
+    build is false, or where the package found does not load (one line says why: the caller decodes eagerly)."""
     path = kept_package(model, batch, length, build)
     if path is None:
         return None
     cache = model.new_cache(batch, package_length(path))
-    return cache, compiled_step(path, model, cache)
+    try:
+        return cache, compiled_step(path, model, cache)
+    except NotLoaded as e:
+        print(f"[{e}: decoding eagerly]", file=sys.stderr, flush=True)
+        return None
 
 
 def kept_package(model: nn.Module, batch: int, length: int, build: bool) -> Path | None:
     """The file of the kept package of this model's shape and batch with the shortest cache that holds `length`
-    positions, or (build) of one compiled for `length` and kept first; None where none is kept and build is false."""
+    positions, or (build) of one compiled for `length` and kept first; None where none is kept and build is false.
+    A kept package whose contents no longer match its digest is removed, with one line, and never loaded. Where the
+    cache directory can't be written, a package is compiled into a temporary directory for this process alone, with
+    one line saying that nothing was kept and why."""
     key = package_key(model, batch)
-    longer = [n for n in kept_lengths(key) if n >= length]
-    if not longer and not build:
+    for kept_length, path in kept_packages(key):
+        if kept_length >= length and verified(path):
+            return path
+    if not build:
         return None
-    path = packages_dir() / f"{key}-{longer[0] if longer else length}.pt2"
-    if not path.is_file():
-        compile_package(model, model.new_cache(batch, length), path)
-    return path
+    return compile_package(model, model.new_cache(batch, length), key)
+
+
+_verified: set[Path] = set()  # packages whose digest this process has checked
+
+
+def verified(path: Path) -> bool:
+    """Whether the package's sha256 still begins with the digest its name carries (a file cut short, overwritten
+    in part, or anything but what was kept fails: a damaged step would decode wrong text, or fail to load). A
+    damaged one is removed, with one line, so that the next --compile keeps a new one."""
+    if path in _verified:
+        return True
+    try:
+        whole = sha256_file(path).startswith(path.stem.rsplit("-", 1)[1])
+    except OSError:
+        whole = False
+    if whole:
+        _verified.add(path)
+        return True
+    print(
+        f"[the kept decoding step {path} is damaged (its sha256 is not the one it was kept with): removed, not loaded]",
+        file=sys.stderr,
+        flush=True,
+    )
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return False
 
 
 def package_length(path: Path) -> int:
-    """The cache length a package was compiled for (its file name's <key>-<length>.pt2)."""
-    return int(path.stem.rsplit("-", 1)[1])
+    """The cache length a package was compiled for (its file name's <key>-<length>-<digest>.pt2)."""
+    return int(path.stem.rsplit("-", 2)[1])
+
+
+class NotLoaded(Exception):
+    """A package that passed its digest check but does not load (a torch or library it was not built against)."""
 
 
 def compiled_step(path: Path, model: nn.Module, cache) -> Callable:
     """A kept package's step over `cache` (anything with per-layer k and v lists of the package's batch and length:
-    a KVCache, or serve.py's row of its slot buffers), loaded once per process."""
+    a KVCache, or serve.py's row of its slot buffers), loaded once per process. NotLoaded where it does not load."""
     if path not in _loaded:
         # the package's own C++ loader: torch._inductor.aoti_load_package would import inductor's Python first,
         # seconds of a process's start-up for the same loader
-        _loaded[path] = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        try:
+            _loaded[path] = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        except Exception as e:  # the loader's own errors are RuntimeErrors of many lines
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise NotLoaded(f"the kept decoding step {path} does not load ({first})") from None
     return aoti_step(_loaded[path], model, cache)
 
 
@@ -185,16 +243,31 @@ def aoti_step(runner, model: nn.Module, cache) -> Callable:
     return step
 
 
-def compile_package(model: nn.Module, cache, path: Path) -> None:
-    """Export and compile decode_one over the cache's shapes, and move the package into place whole (a process
-    killed while compiling leaves nothing half-written). A machine with no working C++ compiler, or a compiler that
-    fails on the step, is a UserError: one line, before the export where there is no compiler at all."""
+def compile_package(model: nn.Module, cache, key: str) -> Path:
+    """Export and compile decode_one over the cache's shapes into the cache directory, the file moved into place
+    whole (a process killed while compiling leaves nothing half-written), and return it. Where that directory can't
+    be written, the package goes to a temporary directory for this process alone, with one line. A machine with no
+    working C++ compiler, or a compiler that fails on the step, is a UserError: one line, before the export where
+    there is no compiler at all."""
     from torch._inductor.cpp_builder import get_cpp_compiler
     from torch._inductor.exc import CppCompileError, InvalidCxxCompiler
 
+    directory = packages_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryDirectory(dir=directory, prefix=".compiling-").cleanup()
+    except OSError as e:
+        directory = Path(tempfile.mkdtemp(prefix="quillgpt-decode-"))
+        atexit.register(shutil.rmtree, directory, True)
+        print(
+            f"[--compile: nothing kept, {packages_dir()} can't be written ({e.strerror or e}): the step is compiled "
+            "for this run alone]",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         get_cpp_compiler()
-        build_package(model, cache, path)
+        return build_package(model, cache, directory, key)
     except InvalidCxxCompiler:
         raise UserError(
             "--compile needs a working C++ compiler (g++ or clang++, or $CXX): install one, or decode eagerly "
@@ -207,15 +280,15 @@ def compile_package(model: nn.Module, cache, path: Path) -> None:
         ) from None
 
 
-def build_package(model: nn.Module, cache, path: Path) -> None:
-    """compile_package's work: torch.export, then AOTInductor into a temporary package moved into place."""
+def build_package(model: nn.Module, cache, directory: Path, key: str) -> Path:
+    """compile_package's work: torch.export, then AOTInductor into a temporary package moved into place under the
+    name that carries its digest (package_name)."""
     token = torch.zeros((cache.k[0].size(0), 1), dtype=torch.long, device=cache.k[0].device)
     position = torch.zeros(1, dtype=torch.long, device=token.device)
     with torch.no_grad():
         exported = torch.export.export(DecodeOne(model, cache), (token, position), strict=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
     # torch's own deprecation notice from inside the packaging (pytree's LeafSpec), not the user's to act on
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as tmp, warnings.catch_warnings():
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".compiling-") as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         built = torch._inductor.aoti_compile_and_package(
             exported,
@@ -226,7 +299,13 @@ def build_package(model: nn.Module, cache, path: Path) -> None:
                 **(SPLIT_STEP_CONFIGS if splits(model) else {}),
             },
         )
+        with open(built, "rb") as f:
+            os.fsync(f.fileno())
+        path = directory / package_name(key, cache.k[0].size(2), sha256_file(Path(built)))
         os.replace(built, path)  # the same directory's file system: the package appears whole or not at all
+    fsync_dir(directory)
+    _verified.add(path)
+    return path
 
 
 def compiler_takes_the_cpus_isas() -> bool:

@@ -3,6 +3,7 @@ sequences, streaming the first row. sample.py is the command line over these."""
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
@@ -161,12 +162,33 @@ def keep_decoding_step(checkpoint: str | Path, processes: int = 1) -> None:
     print(f"[kept in {time.perf_counter() - t0:.0f}s: {path}; sample.py, chat.py and serve.py use it]", flush=True)
 
 
-def sampling_error(temperature: float, top_p: float | None) -> str | None:
-    """Why a temperature and top-p can't sample (a script's usage error), or None when they can."""
-    if temperature < 0:
-        return "--temperature must be >= 0"
-    if top_p is not None and not 0 < top_p <= 1:
-        return "--top-p must be in (0, 1]"
+# the seeds torch.Generator.manual_seed takes (a 64-bit word, signed or not), for --seed and a request's seed
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_SAMPLES = 1024  # sample.py's --num-samples: one batch, a KV cache row each
+
+
+def sampling_error(
+    temperature: float,
+    top_p: float | None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    num_samples: int = 1,
+    max_new_tokens: int = 0,
+) -> str | None:
+    """Why the command line's sampling settings can't sample (a script's usage error, one line), or None when they
+    can: every number checked at its edges (negative, huge, NaN, infinite) before anything is loaded."""
+    if not math.isfinite(temperature) or temperature < 0:
+        return f"--temperature must be a finite number >= 0 (0: greedy), not {temperature}"
+    if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
+        return f"--top-p must be in (0, 1], not {top_p}"
+    if top_k is not None and top_k < 0:
+        return f"--top-k must be >= 0 (0: off), not {top_k}"
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        return f"--seed must be a 64-bit integer (from {SEED_MIN} to {SEED_MAX}), not {seed}"
+    if not 1 <= num_samples <= MAX_SAMPLES:
+        return f"--num-samples must be in 1..{MAX_SAMPLES} (one batch), not {num_samples}"
+    if max_new_tokens < 0:
+        return f"--max-new-tokens must be >= 0, not {max_new_tokens}"
     return None
 
 

@@ -181,7 +181,7 @@ def test_compiling_a_conversations_step_asks_for_the_whole_context_once(tmp_path
     monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path))
     asked = []
 
-    def compile_package(model, cache, path):
+    def compile_package(model, cache, key):
         asked.append(cache.length)
         raise KeyboardInterrupt  # as a user stopping the compile: nothing is kept
 

@@ -59,7 +59,7 @@ def test_a_compiled_step_is_kept_and_serves_every_model_of_its_shape_and_every_s
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     eager = model.generate(prompt, 150, temperature=0)  # past block_size: a refill
     assert torch.equal(model.generate(prompt, 150, temperature=0, compile=True), eager)
-    assert [p.name.rsplit("-", 1)[1] for p in compiled_step.packages_dir().glob("*.pt2")] == ["128.pt2"]
+    assert [compiled_step.package_length(p) for p in compiled_step.packages_dir().glob("*.pt2")] == [128]
     compiled_step._loaded.clear()  # as a new process: loaded from disk
     monkeypatch.setattr(compiled_step, "compile_package", lambda *a: pytest.fail("compiled again"))
     other_eager = other.generate(prompt, 150, temperature=0)
@@ -284,3 +284,57 @@ def test_a_serving_step_reads_the_device_once_for_every_request_in_it(loaded):
             batcher.step()
     loop.close()
     assert [name for name, _ in mode.reads] == ["tolist"] * 6
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("compiled_step")
+def test_a_damaged_or_unwritable_kept_step_is_never_trusted_and_two_processes_keep_one_at_once(tmp_path):
+    """sample.py's kept step carries its sha256 in its name. Cut short, or a few bytes inside it overwritten (the
+    kind of damage that made a step print other text with exit 0), it is named in one line, removed, and sample.py
+    decodes eagerly: the eager text, exit 0. A cache that can't be written still decodes with --compile, saying in one
+    line that nothing was kept. Two processes compiling the same step into an empty cache at once both succeed, and
+    every file they leave is whole."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+    from quillgpt.files import sha256_file
+
+    ckpt = write_char_checkpoint(tmp_path / "ckpt_best.pt")
+    cache = tmp_path / "cache"
+
+    def sample(*flags: str, cache_dir=cache) -> subprocess.Popen:
+        args = ["--ckpt", str(ckpt), "--prompt", "ab", "--max-new-tokens", "20", "--temperature", "0", *flags]
+        env = {**os.environ, "QUILLGPT_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen(
+            [sys.executable, "sample.py", *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+
+    def done(p: subprocess.Popen) -> tuple[str, str]:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()[-2000:]
+        return out.decode(), err.decode()
+
+    eager, _ = done(sample("--no-compile"))
+    both = [done(p) for p in [sample("--compile"), sample("--compile")]]  # at once, into one empty cache
+    assert [out for out, _ in both] == [eager, eager]
+    kept = sorted((cache / "decode").glob("*.pt2"))
+    assert kept and all(sha256_file(p).startswith(p.stem.rsplit("-", 1)[1]) for p in kept)
+    assert not [p for p in (cache / "decode").iterdir() if p.suffix != ".pt2"]  # no temporary left behind
+
+    package = kept[0]
+    whole = package.read_bytes()
+    for damage in ("cut short", "overwritten inside"):
+        for p in kept:
+            p.write_bytes(whole[:1000] if damage == "cut short" else whole[:-4096] + b"\0" * 64 + whole[-4032:])
+        out, err = done(sample())
+        assert out == eager, damage
+        assert err.count("is damaged") == len(kept) and "removed, not loaded" in err, err
+        assert not list((cache / "decode").glob("*.pt2"))
+        kept = [package]
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    out, err = done(sample("--compile", cache_dir=blocked / "cache"))
+    assert out == eager and "nothing kept" in err and "Not a directory" in err

@@ -338,3 +338,39 @@ def test_a_compiler_refusing_the_cpus_vector_isa_still_gets_a_kept_step_through_
     assert len(list((tmp_path / "cache" / "decode").glob("*.pt2"))) == 1
     calls = log.read_text().splitlines()
     assert calls[calls.index("build refused") :].count("probe refused") >= 1 and calls[-1] == "build"
+
+
+EDGE_ARGUMENTS = [
+    ("--seed", "1180591620717411303424"),
+    ("--seed", "-1180591620717411303424"),
+    ("--temperature", "nan"),
+    ("--temperature", "inf"),
+    ("--temperature", "-0.5"),
+    ("--top-p", "nan"),
+    ("--top-p", "0"),
+    ("--top-k", "-3"),
+    ("--num-samples", "100000000000000000000"),
+    ("--num-samples", "0"),
+    ("--max-new-tokens", "-1"),
+]
+
+
+@pytest.mark.parametrize("flag, value", EDGE_ARGUMENTS)
+def test_a_number_at_its_edge_is_one_line_and_exit_2_before_anything_loads(flag, value, capsys):
+    """sample.py's and chat.py's numbers, huge, negative, NaN or infinite: argparse's one usage line naming the flag,
+    exit 2, and no model read (the checkpoint named does not exist)."""
+    import chat
+    import sample
+
+    for script in (sample, chat):
+        if script is chat and flag in ("--num-samples", "--max-new-tokens"):
+            continue
+        with pytest.raises(SystemExit) as e:
+            script.parse_args(["--ckpt", "/nonexistent", flag, value])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f": error: {flag} " in err.strip().splitlines()[-1], err
+
+
+def test_a_seed_past_64_bits_exits_2_in_one_line(ckpt):
+    result = run_sample("--ckpt", str(ckpt), "--seed", str(2**70))
+    assert result.returncode == 2 and result.stderr.strip().endswith(f"not {2**70}"), result.stderr

@@ -448,6 +448,14 @@ BAD_REQUESTS = {
     "two choices": ("/completions", {"model": "tiny", "prompt": "a", "n": 2}, "n"),
     "a negative top_k": ("/completions", {"model": "tiny", "prompt": "a", "top_k": -1}, "top_k"),
     "five stop strings": ("/completions", {"model": "tiny", "prompt": "a", "stop": list("abcde")}, "stop"),
+    # every number at its edges: huge, negative, NaN, infinite (Python's JSON reads NaN and Infinity)
+    "a seed past 64 bits": ("/completions", {"model": "tiny", "prompt": "a", "seed": 2**70}, "seed"),
+    "a seed below -2**63": ("/completions", {"model": "tiny", "prompt": "a", "seed": -(2**70)}, "seed"),
+    "a NaN temperature": ("/completions", b'{"model": "tiny", "prompt": "a", "temperature": NaN}', "temperature"),
+    "an infinite top_p": ("/completions", b'{"model": "tiny", "prompt": "a", "top_p": Infinity}', "top_p"),
+    "a negative temperature": ("/completions", {"model": "tiny", "prompt": "a", "temperature": -1}, "temperature"),
+    "a huge max_tokens": ("/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2**70}, "max_tokens"),
+    "a zero max_tokens": ("/chat/completions", {"model": "tiny", "messages": CONVERSATION, "max_tokens": 0}, "max_tokens"),
 }
 
 

@@ -25,6 +25,7 @@ import asyncio
 import collections
 import dataclasses
 import secrets
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from model import GPT, sample_next
-from quillgpt.compiled_step import compiled_step, kept_package
+from quillgpt.compiled_step import NotLoaded, compiled_step, kept_package
 from quillgpt.generate import RowText, showable_length
 from quillgpt.tokenizer import Tokenizer
 from quillgpt.tools import Calculator, calculator_for
@@ -163,7 +164,11 @@ def lone_request_step(model: GPT, cache: SlotCache, compile: bool | None) -> tup
     if path is None:
         return None
     row = FirstRow.of(cache)
-    return row, compiled_step(path, model, row)
+    try:
+        return row, compiled_step(path, model, row)
+    except NotLoaded as e:
+        print(f"[{e}: decoding eagerly]", file=sys.stderr, flush=True)
+        return None
 
 
 class Batcher:

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from quillgpt.generate import SEED_MAX, SEED_MIN
 from quillgpt.serve.batcher import GenRequest
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
@@ -68,7 +69,7 @@ class SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)  # not OpenAI's (vLLM's and llama.cpp's servers take it): 0 or null is off
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # a 64-bit word, as torch's generators take
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
