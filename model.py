@@ -101,7 +101,8 @@ def rope_frequencies(config: GPTConfig) -> torch.Tensor:
 def rope_tables(config: GPTConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(cos, sin) of every position and rotating dimension, (T, rotary_width) each, by the kind of layer that reads
     them: "global" (rope_theta, scaled), and "local" for sliding-window layers where they have a base of their own
-    (rope_theta_local, unscaled: Gemma 3). Dimensions i and i + rotary_width / 2 rotate as a pair by the same angle,
+    (rope_theta_local, unscaled: Gemma 3); "long", LongRoPE's long factors, which the global layers take instead in a
+    forward pass that reaches past the original context. Dimensions i and i + rotary_width / 2 rotate as a pair by the same angle,
     as in transformers' Llama: both halves hold the pair's cos and sin, sin's first half negated (apply_rope)."""
     positions = torch.arange(config.block_size, dtype=torch.float32)
 
@@ -112,6 +113,9 @@ def rope_tables(config: GPTConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor
 
     # LongRoPE's attention factor scales both tables, so every score by its square
     rotary = {"global": tables(rope_frequencies(config), config.rope_attention_factor)}
+    if config.rope_scaling == "longrope" and config.rope_long_factors:  # past the original context (GPT.ropes)
+        long = replace(config, rope_factors=config.rope_long_factors)
+        rotary["long"] = tables(rope_frequencies(long), config.rope_attention_factor)
     if config.rope_theta_local is not None:
         rotary["local"] = tables(
             rope_frequencies(replace(config, rope_theta=config.rope_theta_local, rope_scaling="none"))
@@ -502,12 +506,22 @@ class GPT(nn.Module):
             self.register_buffer(f"rope_cos{suffix}", cos, persistent=False)
             self.register_buffer(f"rope_sin{suffix}", sin, persistent=False)
 
-    def ropes(self, pick) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Each kind of layer's (cos, sin) (CausalSelfAttention.rope_kind), at the positions pick(table) selects."""
+    def ropes(self, pick, reach=None) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each kind of layer's (cos, sin) (CausalSelfAttention.rope_kind), at the positions pick(table) selects.
+        reach: the furthest position the pass reads (an int, or a tensor shaped to broadcast over the picked rows):
+        where LongRoPE has long factors, the global layers take them wherever it is past the original context, as
+        transformers decides by the sequence's length (the keys cached before keep the short ones)."""
         ropes: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {"none": None}
         for kind, suffix in (("global", ""), ("local", "_local")):
             if hasattr(self, f"rope_cos{suffix}"):
                 ropes[kind] = (pick(getattr(self, f"rope_cos{suffix}")), pick(getattr(self, f"rope_sin{suffix}")))
+        if hasattr(self, "rope_cos_long") and reach is not None:
+            past = reach >= self.config.rope_original_context
+            if isinstance(past, bool):
+                ropes["global"] = (pick(self.rope_cos_long), pick(self.rope_sin_long)) if past else ropes["global"]
+            else:
+                long = pick(self.rope_cos_long), pick(self.rope_sin_long)
+                ropes["global"] = tuple(torch.where(past, a, b) for a, b in zip(long, ropes["global"]))
         return ropes
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
@@ -577,9 +591,9 @@ class GPT(nn.Module):
             )
             x = x + self.transformer.wpe(pos)  # (T, C) or (B, T, C)
         if positions is None:
-            ropes = self.ropes(lambda table: table[start : start + T])  # (T, rotary_width)
-        else:
-            ropes = self.ropes(lambda table: table[positions].unsqueeze(1))  # (B, 1, T, rotary_width)
+            ropes = self.ropes(lambda table: table[start : start + T], start + T - 1)  # (T, rotary_width)
+        else:  # (B, 1, T, rotary_width): each row's furthest position decides for the row
+            ropes = self.ropes(lambda table: table[positions].unsqueeze(1), positions.amax(1).view(B, 1, 1, 1))
         x = self.transformer.drop(x)
         for block in self.transformer.h:
             rope, mask = ropes[block.attn.rope_kind], documents[block.attn.window]
@@ -640,7 +654,7 @@ class GPT(nn.Module):
         x = self.embed(token)  # (B, 1, C)
         if self.config.pos_emb == "learned":
             x = x + self.transformer.wpe(position)
-        ropes = self.ropes(lambda table: table.index_select(0, position))  # (1, rotary_width)
+        ropes = self.ropes(lambda table: table.index_select(0, position), position)  # (1, rotary_width)
         step = DecodeStep.at(position, cache)
         for block in self.transformer.h:
             x = block(x, ropes[block.attn.rope_kind], cache, step)
@@ -655,7 +669,7 @@ class GPT(nn.Module):
         x = self.embed(tokens)  # (B, 1, C)
         if self.config.pos_emb == "learned":
             x = x + self.transformer.wpe(positions).unsqueeze(1)  # (B, 1, C)
-        ropes = self.ropes(lambda table: table[positions].view(B, 1, 1, -1))  # (B, 1, 1, rotary_width)
+        ropes = self.ropes(lambda table: table[positions].view(B, 1, 1, -1), positions.view(B, 1, 1, 1))
         visible = torch.arange(cache.length, device=tokens.device) <= positions[:, None]  # (B, L)
         step = DecodeStep(positions, cache.length, visible)
         for block in self.transformer.h:

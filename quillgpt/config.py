@@ -80,7 +80,8 @@ class GPTConfig:
         "none",
         "rotary frequency scaling: none / llama3 (Llama 3.1-3.2's long context) / linear (positions divided by "
         "rope_factor: Gemma 3's global layers) / longrope (each frequency divided by its rope_factors entry, "
-        "cos and sin times rope_attention_factor: Phi-3/4's short factors, within rope_original_context)",
+        "cos and sin times rope_attention_factor: Phi-3/4's short factors, and past rope_original_context its "
+        "rope_long_factors)",
         choices=("none", "llama3", "linear", "longrope"),
     )
     rope_factor: float = _f(8.0, "llama3 and linear rope scaling: factor")
@@ -88,6 +89,11 @@ class GPTConfig:
     rope_high_freq_factor: float = _f(4.0, "llama3 rope scaling: high_freq_factor")
     rope_original_context: int = _f(8192, "llama3 and longrope scaling: original_max_position_embeddings")
     rope_factors: list[float] = _f([], "longrope scaling: one divisor per rotary frequency (Phi's short_factor)")
+    rope_long_factors: list[float] = _f(
+        [],
+        "longrope scaling: the divisors a forward pass reaching past rope_original_context takes (Phi's "
+        "long_factor, as transformers switches to them; empty: rope_factors everywhere)",
+    )
     rope_attention_factor: float = _f(1.0, "longrope scaling: cos and sin multiplied by this")
     rope_fraction: float = _f(1.0, "the share of each head's width that rotates (Phi's partial_rotary_factor)")
     rope_theta_local: float | None = _f(

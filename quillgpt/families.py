@@ -320,24 +320,59 @@ def rope_family_args(family: str, hf: dict, need, refuse) -> dict:
         args["n_kv_head"] = None
     if args["head_dim"] == n_embd // n_head and n_embd % n_head == 0:
         args["head_dim"] = None
-    args.update(rope_args(family, rope_parameters(hf, "full_attention"), args["block_size"], refuse))
+    args.update(rope_args(family, rope_parameters(hf, family), args["block_size"], refuse))
     args.update(window_args(family, hf, args["n_layer"], refuse))
     return args
 
 
-def rope_parameters(hf: dict, layer_type: str) -> dict:
-    """The rope settings of a kind of layer, as transformers 5 writes them (rope_parameters, per layer type where
-    a family has several) or as earlier config.json files do (rope_theta, rope_scaling, partial_rotary_factor)."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
-        return params[layer_type]
-    if isinstance(params, dict) and params:
-        return params
-    flat = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
-    for key in ("partial_rotary_factor", "original_max_position_embeddings"):
-        if key in hf and key not in flat:
-            flat[key] = hf[key]
-    return flat
+# transformers' rope_theta where config.json names none (its config classes' default_theta); 10,000 for the rest
+DEFAULT_THETA = {"mixtral": 1e6, "smollm3": 2e6, "gemma3": 1e6}
+SCALED_TYPES = ("llama3", "yarn", "longrope")  # the rope types that read original_max_position_embeddings
+
+
+def rope_parameters(hf: dict, family: str, layer_type: str = "full_attention") -> dict:
+    """The rope settings of a kind of layer, read from config.json as transformers 5 reads them
+    (RotaryEmbeddingConfigMixin.convert_rope_params_to_dict and its families' own): a rope_scaling beside
+    rope_parameters replaces it (Gemma 3: is merged into its global layers' settings), rope_theta and
+    partial_rotary_factor fill in what the settings lack, each family's default theta where config.json names none;
+    "type" is read where "rope_type" is missing; original_max_position_embeddings defaults to the context (Phi-3: is
+    its top-level key, 4,096 where there is none)."""
+    if family == "gemma3":
+        return gemma3_rope_parameters(hf, layer_type)
+    scaling = hf.get("rope_scaling")
+    params = dict(scaling) if isinstance(scaling, dict) and scaling else dict(hf.get("rope_parameters") or {})
+    if isinstance(params.get(layer_type), dict):  # settings by the kind of layer
+        params = dict(params[layer_type])
+    params.setdefault("rope_theta", hf.get("rope_theta", DEFAULT_THETA.get(family, 10000.0)))
+    if "partial_rotary_factor" in hf or family == "phi3":
+        params.setdefault("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    if family == "phi3" and params["rope_type"] in ("su", "yarn"):  # Phi-3's earlier names for LongRoPE
+        params["rope_type"] = "longrope"
+    if params["rope_type"] in SCALED_TYPES:
+        if family == "phi3":
+            params["original_max_position_embeddings"] = hf.get("original_max_position_embeddings", 4096)
+        else:
+            params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    return params
+
+
+def gemma3_rope_parameters(hf: dict, layer_type: str) -> dict:
+    """Gemma 3's (Gemma3TextConfig): settings for its global (full_attention) and sliding layers; a rope_scaling is
+    merged into the global layers' (a "type" in it then names nothing: their rope_type is already set)."""
+    given = hf.get("rope_parameters")
+    kinds = ("sliding_attention", "full_attention")
+    params = {k: dict(given.get(k) or {"rope_type": "default"}) for k in kinds} if isinstance(given, dict) else None
+    params = params or {k: {"rope_type": "default"} for k in kinds}
+    if isinstance(hf.get("rope_scaling"), dict):
+        params["full_attention"].update(hf["rope_scaling"])
+    params["full_attention"].setdefault("rope_theta", hf.get("rope_theta", DEFAULT_THETA["gemma3"]))
+    params["sliding_attention"].setdefault("rope_theta", hf.get("rope_local_base_freq", 10000.0))
+    chosen = params[layer_type]
+    chosen.setdefault("rope_type", chosen.get("type", "default"))
+    if chosen["rope_type"] in SCALED_TYPES:
+        chosen.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    return chosen
 
 
 def rope_args(family: str, rope: dict, max_positions: int, refuse) -> dict:
@@ -366,9 +401,9 @@ def rope_args(family: str, rope: dict, max_positions: int, refuse) -> dict:
 
 
 def longrope_args(rope: dict, max_positions: int) -> dict:
-    """Phi's LongRoPE within its original context: the short factors, the attention factor transformers derives from
-    the context it was extended to (rope's factor, else max / original context), and block_size the original context,
-    past which transformers switches to the long factors by sequence length (not reproduced: never used here)."""
+    """Phi's LongRoPE: the short factors, the long ones that a forward pass reaching past the original context takes
+    (as transformers switches by the sequence's length), and the attention factor transformers derives from the
+    context it was extended to (rope's factor, else max / original context)."""
     original = int(rope["original_max_position_embeddings"])
     factor = rope.get("factor") or max_positions / original
     attention = rope.get("attention_factor")
@@ -376,9 +411,9 @@ def longrope_args(rope: dict, max_positions: int) -> dict:
         attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
     return dict(
         rope_factors=[float(f) for f in rope["short_factor"]],
+        rope_long_factors=[float(f) for f in rope.get("long_factor") or rope["short_factor"]],
         rope_attention_factor=float(attention),
         rope_original_context=original,
-        block_size=original,
     )
 
 
@@ -402,9 +437,9 @@ def gemma3_args(hf: dict, need, refuse) -> dict:
     for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
         if hf.get(key):
             raise refuse(f"{key} is {hf[key]!r}, which model.py cannot reproduce")
-    local = rope_parameters(hf, "sliding_attention")
-    local_theta = local.get("rope_theta") if "rope_parameters" in hf else hf.get("rope_local_base_freq", 10000.0)
-    if (local.get("rope_type") or "default") != "default":
+    local = rope_parameters(hf, "gemma3", "sliding_attention")
+    local_theta = local["rope_theta"]
+    if local["rope_type"] != "default":
         raise refuse("the sliding layers' rope is scaled, which model.py cannot reproduce")
     return dict(
         attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
@@ -597,11 +632,11 @@ def rope_scaling_json(c: GPTConfig) -> dict | None:
         }
     if c.rope_scaling == "linear":
         return {"rope_type": "linear", "factor": c.rope_factor}
-    if c.rope_scaling == "longrope":  # within the original context: the long factors are never read
+    if c.rope_scaling == "longrope":
         return {
             "rope_type": "longrope",
             "short_factor": c.rope_factors,
-            "long_factor": c.rope_factors,
+            "long_factor": c.rope_long_factors or c.rope_factors,
             "attention_factor": c.rope_attention_factor,
             "original_max_position_embeddings": c.rope_original_context,
         }

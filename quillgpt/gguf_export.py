@@ -454,18 +454,18 @@ def merged_experts(state: dict[str, torch.Tensor], n_experts: int) -> Iterator[t
 
 def rope_tensors(c: GPTConfig) -> Iterator[tuple[str, np.ndarray]]:
     """Llama 3's scaling as rope_freqs (llama.cpp divides each rotary frequency by its factor); LongRoPE's factors as
-    rope_factors_short and _long, both the short ones: llama.cpp takes the long ones past the original context, where
-    model.py never goes (block_size is that context), so within it and past it llama.cpp computes with the factors
-    our model has."""
+    rope_factors_short and _long (llama.cpp takes the long ones for a context longer than the original one)."""
     import gguf
 
     if c.pos_emb == "rope" and c.rope_scaling == "llama3":
         factors = rope_frequencies(replace(c, rope_scaling="none")) / rope_frequencies(c)
         yield gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors.numpy()
     if c.rope_scaling == "longrope":
-        factors = np.array(c.rope_factors, dtype=np.float32)
-        for kind in (gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT):
-            yield gguf.TENSOR_NAMES[kind] + ".weight", factors
+        for kind, factors in (
+            (gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, c.rope_long_factors or c.rope_factors),
+            (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, c.rope_factors),
+        ):
+            yield gguf.TENSOR_NAMES[kind] + ".weight", np.array(factors, dtype=np.float32)
 
 
 def gemma3_tensor(hf_name: str, tensor: torch.Tensor, c: GPTConfig) -> torch.Tensor:

@@ -299,6 +299,7 @@ def test_a_damaged_or_unwritable_kept_step_is_never_trusted_and_two_processes_ke
     import sys
 
     from conftest import REPO_ROOT
+
     from quillgpt.files import sha256_file
 
     ckpt = write_char_checkpoint(tmp_path / "ckpt_best.pt")

@@ -186,7 +186,11 @@ def edited(directory, tmp_path, **changes):
         ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is 50.0, which model.py cannot"),
         ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention is True"),
         ("qwen3", {"use_sliding_window": True, "sliding_window": 8}, "it uses sliding-window attention"),
-        ("phi3", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope scaling 'yarn' is not supported"),
+        (
+            "phi3",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+            "rope scaling 'dynamic' is not supported",
+        ),
         ("mistral", {"hidden_act": "gelu"}, "hidden_act is 'gelu', which model.py cannot reproduce"),
     ],
 )
@@ -202,3 +206,90 @@ def test_what_model_py_cannot_reproduce_is_refused_in_one_line(
         run_main(lambda: sample.main(["--ckpt", str(broken), "--prompt", "the", "--max-new-tokens", "2"]))
     [line] = capsys.readouterr().err.splitlines()
     assert e.value.code == 2 and line.startswith(f"error: {broken}") and message in line
+
+
+@pytest.mark.parametrize("prompt_length", [12, 70])
+def test_phi3_past_its_original_context_takes_the_long_factors_as_transformers_does(
+    transformers, tmp_path, prompt_length
+):
+    """LongRoPE: a forward pass that reaches past original_max_position_embeddings (64 here, of 128) takes the long
+    factors, as transformers decides by the sequence's length; keys cached before keep the short ones. A prompt
+    within the original context whose reply runs past it, and a prompt past it, give transformers' greedy tokens."""
+    hf = save_hf_family(transformers, "phi3", tmp_path)
+    save_hf_tokenizer(transformers, tmp_path, word_salad(5_000))
+    model = load_model(tmp_path).model.eval()
+    assert model.config.block_size == 128 and model.config.rope_long_factors == [1.0, 3.0, 5.0, 9.0]
+    prompt = torch.randint(2, 300, (1, prompt_length), generator=torch.Generator().manual_seed(2))
+    new = 110 - prompt_length
+    theirs = hf.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None)
+    assert torch.equal(model.generate(prompt, new, temperature=0), theirs)
+    assert max_diff(logits(model, theirs[:, :100]), logits(hf, theirs[:, :100])) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "family, rope_scaling",
+    [
+        ("llama", {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
+        ("gemma3", {"rope_type": "linear", "factor": 4.0}),
+        ("mistral", {"type": "linear", "factor": 4.0}),  # a "type" key, as older files name it
+    ],
+)
+def test_a_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(
+    transformers, tmp_path, family, rope_scaling
+):
+    """transformers 5 lets a config.json's rope_scaling replace its rope_parameters (losing their rope_theta), or
+    on Gemma 3 be merged into its global layers'; ours reads the two as it does: the same logits, or a refusal in
+    one line where model.py has no such scaling for the family (Mistral: none)."""
+    directory = tmp_path / family
+    save_hf_family(transformers, family, directory)
+    save_hf_tokenizer(transformers, directory, word_salad(5_000))
+    changed = edited(directory, tmp_path, rope_scaling=rope_scaling)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(changed).eval()
+    if family == "mistral":
+        with pytest.raises(UserError, match="rope scaling 'linear' is not supported for this family"):
+            load_model(changed)
+        return
+    assert max_diff(logits(load_model(changed).model.eval(), X), logits(theirs, X)) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "mixtral", "smollm3", "gemma3", "phi3"])
+def test_rope_settings_are_read_from_config_json_as_transformers_5_reads_them(transformers, tmp_path, family):
+    """families.rope_parameters against transformers' own config classes, for every way a config.json may say it:
+    rope_parameters alone, with a rope_scaling beside it, the older top-level rope_theta and rope_scaling, a "type"
+    key, and nothing at all (each family's own default theta)."""
+    from quillgpt.families import rope_parameters
+
+    directory = tmp_path / family
+    save_hf_family(transformers, family, directory)
+    base = json.loads((directory / "config.json").read_text())
+    base = {k: v for k, v in base.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    scaled = {"rope_type": "longrope" if family == "phi3" else "linear", "factor": 2.0}
+    if family == "phi3":
+        scaled.update(short_factor=[1.0, 1.1, 1.2, 1.3], long_factor=[2.0, 2.1, 2.2, 2.3])
+    variants = [
+        {},
+        {"rope_theta": 1234.0},
+        {"rope_theta": 1234.0, "rope_scaling": scaled},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 99.0}, "rope_scaling": scaled},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 99.0}},
+        {"rope_scaling": {**scaled, "type": scaled["rope_type"], "rope_type": None}},
+    ]
+    if family == "gemma3":  # its rope_parameters are by the kind of layer (a flat dict fails transformers itself)
+        variants = [v for v in variants if "rope_parameters" not in v]
+        variants.append({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5.0}}})
+        variants.append({"rope_parameters": {"full_attention": {"rope_theta": 5.0}}, "rope_scaling": scaled})
+    for variant in variants:
+        variant = {k: v for k, v in variant.items() if v is not None}
+        if "rope_scaling" in variant:
+            variant["rope_scaling"] = {k: v for k, v in variant["rope_scaling"].items() if v is not None}
+        hf = {**base, **variant}
+        (directory / "config.json").write_text(json.dumps(hf))
+        config = transformers.AutoConfig.from_pretrained(directory)
+        expected = config.rope_parameters
+        for layer in ("full_attention", "sliding_attention") if family == "gemma3" else ("full_attention",):
+            want = expected[layer] if family == "gemma3" else expected
+            got = rope_parameters(hf, "gemma3" if family == "gemma3" else family, layer)
+            assert {k: v for k, v in got.items() if k != "type"} == {k: v for k, v in want.items() if k != "type"}, (
+                variant,
+                layer,
+            )

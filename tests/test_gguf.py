@@ -120,6 +120,8 @@ HF_OVERRIDES = {
     "qwen3_moe": dict(mlp_only_layers=[]),
     "olmoe": dict(num_key_value_heads=4),
     "mixtral": dict(sliding_window=None),
+    # Phi-3 with an original context llama.cpp can run within (it rounds n_ctx up to 256): its short factors there
+    "phi3": dict(max_position_embeddings=512, original_max_position_embeddings=256),
 }
 HF_VARIANTS = {"mixtral-8x": ("mixtral", dict(num_local_experts=8))}  # case -> (family, its config beyond conftest's)
 LATER_FAMILIES = ("mistral-hf", "gemma3-hf", "phi3-hf", "olmo2-hf", "smollm3-hf")
@@ -292,10 +294,10 @@ FAMILY_KEYS = {
         "gemma3.attention.scale": None,  # llama.cpp's gemma3 derives its own: ours goes into attn_q_norm
     },
     "phi3-hf": {
-        "phi3.context_length": 64,  # the original context, as our model loads Phi
+        "phi3.context_length": 512,  # max_position_embeddings: past the original 256 the long factors
         "phi3.rope.dimension_count": 8,  # half of the head's 16 (partial_rotary_factor 0.5)
-        "phi3.rope.scaling.original_context_length": 64,
-        "phi3.rope.scaling.attn_factor": (1 + np.log(2) / np.log(64)) ** 0.5,  # from 128 / 64
+        "phi3.rope.scaling.original_context_length": 256,
+        "phi3.rope.scaling.attn_factor": (1 + np.log(2) / np.log(256)) ** 0.5,  # from 512 / 256
         "phi3.attention.sliding_window": 0,
     },
     "olmo2-hf": {"olmo2.attention.sliding_window": None},
@@ -391,14 +393,13 @@ def test_gemma3_norms_carry_their_1_and_the_query_norm_our_query_scale(source, e
 
 
 def test_phi3_longrope_factors_go_in_as_both_sets_and_its_name_stays_clear_of_llama_cpps_phi_3_rule(source, exported):
-    """Within the original context llama.cpp takes the short factors, past it the long ones, where our model never
-    goes: both are the short ones ours has. A general.name holding "phi3" would give the special tokens Phi-3's
+    """LongRoPE's short and long factors go in as rope_factors_short and _long (llama.cpp takes the long ones for a
+    context longer than the original one). A general.name holding "phi3" would give the special tokens Phi-3's
     right-strip in llama.cpp (and fail without <unk>): the directory's name phi3-hf0 goes in as "phi 3-hf0"."""
     path = exported("phi3-hf")
     reader = gguf.GGUFReader(path)
-    for kind in ("long", "short"):
-        factors = gguf_tensor(reader, f"rope_factors_{kind}.weight")
-        np.testing.assert_array_equal(factors, np.float32([1.0, 1.3, 1.9, 2.6]))
+    for kind, factors in (("short", [1.0, 1.3, 1.9, 2.6]), ("long", [1.0, 3.0, 5.0, 9.0])):
+        np.testing.assert_array_equal(gguf_tensor(reader, f"rope_factors_{kind}.weight"), np.float32(factors))
     assert field(reader, "general.name") == source("phi3-hf").name.replace("phi3", "phi 3")
 
 
@@ -517,7 +518,7 @@ def needs_llama_cpp():
 
 
 @contextmanager
-def llama_cpp_model(path: Path):
+def llama_cpp_model(path: Path, n_ctx: int = 128):
     """llama.cpp's model with a float32 KV cache (its default, float16, rounds keys and values) and without the CPU
     backend's extra buffer types (its AMX matrix multiply crashes in a process that has run PyTorch, on CPUs that
     have AMX)."""
@@ -534,7 +535,7 @@ def llama_cpp_model(path: Path):
     lib.llama_model_default_params = params
     try:
         llm = llama_cpp.Llama(
-            model_path=str(path), logits_all=True, n_ctx=128, n_threads=1, verbose=False, type_k=0, type_v=0
+            model_path=str(path), logits_all=True, n_ctx=n_ctx, n_threads=1, verbose=False, type_k=0, type_v=0
         )
     finally:
         lib.llama_model_default_params = defaults
@@ -568,12 +569,16 @@ def test_llama_cpp_tokenizes_and_decodes_greedily_as_we_do_in_f32(needs_llama_cp
     loaded = load_model(source(name))
     tok = tokenizer_from_dict(loaded.tokenizer)
     text = ASCII_PROMPT if name.endswith("-ascii") else PROMPT
-    with llama_cpp_model(path) as llm:
+    # Phi-3 within its original context: llama.cpp takes LongRoPE's long factors for every position of a longer
+    # n_ctx, transformers and ours only in a pass that reaches past it
+    c = loaded.model.config
+    context = c.rope_original_context if c.rope_scaling == "longrope" else min(c.block_size, 128)
+    with llama_cpp_model(path, context) as llm:
         prompt = tok.prompt_ids(text)
         assert llm.tokenize(text.encode(), add_bos=True, special=False) == prompt
         assert llm.tokenize(TEXT[:3000].encode(), add_bos=False, special=False) == tok.encode(TEXT[:3000])
-        # the 32 tokens within our context, Phi-3's 64 (its original one): past it ours slides, llama.cpp's doesn't
-        prompt = prompt[: loaded.model.config.block_size - 32]
+        # 32 new tokens within the context: past it ours slides, llama.cpp's doesn't
+        prompt = prompt[: context - 32]
         theirs, their_tokens = logits_and_greedy(llm, prompt, 32)
     mine, my_tokens = ours(loaded.model.eval(), prompt, 32)
     relative = ARCHITECTURE[name] in GELU_TABLE_ARCHITECTURES

@@ -455,7 +455,11 @@ BAD_REQUESTS = {
     "an infinite top_p": ("/completions", b'{"model": "tiny", "prompt": "a", "top_p": Infinity}', "top_p"),
     "a negative temperature": ("/completions", {"model": "tiny", "prompt": "a", "temperature": -1}, "temperature"),
     "a huge max_tokens": ("/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2**70}, "max_tokens"),
-    "a zero max_tokens": ("/chat/completions", {"model": "tiny", "messages": CONVERSATION, "max_tokens": 0}, "max_tokens"),
+    "a zero max_tokens": (
+        "/chat/completions",
+        {"model": "tiny", "messages": CONVERSATION, "max_tokens": 0},
+        "max_tokens",
+    ),
 }
 
 
