@@ -7,8 +7,8 @@ differs from what the cache holds (a reply the tokenizer encodes differently fro
 system message), the cache is rewound to the longest common prefix; the positions after it are overwritten. The
 new ids run in one forward pass appended to the cache (each sees the cache and the new ids before it).
 
-When the prompt and the longest reply would not fit the model's context, the oldest turns are dropped (the system
-message kept), with a notice.
+When the reply would have less room than the smaller of its longest length and a quarter of the context, the oldest
+turns are dropped (the system message kept), with a notice; a reply gets the room left.
 
 A tokenizer with the calculator tool's tokens (quillgpt/tools.py) gets its calls answered: after the model writes
 <|python_start|>expression<|python_end|>, the output (<|output_start|>42<|output_end|>) is put into the reply and
@@ -124,9 +124,9 @@ class ChatSession:
         return text
 
     def fit(self, max_new_tokens: int) -> tuple[list[int], int]:
-        """(prompt ids, reply budget): the oldest turns dropped until the prompt and max_new_tokens fit the context,
-        or the budget cut when only the last message is left and still nothing else fits. A message that can't fit
-        even alone is a UserError, the conversation untouched."""
+        """(prompt ids, reply budget): the oldest turns dropped while the reply would have less room than the smaller
+        of max_new_tokens and a quarter of the context (serve.py's page fits a conversation alike), the budget the
+        room left. A message that can't fit even alone is a UserError, the conversation untouched."""
         alone = self.format.prompt_ids([m for m in self.messages if m["role"] == "system"] + self.messages[-1:])
         if len(alone) >= self.block_size:
             raise UserError(
@@ -136,7 +136,8 @@ class ChatSession:
         dropped = 0
         while True:
             prompt = self.format.prompt_ids(self.messages)
-            if len(prompt) + max_new_tokens <= self.block_size or not self.drop_oldest_turn():
+            room = self.block_size - len(prompt)
+            if room >= min(max_new_tokens, self.block_size // 4) or not self.drop_oldest_turn():
                 break
             dropped += 1
         if dropped and self.notices is not None:

@@ -141,13 +141,15 @@ def servers(tmp_path_factory) -> dict[str, PageServer]:
     - chat: ChatML without the calculator, a context of 2,048 and no end of text, so a long reply streams for
       seconds and Stop lands mid-stream (its greedy replies never end early);
     - tools: ChatML with the calculator's tokens (its random replies may spell them: only the tool's test uses it);
-    - base: no chat template, behind an API key."""
+    - base: no chat template, behind an API key;
+    - small: ChatML without the calculator in the README's chat model's context, 128 tokens."""
     root = tmp_path_factory.mktemp("page-models")
     char = CharTokenizer(PRINTABLE, eot=False)
     models = {  # name: (tokenizer, the model's arguments, serve.py's flags)
         "chat": (chatml_without_tool(char), {"block_size": 2048}, ("--max-batch", "2")),
         "tools": (with_chat_tokens(char), {"block_size": 1024}, ()),
         "base": (char, {}, ()),
+        "small": (chatml_without_tool(char), {"block_size": 128}, ()),
     }
 
     # written one after another: the random weights come from torch's one global generator, which threads would share
@@ -181,6 +183,11 @@ def tool_server(servers) -> PageServer:
 @pytest.fixture(scope="module")
 def base_server(servers) -> PageServer:
     return servers["base"]
+
+
+@pytest.fixture(scope="module")
+def small_server(servers) -> PageServer:
+    return servers["small"]
 
 
 class Page:
@@ -305,6 +312,46 @@ def test_a_message_sent_with_enter_streams_the_apis_greedy_reply(page, chat_serv
     page.send("and again?")
     conversation = [{"role": "system", "content": "be brief."}, *conversation, {"role": "assistant", "content": second}]
     assert page.reply() == chat_server.greedy_chat([*conversation, {"role": "user", "content": "and again?"}], 12)
+
+
+QUESTIONS = ["What do you get from 32 + 36?", "Write house backwards.", "How many letters in strawberry?", "And 7 * 8?"]
+
+
+def test_a_conversation_longer_than_the_context_goes_on_for_ten_turns_its_oldest_turns_left_out(page, small_server):
+    """The README's chat model has 128 tokens of context: after a turn or two the conversation outgrows it. The page
+    leaves its oldest turns out (shown greyed, under a line saying so, the system message kept), fits each reply to
+    the room left, and every one of ten turns gets the API's greedy reply to what the page sent: no refusal."""
+    page.open(small_server)
+    page.settings(temperature=0)  # max tokens: the page's default, 64 for this context
+    page.click("#system-box summary")
+    page.type_into("#system", "be brief.")
+    history: list[dict] = []
+    for turn in range(10):
+        question = QUESTIONS[turn % len(QUESTIONS)]
+        page.send(question)
+        reply = page.reply()
+        assert not page.find("#error").is_displayed(), page.text("#error-text")
+        history.append({"role": "user", "content": question})
+        kept, max_tokens = fitted(small_server, history, "be brief.", setting=64)
+        assert reply == small_server.greedy_chat(kept, max_tokens), turn
+        history.append({"role": "assistant", "content": reply})
+    outside = len(page.driver.find_elements(By.CSS_SELECTOR, "#messages .message.outside"))
+    assert outside >= 2 and len(page.messages()) == 20
+    assert page.text(".context-note").startswith(f"The model no longer sees the {outside} messages above")
+
+
+def fitted(server: PageServer, history: list[dict], system: str, setting: int) -> tuple[list[dict], int]:
+    """What the page sends, by chat.py's rule: the oldest turns out while the reply's room is under the smaller of
+    max tokens and a quarter of the context; max_tokens then the room left."""
+    needed = min(setting, 128 // 4)
+    starts = [i for i, m in enumerate(history) if m["role"] == "user"]
+    for turn, first in enumerate(starts):
+        messages = [{"role": "system", "content": system}, *history[first:]]
+        r = httpx.post(f"{server.root}/tokenize", json={"model": server.name, "messages": messages}, timeout=60)
+        room = 128 - r.json()["count"]
+        if room >= needed or turn == len(starts) - 1:
+            return messages, min(setting, room)
+    raise AssertionError("no user message")
 
 
 def test_stop_ends_a_long_reply_and_the_server_frees_its_slot_within_a_second(page, chat_server):

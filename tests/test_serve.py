@@ -498,9 +498,29 @@ def test_without_the_bearer_key_a_request_gets_401(server):
         r = httpx.post(f"{server.base}/completions", json=body, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server.base}/models").status_code == 401
+    assert httpx.post(f"{server.root}/tokenize", json={"model": "tiny", "prompt": "a"}).status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base, api_key="wrong", max_retries=0).models.list()
     assert server.post("/completions", json=body).status_code == 200
+
+
+def test_tokenize_counts_a_prompt_or_a_conversation_as_the_endpoints_encode_them(server, loaded):
+    """vLLM's /tokenize: the ids /v1/completions encodes a prompt to, or /v1/chat/completions renders a conversation
+    to (the assistant's turn opened), and the context; a body with neither, or both, is a 400 in OpenAI's shape."""
+    model, tokenizer = loaded
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{server.root}/tokenize", json={"model": "tiny", "messages": CONVERSATION}, headers=headers)
+    ids = chat_format(tokenizer).prompt_ids(CONVERSATION)
+    assert r.json() == {"count": len(ids), "max_model_len": BLOCK, "tokens": ids}
+    r = httpx.post(f"{server.root}/tokenize", json={"model": "tiny", "prompt": "the king"}, headers=headers)
+    assert r.json()["tokens"] == tokenizer.prompt_ids("the king")
+    for body in (
+        {"model": "tiny"},
+        {"model": "tiny", "prompt": "a", "messages": CONVERSATION},
+        {"model": "x", "prompt": "a"},
+    ):
+        r = httpx.post(f"{server.root}/tokenize", json=body, headers=headers)
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_the_server_binds_127_0_0_1_unless_told_otherwise(server):

@@ -39,6 +39,7 @@ from quillgpt.serve.requests import (
     CompletionRequest,
     SamplingFields,
     ServerSettings,
+    TokenizeRequest,
     check_model,
     generation,
     validation_error,
@@ -125,6 +126,24 @@ def build_app(batcher: Batcher, settings: ServerSettings, page: bool = True) -> 
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         gen = generation(body, ids, chat.stop_ids, settings, "messages")
         return await respond(batcher, gen, body, request, ChatShape(settings.model_name))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: the ids a prompt, or a conversation rendered as the chat endpoint renders it (the
+        assistant's turn opened), comes to, and the model's context. The page fits a conversation by it."""
+        check_model(body.model, settings)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "tokenize takes a prompt or messages, one of them", param="prompt")
+        try:
+            if body.messages is None:
+                ids = encode_prompt(batcher.tokenizer, body.prompt, sys.maxsize)
+            elif isinstance(chat, str):
+                raise APIError(400, f"this model can't chat: {chat}", param="messages")
+            else:
+                ids = chat.prompt_ids(check_messages(body.messages, "messages"))
+        except UserError as e:
+            raise APIError(400, str(e), param="prompt" if body.messages is None else "messages") from None
+        return {"count": len(ids), "max_model_len": settings.block_size, "tokens": ids}
 
     return app
 
@@ -330,7 +349,7 @@ class Guard:
 
     def check_key(self, scope: dict) -> APIError | None:
         key = self.settings.api_key
-        if key is None or not scope["path"].startswith("/v1/"):
+        if key is None or not (scope["path"].startswith("/v1/") or scope["path"] == "/tokenize"):
             return None
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"").decode("latin-1")

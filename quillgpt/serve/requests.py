@@ -87,6 +87,15 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)  # newer clients' name for max_tokens
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a prompt, or messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    prompt: str | None = None
+    messages: list[Any] | None = None
+
+
 # ---- from a request to the batcher's GenRequest --------------------------------------------------------
 
 

@@ -246,7 +246,7 @@ function newConversation() {
   const empty = Object.values(state.conversations).find((c) => c.messages.length === 0);
   if (empty) return switchTo(empty.id);  // one blank conversation is enough
   const id = Date.now().toString(36) + Math.random().toString(36).slice(2, 6);
-  state.conversations[id] = { id, title: "New chat", system: "", messages: [], updated: Date.now() };
+  state.conversations[id] = { id, title: "New chat", system: "", messages: [], updated: Date.now(), contextStart: 0 };
   switchTo(id);
 }
 
@@ -398,8 +398,17 @@ function messageElement(message, index, messages) {
 }
 
 function renderMessages() {
-  const messages = conversation().messages;
-  $("messages").replaceChildren(...messages.map((m, i) => messageElement(m, i, messages)));
+  const conv = conversation(), messages = conv.messages;
+  const items = messages.map((m, i) => messageElement(m, i, messages));
+  const start = Math.min(conv.contextStart || 0, messages.length);
+  if (start > 0) {  // the turns the last request left out: still here, greyed, with a line saying why
+    for (const item of items.slice(0, start)) item.classList.add("outside");
+    const note = element("li", "context-note", `The model no longer sees the ${start} message${start > 1 ? "s" : ""} ` +
+      `above: the conversation outgrew its ${state.model ? state.model.context_length : ""}-token context` +
+      `${conv.system.trim() ? " (the system message stays)" : ""}.`);
+    items.splice(start, 0, note);
+  }
+  $("messages").replaceChildren(...items);
   $("messages").scrollTop = $("messages").scrollHeight;
   updateControls();
 }
@@ -456,17 +465,56 @@ function editMessage(li, index) {
   area.focus();
 }
 
+// The conversation as it fits the model's context, as chat.py fits it: while the reply would have less room than the
+// smaller of max tokens and a quarter of the context, the oldest turn (a user message and the replies after it) is
+// left out, the system message kept; the reply's max_tokens is then at most the room left. Resolves to the request's
+// fields and the index of the first message sent (conv.contextStart: the page shows what the model no longer sees),
+// or throws where the last message alone leaves no room.
+async function fitted(conv, system) {
+  const context = state.model.context_length;
+  const setting = $("max_tokens").value.trim() === "" ? null : Number($("max_tokens").value);
+  const needed = Math.max(1, Math.min(setting ?? context, Math.floor(context / 4)));
+  const starts = conv.messages.map((m, i) => (m.role === "user" ? i : -1)).filter((i) => i >= 0);
+  for (let turn = 0; ; turn++) {
+    const first = starts[turn] ?? 0;
+    const history = conv.messages.slice(first).map((m) => ({ role: m.role, content: apiContent(m) }));
+    const messages = system.trim() ? [{ role: "system", content: system }, ...history] : history;
+    const room = context - (await tokenCount(messages));
+    if (room >= needed || turn >= starts.length - 1) {
+      if (room < 1) {
+        throw new ServerError(`this message makes a prompt of ${context - room} tokens, and the model's context is ` +
+          `${context}: say it in fewer words (or a shorter system message)`, 400);
+      }
+      return { request: { messages, max_tokens: Math.min(setting ?? room, room) }, first };
+    }
+  }
+}
+
+// How many tokens the server renders these messages into (POST /tokenize, vLLM's)
+async function tokenCount(messages) {
+  const response = await api("/tokenize", { model: state.model.id, messages });
+  return (await response.json()).count;
+}
+
 async function reply() {
   const conv = conversation();
-  const history = conv.messages.map((m) => ({ role: m.role, content: apiContent(m) }));
   const system = $("system").value;
-  const messages = system.trim() ? [{ role: "system", content: system }, ...history] : history;
+  renderMessages();  // the message sent, at once: fitting it asks the server first
+  let fit;
+  try {
+    fit = await fitted(conv, system);
+  } catch (e) {
+    showError(e instanceof ServerError ? e.message : "cannot reach the server: " + e.message);
+    renderMessages();
+    return;
+  }
+  conv.contextStart = fit.first;
   const message = { role: "assistant", content: "", streaming: true };
   conv.messages.push(message);
   touch(conv);
   renderMessages();
   const content = $("messages").lastElementChild.querySelector(".content");
-  await run("/v1/chat/completions", { messages }, (text) => {
+  await run("/v1/chat/completions", fit.request, (text) => {
     message.content += text;
     renderContent(content, message);
     $("messages").scrollTop = $("messages").scrollHeight;
