@@ -60,6 +60,8 @@ def memory_estimate(cfg: Config, model: GPT, precision: str, world_size: int) ->
         "activations": float(activations),
         "logits": float(logits),
     }
+    if c.n_experts:
+        est["routed"] = routed_bytes(c, B * T, act_bytes)
     if cfg.lora.quantize != "none" and frozen_linear:  # one linear map's weight dequantized at a time
         est["autocast copies"] += max(frozen_linear) * act_bytes
     if cfg.distributed.fsdp:
@@ -84,6 +86,18 @@ def layer_activations(c) -> int:
     copies = c.experts_per_token + c.shared_experts if c.n_experts else 1
     mlp = copies * (c.n_embd + (4 if c.mlp in GATED else 2) * hidden) + c.n_embd
     return norms + attention + mlp
+
+
+def routed_bytes(c, tokens: int, act_bytes: int) -> float:
+    """What a mixture of experts keeps beyond layer_activations' copies of the MLP (quillgpt/moe.py, read off its
+    saved tensors): per layer and token, each routed copy's weighted output, under autocast an fp32 copy of its
+    gathered rows too, and the router's logits and fp32 probabilities; and once, in the backward, one layer's expert
+    gradients in the compute dtype (the looped matmul's) with their fp32 cast."""
+    copies, layers = c.experts_per_token, c.n_layer - c.dense_layers
+    per_token = copies * c.n_embd * (act_bytes + (4 if act_bytes == 2 else 0)) + c.n_experts * (4 + act_bytes)
+    hidden = c.expert_hidden or mlp_hidden_width(c)
+    expert_weights = c.n_experts * hidden * c.n_embd * (3 if c.mlp in GATED else 2)
+    return float(layers * tokens * per_token + expert_weights * (act_bytes + 4))
 
 
 def free_memory(device: torch.device) -> float:

@@ -377,3 +377,35 @@ def test_two_ranks_route_and_balance_as_one_rank_with_accumulation_under_ddp_and
         torchrun(*[f"--{k}={v}" for k, v in ranks.items()], "--distributed.fsdp", str(fsdp).lower())
         for key in ("loss", "expert_load", "aux_loss", "z_loss"):
             assert_same(log(tmp_path / name / "t", key=key), log(single, key=key), tol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("experts", [0, 16])
+def test_the_memory_estimate_holds_what_a_training_step_keeps_for_its_backward(precision, experts):
+    """--validate's activation terms (feasibility.memory_estimate: activations, logits, an MoE's routed copies) are
+    at least the bytes a real forward pass saves for its backward, read off autograd's saved tensors (the weights left out),
+    with the autocast copies' term, for a dense model and a 16-expert one alike."""
+    from quillgpt.config import Config
+    from quillgpt.feasibility import memory_estimate
+
+    # short rows, 4 of 16 experts a token: the routed copies are most of what a layer keeps
+    extra = dict(n_experts=16, experts_per_token=4, expert_hidden=128) if experts else dict(mlp_hidden=512)
+    model_cfg = GPTConfig(block_size=16, vocab_size=100, n_layer=2, n_head=4, n_embd=128, bias=False, **extra)
+    cfg = Config()
+    cfg.model, cfg.training.batch_size = model_cfg, 8
+    torch.manual_seed(0)
+    model = GPT(model_cfg).train()
+    x = torch.randint(0, 100, (8, 16))
+    saved = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        model(x, x)[1].backward()
+    weights = {p.data_ptr() for p in model.parameters()}
+    kept = sum(n for (ptr, _, _), n in saved.items() if ptr not in weights)  # the autocast casts are not weights
+    est = memory_estimate(cfg, model, precision, 1)
+    assert est["activations"] + est["logits"] + est.get("routed", 0.0) + est["autocast copies"] >= kept
