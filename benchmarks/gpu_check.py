@@ -279,7 +279,7 @@ def this_commit() -> str:
 def peak_flops(check: Check) -> float:
     """The dense bf16 peak MFU is counted against: the card's, or on a CPU its nominal one (metrics)."""
     if check.on_cpu:
-        return default_peak_flops(torch.device("cpu"), "bf16")
+        return default_peak_flops(torch.device("cpu"), "bf16")[0]
     return check.report["machine"]["bf16_peak_tflops"] * 1e12
 
 

@@ -207,12 +207,15 @@ class DataConfig:
     data_format: str = _f(
         "bin", "bin (token memmaps) | txt (train.txt/val.txt tokenized once and cached)", choices=("bin", "txt")
     )
-    val_fraction: float = _f(
-        0.1,
-        "fraction of the documents (of a lone text file: of its bytes, at the end) held out "
-        "for validation when preparing",
+    val_fraction: float | None = _f(
+        None,
+        "fraction of the documents (of a lone text file: of its bytes, at the end) held out for validation when "
+        "preparing (none: an existing dataset's own, else 0.1)",
     )
-    max_bytes: int | None = _f(None, "cap on the bytes of raw text read when preparing (pystdlib default: 4 MB)")
+    max_bytes: int | None = _f(
+        None,
+        "cap on the bytes of raw text read when preparing (none: an existing dataset's own, else all; pystdlib: 4 MB)",
+    )
     chat: bool = _f(
         False,
         "data.input holds conversations (records with a messages list): prepared with the chat template (with "
@@ -687,177 +690,297 @@ DOCUMENT_MASK_ON_CHAT = (
 )
 
 
+Problems = list[tuple[str, str]]  # (the key a rule is about, its one-line message)
+
+
 def validate(cfg: Config, world_size: int = 1) -> list[str]:
-    """Every rule that can be checked from the config alone; the rules that need the data are data.py's
+    """Every rule that can be checked from the config alone, one section at a time (CHECKS), and one line per key:
+    its first problem (a NaN beta is not finite, and says nothing more). The rules that need the data are data.py's
     (find_dataset, check_fits), those that need the device trainer.setup's."""
-    errors: list[str] = []
-
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            errors.append(msg)
-
+    first: dict[str, str] = {}
     for section, sec_cls in SECTIONS.items():
         for f in fields(sec_cls):
             choices = f.metadata.get("choices")
             value = getattr(getattr(cfg, section), f.name)
             if choices and value is not None and value not in choices:
-                errors.append(f"{section}.{f.name} = {value!r} must be one of {' | '.join(choices)}")
+                first.setdefault(
+                    f"{section}.{f.name}", f"{section}.{f.name} = {value!r} must be one of {' | '.join(choices)}"
+                )
             elif isinstance(value, float) and not math.isfinite(value):  # TOML and the command line accept nan, inf
-                errors.append(f"{section}.{f.name} = {value} must be a finite number")
-    t, o, m, d = cfg.training, cfg.optimizer, cfg.model, cfg.data
-    for key in ("batch_size", "grad_accum_steps", "max_iters", "eval_iters", "max_nonfinite_steps", "loss_chunks"):
-        need(getattr(t, key) > 0, f"training.{key} = {getattr(t, key)} must be positive")
-    for key in (
+                first.setdefault(f"{section}.{f.name}", f"{section}.{f.name} = {value} must be a finite number")
+    for check in CHECKS.values():
+        for key, message in check(cfg, world_size):
+            first.setdefault(key, message)
+    return list(first.values())
+
+
+def rules(*pairs: tuple[str, bool, str]) -> Problems:
+    """(key, message) of each (key, ok, message) whose rule fails."""
+    return [(key, message) for key, ok, message in pairs if not ok]
+
+
+def check_training(cfg: Config, world_size: int) -> Problems:
+    t = cfg.training
+    positive = ("batch_size", "grad_accum_steps", "max_iters", "eval_iters", "max_nonfinite_steps", "loss_chunks")
+    counts = (
         "eval_interval",
         "final_eval_iters",
         "log_interval",
         "save_interval",
         "keep_last",
         "early_stopping_patience",
-    ):
-        need(getattr(t, key) >= 0, f"training.{key} = {getattr(t, key)} must be >= 0")
-    need(
-        t.early_stopping_min_delta >= 0,
-        f"training.early_stopping_min_delta = {t.early_stopping_min_delta} must be >= 0",
     )
-    need(
-        t.best_metric != "hellaswag" or cfg.eval.hellaswag is not None,
-        "training.best_metric = 'hellaswag' needs eval.hellaswag, a HellaSwag validation jsonl",
-    )
-    need(
-        t.best_metric != "task_acc" or cfg.rl.enabled,
-        "training.best_metric = 'task_acc' is the validation accuracy of an RL run: it needs rl.enabled",
-    )
-    errors += validate_rl(cfg, world_size)
-    need(cfg.eval.hellaswag_limit >= 0, f"eval.hellaswag_limit = {cfg.eval.hellaswag_limit} must be >= 0 (0: all)")
-    need(o.learning_rate > 0, f"optimizer.learning_rate = {o.learning_rate} must be positive")
-    need(
-        o.min_lr >= 0 and (o.min_lr <= o.learning_rate or not o.decay_lr),
-        f"optimizer.min_lr = {o.min_lr} must be in [0, learning_rate]",
-    )
-    need(o.grad_clip >= 0, f"optimizer.grad_clip = {o.grad_clip} must be >= 0 (0 disables clipping)")
-    need(o.weight_decay >= 0, f"optimizer.weight_decay = {o.weight_decay} must be >= 0")
-    need(o.warmup_iters >= 0, f"optimizer.warmup_iters = {o.warmup_iters} must be >= 0")
-    need(
-        o.lr_decay_iters is None or o.lr_decay_iters > 0,
-        f"optimizer.lr_decay_iters = {o.lr_decay_iters} must be positive",
-    )
-    need(o.muon_lr > 0, f"optimizer.muon_lr = {o.muon_lr} must be positive")
-    for key in ("beta1", "beta2", "muon_momentum"):
-        need(0 <= getattr(o, key) < 1, f"optimizer.{key} = {getattr(o, key)} must be in [0, 1)")
-    for key in ("n_layer", "n_head", "n_embd", "block_size"):
-        need(getattr(m, key) > 0, f"model.{key} = {getattr(m, key)} must be positive")
-    need(m.vocab_size is None or m.vocab_size > 0, f"model.vocab_size = {m.vocab_size} must be positive")
-    for key in ("n_kv_head", "head_dim", "mlp_hidden"):
-        need(getattr(m, key) is None or getattr(m, key) > 0, f"model.{key} = {getattr(m, key)} must be positive")
-    if m.n_head > 0 and m.n_embd > 0:
-        need(
-            m.head_dim is not None or m.n_embd % m.n_head == 0,
-            f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}",
-        )
-        if m.pos_emb == "rope" and (m.head_dim or 0) >= 0 and (m.head_dim is not None or m.n_embd % m.n_head == 0):
-            width = m.head_dim or m.n_embd // m.n_head
-            need(width % 2 == 0, f"model.pos_emb = 'rope' needs an even head size, got {width}")
-        need(
-            not m.n_kv_head or m.n_kv_head <= 0 or m.n_head % m.n_kv_head == 0,
-            f"model.n_head = {m.n_head} is not a multiple of model.n_kv_head = {m.n_kv_head}",
-        )
-    need(m.norm_eps > 0, f"model.norm_eps = {m.norm_eps} must be positive")
-    need(
-        m.rope_scaling == "none"
-        or (m.rope_factor > 0 and m.rope_high_freq_factor > m.rope_low_freq_factor > 0 and m.rope_original_context > 0),
-        "model.rope_scaling = 'llama3' needs rope_factor > 0, rope_high_freq_factor > rope_low_freq_factor > 0 "
-        "and rope_original_context > 0",
-    )
-    need(0 <= m.dropout < 1, f"model.dropout = {m.dropout} must be in [0, 1)")
-    need(m.logit_softcap >= 0, f"model.logit_softcap = {m.logit_softcap} must be >= 0 (0: off)")
-    need(m.rope_theta > 0, f"model.rope_theta = {m.rope_theta} must be positive")
-    need(0 < d.val_fraction < 1, f"data.val_fraction = {d.val_fraction} must be in (0, 1)")
-    need(
-        d.bpe_vocab_size is None or d.bpe_vocab_size >= MIN_BPE_VOCAB_SIZE,
-        f"data.bpe_vocab_size = {d.bpe_vocab_size} must be >= {MIN_BPE_VOCAB_SIZE} (256 bytes and <|endoftext|>)",
-    )
-    need(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes = {d.max_bytes} must be positive")
-    need(not (d.chat and d.document_mask), DOCUMENT_MASK_ON_CHAT)
-    need(cfg.dpo.beta > 0, f"dpo.beta = {cfg.dpo.beta} must be positive")
-    need(cfg.dpo.sft_weight >= 0, f"dpo.sft_weight = {cfg.dpo.sft_weight} must be >= 0 (0: off)")
-    need(
-        0 <= cfg.dpo.label_smoothing < 0.5,
-        f"dpo.label_smoothing = {cfg.dpo.label_smoothing} must be in [0, 0.5) (the probability a label is flipped)",
-    )
-    need(
-        cfg.dpo.label_smoothing == 0 or cfg.dpo.loss_type == "robust",
-        f"dpo.label_smoothing = {cfg.dpo.label_smoothing} needs dpo.loss_type = 'robust' (TRL's sigmoid loss has no "
-        "label smoothing)",
-    )
-    need(
-        not d.preference or cfg.run.init_from != "scratch",
-        "data.preference = true tunes a model with DPO: set run.init_from to it (its weights are also the reference)",
-    )
-    need(cfg.distributed.timeout_s > 0, f"distributed.timeout_s = {cfg.distributed.timeout_s} must be positive")
-    need(
-        cfg.distributed.backend in (None, "nccl", "gloo"),
-        f"distributed.backend = {cfg.distributed.backend!r} must be nccl or gloo",
-    )
-    errors += validate_lora(cfg)
-    errors += validate_moe(m)
-    device = cfg.run.device
-    need(
-        device == "auto"
-        or device in ("cpu", "mps")
-        or device == "cuda"
-        or (device.startswith("cuda:") and device[5:].isdigit()),
-        f"run.device = {device!r} must be auto | cpu | cuda | cuda:N | mps",
-    )
-    need(
-        world_size == 1 or not device.startswith("cuda:"),
-        f"run.device = {device!r} would put all {world_size} ranks on one GPU: use run.device = 'cuda' under "
-        "torchrun (each rank takes its LOCAL_RANK's GPU; CUDA_VISIBLE_DEVICES picks which GPUs)",
+    problems = [
+        (f"training.{k}", f"training.{k} = {getattr(t, k)} must be positive") for k in positive if getattr(t, k) <= 0
+    ]
+    problems += [(f"training.{k}", f"training.{k} = {getattr(t, k)} must be >= 0") for k in counts if getattr(t, k) < 0]
+    problems += rules(
+        (
+            "training.early_stopping_min_delta",
+            t.early_stopping_min_delta >= 0,
+            f"training.early_stopping_min_delta = {t.early_stopping_min_delta} must be >= 0",
+        ),
+        (
+            "training.best_metric",
+            t.best_metric != "hellaswag" or cfg.eval.hellaswag is not None,
+            "training.best_metric = 'hellaswag' needs eval.hellaswag, a HellaSwag validation jsonl",
+        ),
+        (
+            "training.best_metric",
+            t.best_metric != "task_acc" or cfg.rl.enabled,
+            "training.best_metric = 'task_acc' is the validation accuracy of an RL run: it needs rl.enabled",
+        ),
     )
     if t.global_batch_size is not None and t.batch_size > 0 and t.grad_accum_steps > 0:
-        g = t.global_batch_size
-        need(g > 0, f"training.global_batch_size = {g} must be positive")
-        need(t.batch_size <= g, f"training.batch_size = {t.batch_size} exceeds training.global_batch_size = {g}")
-        got = t.batch_size * t.grad_accum_steps * world_size
-        need(
-            got == g or g <= 0 or t.batch_size > g,
-            f"training.global_batch_size = {g} but batch_size {t.batch_size} x grad_accum_steps {t.grad_accum_steps}"
-            f" x world_size {world_size} = {got}",
+        g, got = t.global_batch_size, t.batch_size * t.grad_accum_steps * world_size
+        problems += rules(
+            ("training.global_batch_size", g > 0, f"training.global_batch_size = {g} must be positive"),
+            (
+                "training.global_batch_size",
+                t.batch_size <= g,
+                f"training.batch_size = {t.batch_size} exceeds training.global_batch_size = {g}",
+            ),
+            (
+                "training.global_batch_size",
+                got == g or g <= 0 or t.batch_size > g,
+                f"training.global_batch_size = {g} but batch_size {t.batch_size} x grad_accum_steps "
+                f"{t.grad_accum_steps} x world_size {world_size} = {got}",
+            ),
         )
-    return errors
+    return problems
 
 
-def validate_lora(cfg: Config) -> list[str]:
-    """The [lora] section's rules: its values, and what a LoRA run needs of the rest of the config."""
-    lo, errors = cfg.lora, []
-    if lo.rank <= 0:
-        errors.append(f"lora.rank = {lo.rank} must be positive")
-    if lo.alpha <= 0:
-        errors.append(f"lora.alpha = {lo.alpha} must be positive")
-    if not 0 <= lo.dropout < 1:
-        errors.append(f"lora.dropout = {lo.dropout} must be in [0, 1)")
-    known = [*LORA_TARGETS, *LORA_TARGET_GROUPS]
-    for name in lo.targets:
-        if name not in known:
-            errors.append(
-                f"lora.targets: unknown target module {name!r}{_suggest(name, known)} (known: {', '.join(known)})"
+def check_eval(cfg: Config, world_size: int) -> Problems:
+    e = cfg.eval
+    return rules(
+        (
+            "eval.hellaswag_limit",
+            e.hellaswag_limit >= 0,
+            f"eval.hellaswag_limit = {e.hellaswag_limit} must be >= 0 (0: all)",
+        )
+    )
+
+
+def check_optimizer(cfg: Config, world_size: int) -> Problems:
+    o = cfg.optimizer
+    problems = rules(
+        (
+            "optimizer.learning_rate",
+            o.learning_rate > 0,
+            f"optimizer.learning_rate = {o.learning_rate} must be positive",
+        ),
+        (
+            "optimizer.min_lr",
+            o.min_lr >= 0 and (o.min_lr <= o.learning_rate or not o.decay_lr),
+            f"optimizer.min_lr = {o.min_lr} must be in [0, learning_rate]",
+        ),
+        (
+            "optimizer.grad_clip",
+            o.grad_clip >= 0,
+            f"optimizer.grad_clip = {o.grad_clip} must be >= 0 (0 disables clipping)",
+        ),
+        ("optimizer.weight_decay", o.weight_decay >= 0, f"optimizer.weight_decay = {o.weight_decay} must be >= 0"),
+        ("optimizer.warmup_iters", o.warmup_iters >= 0, f"optimizer.warmup_iters = {o.warmup_iters} must be >= 0"),
+        (
+            "optimizer.lr_decay_iters",
+            o.lr_decay_iters is None or o.lr_decay_iters > 0,
+            f"optimizer.lr_decay_iters = {o.lr_decay_iters} must be positive",
+        ),
+        ("optimizer.muon_lr", o.muon_lr > 0, f"optimizer.muon_lr = {o.muon_lr} must be positive"),
+    )
+    return problems + [
+        (f"optimizer.{k}", f"optimizer.{k} = {getattr(o, k)} must be in [0, 1)")
+        for k in ("beta1", "beta2", "muon_momentum")
+        if not 0 <= getattr(o, k) < 1
+    ]
+
+
+def check_model(cfg: Config, world_size: int) -> Problems:
+    m = cfg.model
+    problems = [
+        (f"model.{k}", f"model.{k} = {getattr(m, k)} must be positive")
+        for k in ("n_layer", "n_head", "n_embd", "block_size")
+        if getattr(m, k) <= 0
+    ]
+    problems += [
+        (f"model.{k}", f"model.{k} = {getattr(m, k)} must be positive")
+        for k in ("vocab_size", "n_kv_head", "head_dim", "mlp_hidden")
+        if getattr(m, k) is not None and getattr(m, k) <= 0
+    ]
+    if m.n_head > 0 and m.n_embd > 0:
+        divisible = m.head_dim is not None or m.n_embd % m.n_head == 0
+        problems += rules(
+            ("model.n_embd", divisible, f"model.n_embd = {m.n_embd} is not divisible by model.n_head = {m.n_head}"),
+            (
+                "model.n_kv_head",
+                not m.n_kv_head or m.n_kv_head <= 0 or m.n_head % m.n_kv_head == 0,
+                f"model.n_head = {m.n_head} is not a multiple of model.n_kv_head = {m.n_kv_head}",
+            ),
+        )
+        if m.pos_emb == "rope" and (m.head_dim or 0) >= 0 and divisible:
+            width = m.head_dim or m.n_embd // m.n_head
+            problems += rules(
+                ("model.pos_emb", width % 2 == 0, f"model.pos_emb = 'rope' needs an even head size, got {width}")
             )
-    if not lo.targets:
-        errors.append(f"lora.targets is empty: name the modules that get adapters ({', '.join(known)})")
-    if not lo.enabled:
-        if lo.adapters is not None or lo.quantize != "none":
-            errors.append("lora.adapters and lora.quantize need lora.enabled = true")
-        return errors
-    if cfg.run.init_from == "scratch":
-        errors.append("lora.enabled needs run.init_from: the model whose frozen weights the adapters train on")
-    if cfg.optimizer.name != "adamw":
-        errors.append(
-            f"lora.enabled trains with optimizer.name = 'adamw' (not {cfg.optimizer.name!r}: Muon orthogonalises "
-            "whole weight matrices, which a rank-r adapter is not)"
+    problems += rules(
+        ("model.norm_eps", m.norm_eps > 0, f"model.norm_eps = {m.norm_eps} must be positive"),
+        (
+            "model.rope_scaling",
+            m.rope_scaling == "none"
+            or (
+                m.rope_factor > 0
+                and m.rope_high_freq_factor > m.rope_low_freq_factor > 0
+                and m.rope_original_context > 0
+            ),
+            "model.rope_scaling = 'llama3' needs rope_factor > 0, rope_high_freq_factor > rope_low_freq_factor > 0 "
+            "and rope_original_context > 0",
+        ),
+        ("model.dropout", 0 <= m.dropout < 1, f"model.dropout = {m.dropout} must be in [0, 1)"),
+        ("model.logit_softcap", m.logit_softcap >= 0, f"model.logit_softcap = {m.logit_softcap} must be >= 0 (0: off)"),
+        ("model.rope_theta", m.rope_theta > 0, f"model.rope_theta = {m.rope_theta} must be positive"),
+    )
+    return problems + check_moe(m)
+
+
+def check_data(cfg: Config, world_size: int) -> Problems:
+    d = cfg.data
+    return rules(
+        (
+            "data.val_fraction",
+            d.val_fraction is None or 0 < d.val_fraction < 1,
+            f"data.val_fraction = {d.val_fraction} must be in (0, 1)",
+        ),
+        (
+            "data.bpe_vocab_size",
+            d.bpe_vocab_size is None or d.bpe_vocab_size >= MIN_BPE_VOCAB_SIZE,
+            f"data.bpe_vocab_size = {d.bpe_vocab_size} must be >= {MIN_BPE_VOCAB_SIZE} (256 bytes and <|endoftext|>)",
+        ),
+        ("data.max_bytes", d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes = {d.max_bytes} must be positive"),
+        ("data.document_mask", not (d.chat and d.document_mask), DOCUMENT_MASK_ON_CHAT),
+        (
+            "data.preference",
+            not d.preference or cfg.run.init_from != "scratch",
+            "data.preference = true tunes a model with DPO: set run.init_from to it (its weights are also the reference)",
+        ),
+    )
+
+
+def check_dpo(cfg: Config, world_size: int) -> Problems:
+    p = cfg.dpo
+    return rules(
+        ("dpo.beta", p.beta > 0, f"dpo.beta = {p.beta} must be positive"),
+        ("dpo.sft_weight", p.sft_weight >= 0, f"dpo.sft_weight = {p.sft_weight} must be >= 0 (0: off)"),
+        (
+            "dpo.label_smoothing",
+            0 <= p.label_smoothing < 0.5,
+            f"dpo.label_smoothing = {p.label_smoothing} must be in [0, 0.5) (the probability a label is flipped)",
+        ),
+        (
+            "dpo.label_smoothing",
+            p.label_smoothing == 0 or p.loss_type == "robust",
+            f"dpo.label_smoothing = {p.label_smoothing} needs dpo.loss_type = 'robust' (TRL's sigmoid loss has no "
+            "label smoothing)",
+        ),
+    )
+
+
+def check_distributed(cfg: Config, world_size: int) -> Problems:
+    dist = cfg.distributed
+    return rules(
+        ("distributed.timeout_s", dist.timeout_s > 0, f"distributed.timeout_s = {dist.timeout_s} must be positive"),
+        (
+            "distributed.backend",
+            dist.backend in (None, "nccl", "gloo"),
+            f"distributed.backend = {dist.backend!r} must be nccl or gloo",
+        ),
+    )
+
+
+def check_run(cfg: Config, world_size: int) -> Problems:
+    device = cfg.run.device
+    return rules(
+        (
+            "run.device",
+            device in ("auto", "cpu", "mps", "cuda") or (device.startswith("cuda:") and device[5:].isdigit()),
+            f"run.device = {device!r} must be auto | cpu | cuda | cuda:N | mps",
+        ),
+        (
+            "run.device",
+            world_size == 1 or not device.startswith("cuda:"),
+            f"run.device = {device!r} would put all {world_size} ranks on one GPU: use run.device = 'cuda' under "
+            "torchrun (each rank takes its LOCAL_RANK's GPU; CUDA_VISIBLE_DEVICES picks which GPUs)",
+        ),
+    )
+
+
+def check_lora(cfg: Config, world_size: int) -> Problems:
+    """The [lora] section's rules: its values, and what a LoRA run needs of the rest of the config."""
+    lo = cfg.lora
+    known = [*LORA_TARGETS, *LORA_TARGET_GROUPS]
+    problems = rules(
+        ("lora.rank", lo.rank > 0, f"lora.rank = {lo.rank} must be positive"),
+        ("lora.alpha", lo.alpha > 0, f"lora.alpha = {lo.alpha} must be positive"),
+        ("lora.dropout", 0 <= lo.dropout < 1, f"lora.dropout = {lo.dropout} must be in [0, 1)"),
+        (
+            "lora.targets",
+            bool(lo.targets),
+            f"lora.targets is empty: name the modules that get adapters ({', '.join(known)})",
+        ),
+    )
+    problems += [
+        (
+            "lora.targets",
+            f"lora.targets: unknown target module {name!r}{_suggest(name, known)} (known: {', '.join(known)})",
         )
-    if cfg.distributed.fsdp:
-        errors.append("lora.enabled does not shard with distributed.fsdp: the frozen base is not trained; use DDP")
-    return errors
+        for name in lo.targets
+        if name not in known
+    ]
+    if not lo.enabled:
+        return problems + rules(
+            (
+                "lora.enabled",
+                lo.adapters is None and lo.quantize == "none",
+                "lora.adapters and lora.quantize need lora.enabled = true",
+            )
+        )
+    return problems + rules(
+        (
+            "run.init_from",
+            cfg.run.init_from != "scratch",
+            "lora.enabled needs run.init_from: the model whose frozen weights the adapters train on",
+        ),
+        (
+            "optimizer.name",
+            cfg.optimizer.name == "adamw",
+            f"lora.enabled trains with optimizer.name = 'adamw' (not {cfg.optimizer.name!r}: Muon orthogonalises "
+            "whole weight matrices, which a rank-r adapter is not)",
+        ),
+        (
+            "distributed.fsdp",
+            not cfg.distributed.fsdp,
+            "lora.enabled does not shard with distributed.fsdp: the frozen base is not trained; use DDP",
+        ),
+    )
 
 
 def lora_targets(names: list[str]) -> tuple[str, ...]:
@@ -866,63 +989,99 @@ def lora_targets(names: list[str]) -> tuple[str, ...]:
     return tuple(t for t in LORA_TARGETS if t in chosen)
 
 
-def validate_rl(cfg: Config, world_size: int) -> list[str]:
+def check_rl(cfg: Config, world_size: int) -> Problems:
     """The rules of an RL run ([rl])."""
     r = cfg.rl
     if not r.enabled:
         return []
     from quillgpt.tasks import TASKS  # the task names (tasks.py needs no torch)
 
-    errors = [
-        f"rl.{k} = {getattr(r, k)} must be positive"
+    problems = [
+        (f"rl.{k}", f"rl.{k} = {getattr(r, k)} must be positive")
         for k in ("prompts_per_step", "group_size", "max_new_tokens", "eval_items")
         if getattr(r, k) <= 0
     ]
-    unknown = [t for t in r.tasks if t not in TASKS]
-    if unknown or not r.tasks:
-        errors.append(f"rl.tasks = {r.tasks} must name tasks among {', '.join(TASKS)}")
-    if r.temperature <= 0:
-        errors.append(f"rl.temperature = {r.temperature} must be positive (replies are sampled)")
-    if r.top_k < 0 or r.kl_coef < 0:
-        errors.append("rl.top_k and rl.kl_coef must be >= 0")
-    if r.group_size < 2:
-        errors.append(f"rl.group_size = {r.group_size}: a group needs at least 2 replies to compare")
-    if r.reward is not None and ":" not in r.reward:
-        errors.append(f"rl.reward = {r.reward!r} must be 'file.py:function' or 'module:function'")
-    if world_size > 1:
-        errors.append(f"rl.enabled runs in one process, not {world_size} ranks")
-    if cfg.data.preference:
-        errors.append("rl.enabled samples its own replies: it takes chat data, not preference pairs (data.preference)")
-    if cfg.run.init_from == "scratch":
-        errors.append(
-            "rl.enabled starts from a chat model: set run.init_from (a chat fine-tune, e.g. checkpoints/base-chat)"
-        )
-    return errors
+    return problems + rules(
+        (
+            "rl.tasks",
+            bool(r.tasks) and all(t in TASKS for t in r.tasks),
+            f"rl.tasks = {r.tasks} must name tasks among {', '.join(TASKS)}",
+        ),
+        (
+            "rl.temperature",
+            r.temperature > 0,
+            f"rl.temperature = {r.temperature} must be positive (replies are sampled)",
+        ),
+        ("rl.top_k", r.top_k >= 0, f"rl.top_k = {r.top_k} must be >= 0 (0: all)"),
+        ("rl.kl_coef", r.kl_coef >= 0, f"rl.kl_coef = {r.kl_coef} must be >= 0 (0: no KL penalty)"),
+        (
+            "rl.group_size",
+            r.group_size >= 2,
+            f"rl.group_size = {r.group_size}: a group needs at least 2 replies to compare",
+        ),
+        (
+            "rl.reward",
+            r.reward is None or ":" in r.reward,
+            f"rl.reward = {r.reward!r} must be 'file.py:function' or 'module:function'",
+        ),
+        ("rl.enabled", world_size == 1, f"rl.enabled runs in one process, not {world_size} ranks"),
+        (
+            "data.preference",
+            not cfg.data.preference,
+            "rl.enabled samples its own replies: it takes chat data, not preference pairs (data.preference)",
+        ),
+        (
+            "run.init_from",
+            cfg.run.init_from != "scratch",
+            "rl.enabled starts from a chat model: set run.init_from (a chat fine-tune, e.g. checkpoints/base-chat)",
+        ),
+    )
 
 
-def validate_moe(m: GPTConfig) -> list[str]:
+def check_moe(m: GPTConfig) -> Problems:
     """The rules of mixture-of-experts layers (model.n_experts > 0; quillgpt/moe.py)."""
     if m.n_experts == 0:
         return []
     if m.n_experts < 0:
-        return [f"model.n_experts = {m.n_experts} must be >= 0 (0: dense MLPs)"]
-    rules = [
+        return [("model.n_experts", f"model.n_experts = {m.n_experts} must be >= 0 (0: dense MLPs)")]
+    problems = rules(
         (
+            "model.experts_per_token",
             1 <= m.experts_per_token <= m.n_experts,
             f"model.experts_per_token = {m.experts_per_token} must be in [1, n_experts = {m.n_experts}]",
         ),
-        (m.expert_hidden is None or m.expert_hidden > 0, f"model.expert_hidden = {m.expert_hidden} must be positive"),
-        (m.shared_experts >= 0, f"model.shared_experts = {m.shared_experts} must be >= 0"),
         (
+            "model.expert_hidden",
+            m.expert_hidden is None or m.expert_hidden > 0,
+            f"model.expert_hidden = {m.expert_hidden} must be positive",
+        ),
+        ("model.shared_experts", m.shared_experts >= 0, f"model.shared_experts = {m.shared_experts} must be >= 0"),
+        (
+            "model.dense_layers",
             0 <= m.dense_layers < m.n_layer,
             f"model.dense_layers = {m.dense_layers} must be in [0, n_layer = {m.n_layer}): at least one layer is an MoE",
         ),
+    )
+    return problems + [
+        (f"model.{k}", f"model.{k} = {getattr(m, k)} must be >= 0")
+        for k in ("aux_loss_coef", "router_z_loss_coef", "bias_update_rate")
+        if getattr(m, k) < 0
     ]
-    rules += [
-        (getattr(m, key) >= 0, f"model.{key} = {getattr(m, key)} must be >= 0")
-        for key in ("aux_loss_coef", "router_z_loss_coef", "bias_update_rate")
-    ]
-    return [msg for ok, msg in rules if not ok]
+
+
+# each section's rules, in the order their lines print
+CHECKS = {
+    "run": check_run,
+    "data": check_data,
+    "model": check_model,
+    "training": check_training,
+    "eval": check_eval,
+    "optimizer": check_optimizer,
+    "distributed": check_distributed,
+    "lora": check_lora,
+    "dpo": check_dpo,
+    "rl": check_rl,
+}
 
 
 # ---- output -------------------------------------------------------------------------------------

@@ -25,6 +25,16 @@ from quillgpt.prepare import WORK_DIR, prepare_dataset, prepare_txt_dir
 from quillgpt.tokenizer import Tokenizer, canonical_spec, load_tokenizer, same_tokenizer, tokenizer_label
 
 SPLIT_IDS = {"train": 0, "val": 1}
+# a dataset's settings as train.py's config names them (prepare_dataset's refusals name them so)
+DATA_KEYS = {
+    "inputs": "data.input",
+    "tokenizer": "data.tokenizer",
+    "vocab_size": "data.bpe_vocab_size",
+    "val_fraction": "data.val_fraction",
+    "max_bytes": "data.max_bytes",
+    "chat": "data.chat",
+    "preference": "data.preference",
+}
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
@@ -97,6 +107,7 @@ def find_dataset(cfg: Config, dist: DistInfo) -> Dataset:
             val_fraction=d.val_fraction,
             data_dir=d.data_dir,
             max_bytes=d.max_bytes,
+            asked_as=DATA_KEYS,
         )
         directory, expect = Path(d.data_dir) / d.dataset, None if model_tokenizer else d.tokenizer
     dataset = on_every_rank(load_dataset, dist, directory, expect)

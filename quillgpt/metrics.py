@@ -60,24 +60,44 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
-def default_peak_flops(device: torch.device, precision: str) -> float:
-    """A sensible peak FLOP/s for MFU when logging.peak_tflops is not set."""
+def default_peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
+    """A device's nominal peak FLOP/s for MFU when logging.peak_tflops is not set, and what it is. On a CPU it comes
+    from what the CPU is, never from a measurement: a probe that ran beside other work read a low rate, and MFU then
+    read 143-270%."""
     import torch  # here, so that `python -m quillgpt.metrics --plot` starts without torch
 
     if device.type == "cuda":
         peak = cuda_peak_flops(torch.cuda.get_device_name(device))
-        return peak if precision in ("bf16", "fp16") else peak / 2
-    # CPU: cores x ~3 GHz x FLOPs per cycle. fp32: the vector FMA units (two 512-bit FMAs: 64; AVX2, or AMD Zen 4's
-    # AVX-512 executed on 256-bit units: 32); bf16 dot products double it, and Intel's AMX tiles (Sapphire Rapids
-    # on) do 1,024 bf16 FLOPs per cycle: oneDNN runs bf16 matmuls on them (~3.5 TFLOP/s measured on 2 cores)
+        return (peak if precision in ("bf16", "fp16") else peak / 2), "the card's nominal dense peak"
+    # CPU: threads x clock x FLOPs per cycle. fp32: the vector FMA units (two 512-bit FMAs: 64; AVX2, or AMD Zen 4's
+    # AVX-512 executed on 256-bit units: 32); bf16 dot products (AVX512-BF16) double it, and Intel's AMX tiles
+    # (Sapphire Rapids on) do 1,024 bf16 FLOPs per cycle; elsewhere bf16 is emulated, at fp32's peak at best
     cpuinfo = read_cpuinfo()
+    threads, clock = torch.get_num_threads(), cpu_clock_hz(cpuinfo)
     if precision == "bf16" and has_amx_bf16(cpuinfo):
-        return torch.get_num_threads() * 3.0e9 * 1024
-    full_width_avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" and not is_amd_zen4(cpuinfo)
-    flops_per_cycle = 64 if full_width_avx512 else 32
-    if precision == "bf16":
-        flops_per_cycle *= 2
-    return torch.get_num_threads() * 3.0e9 * flops_per_cycle
+        flops_per_cycle, unit = 1024, "AMX bf16"
+    else:
+        full_width_avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" and not is_amd_zen4(cpuinfo)
+        flops_per_cycle, unit = (64, "AVX-512 FMA") if full_width_avx512 else (32, "256-bit FMA")
+        if precision == "bf16" and "avx512_bf16" in cpu_flag_set(cpuinfo):
+            flops_per_cycle, unit = 2 * flops_per_cycle, "AVX512-BF16 dot products"
+    why = f"nominal: {threads} threads x {clock / 1e9:.1f} GHz x {flops_per_cycle} FLOPs a cycle ({unit})"
+    return threads * clock * flops_per_cycle, why
+
+
+def cpu_clock_hz(cpuinfo: str) -> float:
+    """The fastest clock this CPU reports (cpufreq's maximum, else /proc/cpuinfo's MHz), at least 3 GHz: MFU's peak
+    must bound what the cores can do, boost included."""
+    mhz = [float(line.split(":", 1)[1]) for line in cpuinfo.splitlines() if line.startswith("cpu MHz")]
+    try:
+        mhz.append(int(Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text()) / 1000)
+    except (OSError, ValueError):
+        pass
+    return max([3000.0, *mhz]) * 1e6
+
+
+def cpu_flag_set(cpuinfo: str) -> set[str]:
+    return set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
 
 
 def cuda_peak_flops(name: str) -> float:
@@ -141,8 +161,7 @@ def is_amd_zen4(cpuinfo: str) -> bool:
 
 def has_amx_bf16(cpuinfo: str) -> bool:
     """Whether /proc/cpuinfo's flags list Intel's AMX bf16 tiles."""
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return "amx_bf16" in flags
+    return "amx_bf16" in cpu_flag_set(cpuinfo)
 
 
 class MetricsLog:
@@ -434,8 +453,13 @@ def format_step_line(
 ) -> str:
     return (
         f"iter {it:>6}/{max_iters} | {loss_name} {loss:.4f} | lr {lr:.2e} | norm {grad_norm:.2f} | "
-        f"{dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu * 100:.1f}% | eta {format_duration(eta_s)}"
+        f"{dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | {mfu_text(mfu)} | eta {format_duration(eta_s)}"
     )
+
+
+def mfu_text(mfu: float) -> str:
+    """`mfu 41.3%`; never above 100%, which would say the peak is wrong (logging.peak_tflops below the device's)."""
+    return f"mfu {mfu * 100:.1f}%" if mfu <= 1 else "mfu over 100% (logging.peak_tflops is below this device's peak)"
 
 
 def rss_mb() -> float:

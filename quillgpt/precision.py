@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import torch
 
-from quillgpt.errors import UserError, WriteError
+from quillgpt.errors import WriteError
 from quillgpt.files import atomic_write_json, cache_dir
 from quillgpt.machine import cpu_flags, cpu_model
 
@@ -39,7 +39,10 @@ PROBE_ROUNDS = 3
 PROBE_MAX_ROWS = 256  # rows of the probe's (rows, width) @ (width, 4 * width)
 # and its width: past it a matmul's rate no longer changes with the width, while one call's cost grows as its square
 # (an 8,192-wide model's probe took a minute of randn and single matmuls of a second each)
-PROBE_MAX_WIDTH = 2048
+PROBE_MAX_WIDTH = 1024
+# and its FLOPs a call, rows cut to fit: where bf16 is emulated (AVX2) it runs at ~1 GFLOP/s, and a probe at
+# (256, 2048) took 6.6 s a bf16 call, 8 minutes in all for --validate of a wide model
+PROBE_MAX_FLOPS = 2**30
 
 
 def autocast(device_type: str, precision: str):
@@ -109,7 +112,8 @@ def measure_cpu_rates(width: int, rows: int) -> MatmulRates:
 
 def probe_shape(width: int, rows: int) -> tuple[int, int]:
     """(rows, width) of the probe's matmul for a model's: capped, so that it stays well under a second."""
-    return max(1, min(rows, PROBE_MAX_ROWS)), max(1, min(width, PROBE_MAX_WIDTH))
+    width = max(1, min(width, PROBE_MAX_WIDTH))
+    return max(1, min(rows, PROBE_MAX_ROWS, PROBE_MAX_FLOPS // (8 * width * width))), width
 
 
 def settle(
@@ -149,11 +153,18 @@ def read_rates(width: int, rows: int) -> tuple[float, float]:
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
     }
     best = dict.fromkeys(operands, float("inf"))
+    slow = set()  # a precision whose one call outlasts the probe's time: that call tells (an emulated path)
     with torch.no_grad():
-        for a, b in operands.values():
+        for name, (a, b) in operands.items():
+            t0 = time.perf_counter()
             a @ b  # oneDNN picks and builds its kernel on the first call
+            if time.perf_counter() - t0 > PROBE_SECONDS:
+                slow.add(name)
+                best[name] = time.perf_counter() - t0
         for _ in range(PROBE_ROUNDS):
             for name, (a, b) in operands.items():
+                if name in slow:
+                    continue
                 window_end = time.perf_counter() + PROBE_SECONDS / PROBE_ROUNDS
                 while True:
                     t0 = time.perf_counter()
@@ -238,37 +249,6 @@ def cuda_has_native_bf16() -> bool:
     """bf16 on this CUDA device runs in hardware (Ampere and later). torch's is_bf16_supported() also counts
     emulation, which on older cards is slower than fp16 with a GradScaler."""
     return torch.cuda.is_bf16_supported(including_emulation=False)
-
-
-# ---- MFU's peak on the CPU ----------------------------------------------------------------------------------
-
-
-def kept_peaks_path() -> Path:
-    """Where the best matmul rates this machine has shown are kept between runs (files.cache_dir)."""
-    return cache_dir() / "cpu_peaks.json"
-
-
-def peak_key(rates: MatmulRates, precision: str) -> str:
-    """What a kept rate is comparable across: this machine (machine_key), the probe's shape, the precision."""
-    m, k, n = rates.shape
-    return f"{machine_key()}|{m}x{k}x{n}|{precision}"
-
-
-def kept_peak(rates: MatmulRates, precision: str) -> tuple[float, str]:
-    """MFU's peak FLOP/s on the CPU and what it is: the best rate of `precision` this machine has shown at the probe's
-    shape, this run's reading included (kept between runs, so a run that starts beside other work, and reads a low
-    rate, does not report a high MFU). An unreadable file starts again from this reading; one that cannot be written
-    leaves this run's reading."""
-    measured, path, key = rates.rate(precision), kept_peaks_path(), peak_key(rates, precision)
-    kept = read_kept(path, (int, float))
-    best = max(measured, float(kept.get(key, 0.0)))
-    if best > float(kept.get(key, 0.0)):
-        try:
-            atomic_write_json(path, {**kept, key: best})
-        except (OSError, UserError):
-            return measured, f"this run's reading ({path} could not be written)"
-    when = "this run's reading" if best == measured else "an earlier run's reading"
-    return best, f"the best {precision} rate this machine has shown at this shape, {when}; kept in {path}"
 
 
 # ---- measurements kept between runs ---------------------------------------------------------------------------

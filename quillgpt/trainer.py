@@ -51,7 +51,6 @@ from quillgpt.precision import (
     MatmulRates,
     cuda_has_native_bf16,
     emulation_warning,
-    kept_peak,
     measure_cpu_rates,
 )
 from quillgpt.precision import autocast as precision_autocast
@@ -119,7 +118,7 @@ def setup(cfg: Config, dist: DistInfo, resumed: Resolution | None = None) -> Run
     if device.type == "cpu":
         keep_freed_memory()  # steps re-allocate the same tensors: reuse them, not fresh zeroed pages (docs/LOG.md)
     torch.manual_seed(cfg.run.seed + dist.rank)
-    peak, peak_source = mfu_peak(cfg, device, precision, rates)
+    peak, peak_source = mfu_peak(cfg, device, precision)
     autocast = precision_autocast(device.type, precision)
     return Runtime(
         device,
@@ -173,19 +172,12 @@ def probe_matmuls(cfg: Config, device: torch.device, dist: DistInfo) -> MatmulRa
     return distributed.broadcast_object(rates, dist)
 
 
-def mfu_peak(cfg: Config, device: torch.device, precision: str, rates: MatmulRates | None) -> tuple[float, str]:
-    """One device's peak FLOP/s for MFU, and what it is: logging.peak_tflops; on the CPU the best matmul rate of the
-    precision in use that this machine has shown at the model's shape, kept between runs (a nominal CPU peak says
-    little: emulated bf16, AMX tiles and clock speeds put the reachable rate anywhere from 1% to 100% of it; and this
-    run's reading alone moves with the load at start-up); else a default per device (metrics.default_peak_flops)."""
+def mfu_peak(cfg: Config, device: torch.device, precision: str) -> tuple[float, str]:
+    """One device's peak FLOP/s for MFU, and what it is: logging.peak_tflops, else the device's nominal peak
+    (metrics.default_peak_flops: on a CPU from its vector units and clock, never from a measurement of the moment)."""
     if cfg.logging.peak_tflops:
         return cfg.logging.peak_tflops * 1e12, "logging.peak_tflops"
-    if rates and precision in ("fp32", "bf16"):
-        return kept_peak(rates, precision)
-    nominal = (
-        "the card's nominal dense peak" if device.type == "cuda" else "a nominal CPU peak (cores x 3 GHz x FMA width)"
-    )
-    return default_peak_flops(device, precision), nominal
+    return default_peak_flops(device, precision)
 
 
 def resolve_precision(requested: str, device: torch.device, rates: MatmulRates | None = None) -> str:

@@ -44,7 +44,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# the best CPU matmul rates MFU is measured against are kept between runs (precision.kept_peak): the tests' runs keep
+# what quillgpt keeps between runs (the decoding probes, compiled steps): the tests' runs keep
 # theirs here, not in the user's ~/.cache
 os.environ["QUILLGPT_CACHE"] = tempfile.mkdtemp(prefix="quillgpt-cache-")
 atexit.register(shutil.rmtree, os.environ["QUILLGPT_CACHE"], True)

@@ -327,3 +327,23 @@ def test_one_gpu_named_for_several_ranks_is_refused():
         build_config(None, {"run.device": "cuda:0"}, world_size=2)
     assert build_config(None, {"run.device": "cuda:1"}, world_size=1).run.device == "cuda:1"
     assert build_config(None, {"run.device": "cuda"}, world_size=2).run.device == "cuda"
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        ({"dpo.beta": "nan"}, "dpo.beta = nan must be a finite number"),
+        ({"dpo.sft_weight": "nan"}, "dpo.sft_weight = nan must be a finite number"),
+        ({"rl.enabled": "true", "rl.group_size": "0", "run.init_from": "x.pt"}, "rl.group_size = 0 must be positive"),
+        ({"rl.enabled": "true", "rl.kl_coef": "-1", "run.init_from": "x.pt"}, "rl.kl_coef = -1.0 must be >= 0"),
+        ({"rl.enabled": "true", "rl.top_k": "-1", "run.init_from": "x.pt"}, "rl.top_k = -1 must be >= 0"),
+    ],
+)
+def test_one_mistake_is_one_line_naming_the_key_that_was_set(overrides, line):
+    """The config is checked one section at a time, one line per key: its first problem only (a NaN beta is not
+    finite, and is not also said to be non-positive), and a rule names the key it is about."""
+    argv = [part for key, value in overrides.items() for part in (f"--{key}", value)]
+    with pytest.raises(ConfigError) as e:
+        build_config(None, parse_overrides(argv))
+    [only] = str(e.value).splitlines()
+    assert only.startswith(line), only

@@ -314,8 +314,14 @@ def test_pystdlib_is_an_offline_corpus_of_documents(tmp_path):
     first = tok.decode(train[: np.argmax(train == tok.eot_id)])
     stdlib = sorted(Path(meta["sources"][0]["path"]).glob("*.py"))[:20]
     assert first in {p.read_text() for p in stdlib}  # a whole file
-    with pytest.raises(UserError, match="max_bytes=150000.*--reset"):
-        prepare_dataset("pystdlib", data_dir=tmp_path / "one", verbose=False)
+    # a request that leaves max_bytes open takes the dataset as prepared; one that names another is refused,
+    # naming the setting and both ways on
+    prepare_dataset("pystdlib", data_dir=tmp_path / "one", verbose=False)
+    assert (tmp_path / "one" / "pystdlib" / "train.bin").read_bytes() == outputs[0][1]
+    with pytest.raises(
+        UserError, match=r"prepared with max_bytes = 150000, and --max-bytes asks for 200000: use it as"
+    ):
+        prepare_dataset("pystdlib", max_bytes=200_000, data_dir=tmp_path / "one", verbose=False)
 
 
 def test_invalid_utf8_becomes_u_fffd_with_a_warning_and_nul_bytes_stay(tmp_path, capsys):

@@ -27,7 +27,7 @@ from quillgpt.errors import UserError
 from quillgpt.prepare.nanogpt_layout import prepare_txt_dir
 from quillgpt.prepare.pipeline import encode_dataset
 from quillgpt.prepare.request import Request, Settings, resolve
-from quillgpt.prepare.reuse import reusable, with_prepared_vocab_size
+from quillgpt.prepare.reuse import reusable, with_prepared_choices
 from quillgpt.prepare.workdir import WORK_DIR, describe
 
 __all__ = ["prepare_dataset", "prepare_txt_dir", "WORK_DIR"]
@@ -35,22 +35,31 @@ REQUEST_OPTIONS = ({f.name for f in fields(Request)} - {"inputs"}) | {"input_pat
 SETTINGS_OPTIONS = {f.name for f in fields(Settings)}
 
 
-def prepare_dataset(dataset: str, *, data_dir: str | Path = "data", reset: bool = False, **options: Any) -> Path:
+def prepare_dataset(
+    dataset: str,
+    *,
+    data_dir: str | Path = "data",
+    reset: bool = False,
+    asked_as: dict[str, str] | None = None,
+    **options: Any,
+) -> Path:
     """Prepare (or reuse) data_dir/dataset with train.bin, val.bin, tokenizer.json and meta.json; returns that dir.
 
     options, by name: input_path (a path or a list of them: Request.inputs), the other fields of Request (what the
     dataset is made from: tokenizer, vocab_size, split, val_fraction, max_bytes, glob, text_field, hf_dataset, ...;
     those not given take the dataset's defaults) and those of Settings (how: verbose, workers, chunk_bytes,
-    bpe_train_bytes). reset: prepare again even if a dataset is there, discarding unfinished work."""
+    bpe_train_bytes). reset: prepare again even if a dataset is there, discarding unfinished work. A complete dataset
+    is reused where it answers the request, the choices the request leaves open made as it made them; asked_as names
+    the options as the caller's user gives them (train.py: data.max_bytes), for the line that refuses one."""
     if not dataset or dataset in (".", "..") or "/" in dataset or os.sep in dataset:
         raise UserError(f"dataset name must be a plain folder name, got {dataset!r}")
     asked, settings = request_and_settings(options)
     out_dir = Path(data_dir) / dataset
     if not reset:
-        asked = with_prepared_vocab_size(out_dir, asked)
+        asked = with_prepared_choices(out_dir, asked)
     request = resolve(dataset, asked)
     if (out_dir / "meta.json").exists() and not reset:
-        meta = reusable(out_dir, dataset, request)
+        meta = reusable(out_dir, dataset, request, asked_as)
         if meta is not None:
             if settings.verbose:
                 print(f"reusing {out_dir} ({describe(meta)})")

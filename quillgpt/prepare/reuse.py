@@ -22,9 +22,24 @@ META_FIELDS = {"tokenizer": dict, "vocab_size": int, "train_tokens": int, "val_t
 ADDED_FIELDS = {"chat": False, "tokenizer_from": None, "preference": False}
 
 
+# the choices a prepared dataset answers where a request leaves them open (None: the dataset's choice), name -> the
+# types meta.json's value must have (it may be hand-edited). The split rule and the files read follow from the inputs
+OPEN_CHOICES = {"max_bytes": int, "val_fraction": (int, float)}
+
+
 def reprepare(out_dir: Path, how: str = "") -> str:
     """How to re-prepare a dataset that cannot be reused, for prepare.py's user and train.py's alike."""
     return f"re-prepare it{how}: prepare.py --reset, or remove {out_dir} and train.py prepares it again"
+
+
+def differs(out_dir: Path, key: str, made, asked, asked_as: dict[str, str]) -> UserError:
+    """A request that names a setting other than the one out_dir was prepared with: the key as the caller names it
+    (train.py's data.max_bytes, prepare.py's --max-bytes), and both ways on."""
+    name = asked_as.get(key, f"--{key.replace('_', '-')}")
+    return UserError(
+        f"{out_dir} was prepared with {key} = {made!r}, and {name} asks for {asked!r}: use it as it was prepared "
+        f"(leave {name} out, or give {made!r}), or {reprepare(out_dir, f' with {asked!r}')}"
+    )
 
 
 def check_meta_fields(meta: dict, path: Path) -> None:
@@ -41,12 +56,14 @@ def tokenizer_request_label(spec: str, vocab_size: int | None) -> str:
     return f"the {spec} tokenizer" + (f" (vocab {vocab_size})" if vocab_size is not None else "")
 
 
-def reusable(out_dir: Path, dataset: str, request: Request) -> dict | None:
+def reusable(out_dir: Path, dataset: str, request: Request, asked_as: dict[str, str] | None = None) -> dict | None:
     """The existing meta if out_dir holds a complete dataset made for this (resolved) request; UserError on a
-    conflict.
+    conflict, naming the key as the caller names it (asked_as: setting -> its name; else prepare.py's flag).
 
     Without a source (no input, hub dataset or known name: train.py on a dataset prepared by hand), only the
-    tokenizer and max_bytes must agree; with one, every setting of the request must."""
+    tokenizer and max_bytes must agree; with one, every setting of the request must. The choices a request left
+    open were taken from the dataset first (with_prepared_choices)."""
+    asked_as = asked_as or {}
     sourced = bool(request.inputs) or request.hf_dataset is not None or dataset in KNOWN_DATASETS
     meta = read_json(out_dir / "meta.json", "dataset metadata")
     if any(not (out_dir / name).is_file() for name in ("train.bin", "val.bin", "tokenizer.json")):
@@ -66,10 +83,7 @@ def reusable(out_dir: Path, dataset: str, request: Request) -> dict | None:
             f"{out_dir} was prepared with {made_with}, more than vocab_size {request.vocab_size}; {reprepare(out_dir)}"
         )
     if old.get("max_bytes") != request.max_bytes:
-        raise UserError(
-            f"{out_dir} was prepared from max_bytes={old.get('max_bytes')}; "
-            f"{reprepare(out_dir, f' with max_bytes={request.max_bytes}')}"
-        )
+        raise differs(out_dir, "max_bytes", old.get("max_bytes"), request.max_bytes, asked_as)
     check_same_inputs(out_dir, meta, request)
     if not sourced:
         return meta
@@ -82,10 +96,7 @@ def reusable(out_dir: Path, dataset: str, request: Request) -> dict | None:
     ]
     if differ:
         k = differ[0]
-        raise UserError(
-            f"{out_dir} was prepared with {k} = {old.get(k)!r}; "
-            f"{reprepare(out_dir, f' with {k} = {getattr(request, k)!r}')}"
-        )
+        raise differs(out_dir, k, old.get(k, ADDED_FIELDS.get(k)), getattr(request, k), asked_as)
     return meta
 
 
@@ -113,20 +124,27 @@ def check_same_inputs(out_dir: Path, meta: dict, request: Request) -> None:
         raise UserError(f"{request.inputs[0]} changed since {out_dir} was prepared from it; {reprepare(out_dir)}")
 
 
-def with_prepared_vocab_size(out_dir: Path, asked: Request) -> Request:
-    """The request with, where it gives no vocabulary size, the one out_dir's dataset was prepared with: `prepare.py
-    --tokenizer bpe --vocab-size 2048` once, then `train.py --data.tokenizer bpe` (no size) reuses that dataset
-    rather than asking for the 4096 bpe defaults to. Only a real conflict (another size given) is refused."""
-    if asked.vocab_size is not None or not (out_dir / "meta.json").is_file():
+def with_prepared_choices(out_dir: Path, asked: Request) -> Request:
+    """The request with each choice it leaves open (OPEN_CHOICES, and bpe's vocabulary size) made as out_dir's
+    dataset made it: a dataset the user prepared (`prepare.py --max-bytes 3000000 --tokenizer bpe --vocab-size 512`)
+    is used as prepared by a request that names none of them (`train.py --data.tokenizer bpe`), rather than refused
+    for the defaults it would have had. Only a setting the request names, and names otherwise, is a conflict."""
+    if not (out_dir / "meta.json").is_file():
         return asked
     try:
         old = read_json(out_dir / "meta.json", "dataset metadata").get("request")
     except UserError:
         return asked  # reusable() reports what is wrong with it
-    if not isinstance(old, dict) or not isinstance(old.get("vocab_size"), int) or isinstance(old["vocab_size"], bool):
+    if not isinstance(old, dict):
         return asked
-    if old.get("tokenizer") != "bpe":
-        return asked  # the size is bpe's; for the others it is only an upper bound
-    if asked.tokenizer is not None and canonical_spec(asked.tokenizer) != old.get("tokenizer"):
-        return asked  # another tokenizer: reusable() refuses it, naming both
-    return replace(asked, vocab_size=old["vocab_size"])
+    taken = {
+        k: old[k]
+        for k, kinds in OPEN_CHOICES.items()
+        if getattr(asked, k) is None and k in old and (old[k] is None or isinstance(old[k], kinds))
+    }
+    taken = {k: v for k, v in taken.items() if type(v) is not bool}
+    same_tokenizer = asked.tokenizer is None or canonical_spec(asked.tokenizer) == old.get("tokenizer")
+    size = old.get("vocab_size")
+    if asked.vocab_size is None and old.get("tokenizer") == "bpe" and same_tokenizer and type(size) is int:
+        taken["vocab_size"] = size  # bpe's size; for the other tokenizers it is only an upper bound
+    return replace(asked, **taken)
