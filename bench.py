@@ -1,33 +1,19 @@
-"""Benchmarks: how fast this machine trains, samples and prepares data, and how much memory it takes.
+"""Benchmarks: how fast this machine trains, decodes and serves, against nanoGPT, transformers and llama.cpp.
 
 Without a mode flag, bench.py times the real training step (trainer.train_step on the Trainer train.py builds):
     python bench.py --config configs/shakespeare_char/cpu.toml                # ms/iter, tokens/s, MFU, peak memory
     python bench.py --config configs/shakespeare_char/cpu.toml --baseline     # ... and the speed-up over all-off
     python bench.py --config configs/shakespeare_char/gpu.toml --training.batch_size 8 --training.precision bf16
-    python bench.py --config configs/shakespeare_char/cpu.toml --profile      # + a chrome trace in bench_out/
 A mode flag picks another benchmark, one at a time:
-    python bench.py --against HEAD~1 --rounds 6   # this checkout's training step vs a commit's, ABBA rounds
-    python bench.py --kernels --iters 50          # the compiled step's time per kernel, by clock
-    python bench.py --sample             # batch-1 decoding tokens/s: no cache, KV cache, compiled; fp32, bf16, int8
-    python bench.py --hellaswag --training.precision bf16   # seconds per 1,000 HellaSwag items (GPU preset's model)
-    python bench.py --prepare            # BPE training time; prepare.py on a 1 GB jsonl: MB/s with 1 and 2 workers, RSS
-    python bench.py --memory             # training RSS on a 1 GB train.bin vs tiny Shakespeare's
-    python bench.py --precision-curves --training.batch_size 8   # val loss of fp32 vs bf16 training, 300 iters
-    python bench.py --chat --rows 120    # chat: masked vs unmasked loss step time; packed vs padded rows, 120 s each
-    python bench.py --dpo                # DPO on the chat demo's model: held-out accuracy and margin, before and after
-    python bench.py --muon               # Muon's step: a Newton-Schulz chain per matrix vs one per shape
     python bench.py --moe                # MoE vs dense at equal active FLOPs: a layer's dispatch cost; 3 seeds each
-    python bench.py --finetune           # SmolLM2-135M's shape (random): fine-tuning tokens/s and RSS vs --validate
-    python bench.py --lora               # LoRA, QLoRA vs full: peak RSS, s/step (SmolLM2-135M, a 1B shape) vs --validate
-    python bench.py --lora --part demo   # the CPU chat demo: LoRA rank 8 and 32 vs the full SFT in the same wall time
-
     python bench.py --probe              # the CPU path: capability, oneDNN's ISA, fp32 vs bf16 matmul rates
-    python bench.py --vs-transformers    # batch-1 greedy decoding, load included: sample.py's default vs HF generate
+    python bench.py --vs-transformers    # greedy decoding, load included: sample.py vs HF generate (and llama.cpp)
     python bench.py --serve              # serve.py: aggregate tokens/s of 1, 8 and 16 concurrent greedy clients
     python bench.py --gpu --part 1 --nanogpt DIR --data.input input.txt   # the GPU check (docs/benchmarks.md)
-Each mode is a module of benchmarks/ with its own flags and defaults (`python bench.py --sample --help`); any
+Each mode is a module of benchmarks/ with its own flags and defaults (`python bench.py --serve --help`); any
 other --section.key value pair overrides the config. --isa avx2, with any mode, runs it on this CPU's AVX2-only path
-(oneDNN, MKL and ATen capped at AVX2: bf16 matmuls are emulated there, as on most laptops).
+(oneDNN, MKL and ATen capped at AVX2: bf16 matmuls are emulated there, as on most laptops). On their own:
+python -m benchmarks.vs_nanogpt (the CPU preset against nanoGPT's train.py), python -m benchmarks.chat_demo.
 """
 
 from __future__ import annotations
@@ -36,64 +22,21 @@ import argparse
 import difflib
 import sys
 
-from benchmarks import (
-    against,
-    chat_rows,
-    decoding,
-    dpo,
-    finetune,
-    gpu_check,
-    hellaswag,
-    kernel_times,
-    lora,
-    memory,
-    moe,
-    muon,
-    precision_curves,
-    prepare_speed,
-    probe,
-    serving_load,
-    training_step,
-    vs_transformers,
-)
+from benchmarks import gpu_check, moe, probe, serving_load, training_step, vs_transformers
 from benchmarks.common import Mode
 from benchmarks.conditions import ISA_ENV, run_on_isa
 from quillgpt.config import SHORT_FLAGS, parse_overrides
 from quillgpt.errors import UserError, run_main
 
 DEFAULT = training_step.MODE  # no mode flag: the training step
-MODES = [
-    m.MODE
-    for m in (
-        against,
-        kernel_times,
-        decoding,
-        hellaswag,
-        prepare_speed,
-        memory,
-        precision_curves,
-        muon,
-        moe,
-        finetune,
-        lora,
-        chat_rows,
-        dpo,
-        probe,
-        vs_transformers,
-        serving_load,
-        gpu_check,
-    )
-]
+MODES = [m.MODE for m in (moe, probe, vs_transformers, serving_load, gpu_check)]
 
 
 def add_mode_flags(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("modes (one at a time; without one, bench.py times the training step)")
     exclusive = group.add_mutually_exclusive_group()
     for mode in MODES:
-        if mode.metavar:
-            exclusive.add_argument(mode.flag, metavar=mode.metavar, help=mode.summary)
-        else:
-            exclusive.add_argument(mode.flag, action="store_true", help=mode.summary)
+        exclusive.add_argument(mode.flag, action="store_true", help=mode.summary)
     p.add_argument(
         "--isa",
         choices=list(ISA_ENV),
@@ -151,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     picked, rest = picker.parse_known_args(argv)
     if picked.isa != "native" and (code := run_on_isa(picked.isa, __file__, argv)) is not None:
         return code
-    mode = next((m for m in MODES if getattr(picked, m.dest) not in (None, False)), DEFAULT)
+    mode = next((m for m in MODES if getattr(picked, m.dest)), DEFAULT)
     args, rest = mode_parser(mode).parse_known_args(rest, namespace=picked)
     check_the_rest(mode, rest)
     mode.run(args, rest)

@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "decoding measures clearly faster in it); int8: weight-only int8 on the CPU",
     )
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help=COMPILE_HELP)
+    p.add_argument("--verbose", action="store_true", help="print the decoding plan: precision, step, products, and why")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
@@ -126,20 +127,22 @@ def answer(session: ChatSession, text: str, args: argparse.Namespace, generator:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype)
+    model, tokenizer, plan = load_for_sampling(args.ckpt, args.device, args.dtype, args.compile)
     if not tokenizer.chat_template:
         raise UserError(
             f"{args.ckpt} has no chat template (a base model): fine-tune it on conversations first (docs/chat.md), "
             "or continue text with sample.py"
         )
-    print(f"[chatting with {label}]", file=sys.stderr, flush=True)
+    print(f"[chatting with {plan.label}]", file=sys.stderr, flush=True)
+    if args.verbose:
+        print(plan.text(), file=sys.stderr, flush=True)
     session = ChatSession(
         model,
         tokenizer,
         system=args.system,
         max_new_tokens=args.max_new_tokens,
         control_tokens_in_content=args.control_tokens_in_content,
-        compile=args.compile,
+        plan=plan,
     )
     generator = torch.Generator(device=next(model.parameters()).device)
     generator.manual_seed(args.seed if args.seed is not None else torch.seed())

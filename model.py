@@ -1,10 +1,12 @@
-"""The one GPT definition every script uses: the network, its FLOP count, and generation with a KV cache.
+"""The one GPT definition every script uses: the network and its FLOP count, in plain torch modules.
 
 Defaults reproduce GPT-2 (learned positions, LayerNorm, GELU MLP, tied embeddings), so GPT-2
 weights load unchanged. A modern recipe is available through switches (quillgpt.config.GPTConfig):
 rotary positions, RMSNorm, QK-norm, ReLU^2 / SwiGLU MLPs, untied embeddings, logit soft-capping
-and zero-initialised output projections. Optimizers live in quillgpt/optim.py, the CPU training kernels
-that attention and dropout switch to in quillgpt/kernels.py.
+and zero-initialised output projections. Optimizers live in quillgpt/optim.py. Decoding (the KV cache, the
+one-token step, sampling) is quillgpt/engine.py's: a forward pass given a cache asks it for the positions of the new
+tokens and lets it store and attend. Speed tricks are swapped into a built model, never built into it: the CPU
+training kernels by quillgpt/kernels.py, the decoding products and int8 weights by quillgpt/decoding_kernels.py.
 
 References: nanoGPT's model.py; GPT-2 (Radford et al. 2019); RoFormer (Su et al. 2021);
 modded-nanogpt for QK-norm, ReLU^2, soft-capping and Muon.
@@ -13,11 +15,9 @@ modded-nanogpt for QK-norm, ReLU^2, soft-capping and Muon.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -25,7 +25,6 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from quillgpt.config import GPTConfig
-from quillgpt.kernels import Dropout, Linear, causal_attention, gelu, tracing
 
 
 class RMSNorm(nn.Module):
@@ -136,74 +135,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((part * cos + part.roll(rotating // 2, dims=-1) * sin, x[..., rotating:]), dim=-1)
 
 
-class KVCache:
-    """Per-layer key/value buffers for generation (n_kv_head heads each), allocated once: each new token writes one
-    position. Zero-filled, because the compiled decoding step attends over the whole buffer with the unfilled part
-    masked (a masked NaN would still poison the output: 0 * NaN); an eager step reads only the filled part."""
-
-    def __init__(
-        self,
-        n_layer: int,
-        batch: int,
-        n_head: int,
-        length: int,
-        head_dim: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ):
-        shape = (batch, n_head, length, head_dim)
-        self.length = length
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.pos = 0  # number of positions filled
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        T = k.size(2)
-        self.k[layer][:, :, self.pos : self.pos + T] = k
-        self.v[layer][:, :, self.pos : self.pos + T] = v
-        end = self.pos + T
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-    def write(
-        self, layer: int, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token's k, v (B, nkv, 1, hs) at `position` (a (1,) tensor); returns the whole buffers (B, nkv, L, hs)."""
-        self.k[layer].index_copy_(2, position, k.to(self.k[layer].dtype))  # a cache built outside autocast may differ
-        self.v[layer].index_copy_(2, position, v.to(self.v[layer].dtype))
-        return self.k[layer], self.v[layer]
-
-
-class DecodeStep(NamedTuple):
-    """What one decoding step (GPT.decode_one) writes and reads of the cache: the new token's k and v go to
-    `position` (1,); attention reads the first `span` positions, masked by `visible` (span,), or all of them when
-    it is None."""
-
-    position: torch.Tensor
-    span: int
-    visible: torch.Tensor | None
-
-    @staticmethod
-    def at(position: torch.Tensor, cache: KVCache) -> DecodeStep:
-        """Eager, the filled prefix and the new position (everything in it visible): attention costs what has been
-        written, not the cache's length. Its length is the cache's count (the position being written is cache.pos),
-        never read back from the device, which would make the host wait for it every token. Under torch.compile (or
-        with a position per row) the whole cache, the unfilled part masked: fixed shapes, one graph for every
-        position, and cache.pos is not read (a graph would be specialised to it)."""
-        if position.numel() == 1 and not tracing():
-            return DecodeStep(position, cache.pos + 1, None)
-        return DecodeStep(position, cache.length, torch.arange(cache.length, device=position.device) <= position)
-
-    def keys(self, window: int) -> tuple[int, torch.Tensor | None]:
-        """(first cached position read, visible mask) for a layer that sees the last `window` positions (0: all):
-        eager, the window's slice of the filled prefix; with a mask, the positions before the window masked too."""
-        if self.visible is None:
-            return (max(0, self.span - window) if window else 0), None
-        if not window:
-            return 0, self.visible
-        recent = torch.arange(self.span, device=self.position.device) > self.position.view(-1, 1) - window  # (1|B, L)
-        return 0, self.visible & recent.view(self.visible.shape)
-
-
 def visible_keys(queries: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
     """(T, S) boolean: which of n_keys positions each query position (T,) sees: those up to itself, and with a
     window (0: none) only the last `window` of them, its own included (transformers' sliding_window)."""
@@ -264,6 +195,13 @@ class DocumentMask:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.visible, dropout_p=dropout, enable_gqa=grouped)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+    """q (B, nh, T, hs), k and v (B, nkv, T, hs) -> (B, nh, T, hs), each position seeing those up to itself (grouped-
+    query attention: each key/value head serves nh / nkv query heads)."""
+    grouped = k.size(1) != q.size(1)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int):
         super().__init__()
@@ -271,11 +209,12 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_width
         widths = (self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim)
         self.widths = widths  # of q, k and v in c_attn's output
-        self.c_attn = Linear(config.n_embd, sum(widths), bias=config.bias or config.qkv_bias)
-        self.c_proj = Linear(widths[0], config.n_embd, bias=config.bias)
+        self.c_attn = nn.Linear(config.n_embd, sum(widths), bias=config.bias or config.qkv_bias)
+        self.c_proj = nn.Linear(widths[0], config.n_embd, bias=config.bias)
         self.c_proj.is_residual_proj = True
         self.dropout = config.dropout
-        self.resid_dropout = Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.causal = causal_attention  # kernels.use_cpu_training_kernels swaps its CPU kernel in here
         # qk_norm over each head's query and key, or over all heads' at once (OLMo 2): the norm's width
         self.qk_norm = config.qk_norm
         self.qk_norm_per_head = config.qk_norm_scope == "head"
@@ -287,16 +226,9 @@ class CausalSelfAttention(nn.Module):
         self.window = layer_window(config, layer)
         self.rope_kind = layer_rope(config, layer)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
-        cache: KVCache | None,
-        step: DecodeStep | None = None,
-        documents: DocumentMask | None = None,
-    ) -> torch.Tensor:
-        """With a step, decodes one token against the cache (GPT.decode_one); with documents, each attends only
-        within itself (packed rows, no cache)."""
+    def forward(self, x: torch.Tensor, rope, cache=None, documents: DocumentMask | None = None) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C). With a cache (decoding: quillgpt/engine.py) the cache stores the new keys and
+        values and attends over what it holds; with documents, each attends only within itself (packed rows)."""
         B, T, C = x.size()
         heads = self.c_attn(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh + 2 * nkv, T, hs)
         q, k, v = heads.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)  # (B, nh | nkv | nkv, T, hs)
@@ -307,18 +239,16 @@ class CausalSelfAttention(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         dropout = self.dropout if self.training else 0.0
-        if step is not None:
-            k, v = cache.write(self.layer, step.position, k, v)  # (B, nkv, L, hs)
-            first, visible = step.keys(self.window)
-            k, v = k[:, :, first : step.span].to(q.dtype), v[:, :, first : step.span].to(q.dtype)
-            y = self.attend_cache(q, k, v, visible)
+        if cache is not None:
+            y = cache.attend(self.layer, q, k, v, self.window)
         elif documents is not None:
             y = documents.attend(q, k, v, dropout)
+        elif self.window:  # a sliding window: each position sees the last `window` positions, itself included
+            visible = visible_keys(torch.arange(T, device=q.device), T, self.window)  # (T, T)
+            grouped = self.n_kv_head != self.n_head
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout, enable_gqa=grouped)
         else:
-            start = cache.pos if cache is not None else 0
-            if cache is not None:
-                k, v = (t.to(q.dtype) for t in cache.update(self.layer, k, v))  # (B, nkv, start + T, hs)
-            y = self.attend(q, k, v, start, dropout)
+            y = self.causal(q, k, v, dropout)
         y = y.transpose(1, 2).reshape(B, T, self.widths[0])  # (B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
 
@@ -331,39 +261,6 @@ class CausalSelfAttention(nn.Module):
         q = self.q_norm(q.transpose(1, 2).reshape(B, T, -1)).view(B, T, -1, hs).transpose(1, 2)
         k = self.k_norm(k.transpose(1, 2).reshape(B, T, -1)).view(B, T, -1, hs).transpose(1, 2)
         return q, k
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, dropout: float) -> torch.Tensor:
-        """T queries at positions start... against S = start + T keys: q (B, nh, T, hs), k and v (B, nkv, S, hs).
-        Causal attention's kernels where nothing else hides a key (a prompt from the start, or one new query over
-        the cache), else an explicit mask: a chat turn appended to the cache, a sliding window."""
-        T, S = q.size(2), k.size(2)
-        if not self.window and (start == 0 or T == 1):
-            return causal_attention(q, k, v, dropout, T > 1)
-        visible = visible_keys(torch.arange(start, S, device=q.device), S, self.window)  # (T, S)
-        grouped = self.n_kv_head != self.n_head
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout, enable_gqa=grouped)
-
-    def attend_cache(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None
-    ) -> torch.Tensor:
-        """One query per head against cached keys: q (B, nh, 1, hs), k and v (B, nkv, S, hs) -> (B, nh, 1, hs).
-        visible (S,) masks the keys not yet written; None when all are (eager decoding attends over the filled
-        prefix only: one SDPA call, no mask). The masked form is written out rather than SDPA so that torch.compile
-        fuses it: SDPA's CPU flash kernel with a mask stood out in the compiled step's profile (docs/LOG.md)."""
-        if visible is None:
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=self.n_kv_head != self.n_head)
-        B, nh, _, hs = q.shape
-        q = q.view(B, self.n_kv_head, nh // self.n_kv_head, hs)  # (B, nkv, group, hs): GQA without copying k, v
-        # (B, nkv, group, L). A bf16 batched matmul copies a transposed operand (k's, the big one), so there k comes
-        # first; fp32's (MKL) takes it as it is, and is slow with a one-column second operand (docs/LOG.md)
-        if q.dtype == torch.float32:
-            scores = q @ k.transpose(-2, -1)
-        else:
-            scores = (k @ q.transpose(-2, -1)).transpose(-2, -1)
-        scores = scores.float() * hs**-0.5
-        mask = ~visible.view(-1, 1, 1, visible.size(-1))  # (1 or B, 1, 1, L): one mask, or one per row (decode_rows)
-        probs = scores.masked_fill(mask, float("-inf")).softmax(-1).to(v.dtype)
-        return (probs @ v).view(B, nh, 1, hs)
 
 
 def layer_window(config: GPTConfig, layer: int) -> int:
@@ -399,7 +296,7 @@ GATED = ("swiglu", "geglu")  # MLPs whose activation gates a second projection (
 
 def activation(config: GPTConfig):
     """The MLP's activation: GELU (exact or tanh, gelu_approx), ReLU squared, or the gate's SiLU or GELU."""
-    exact_or_tanh = partial(gelu, approximate=config.gelu_approx)
+    exact_or_tanh = partial(F.gelu, approximate=config.gelu_approx)
     return {"gelu": exact_or_tanh, "relu2": lambda h: F.relu(h).square(), "swiglu": F.silu, "geglu": exact_or_tanh}[
         config.mlp
     ]
@@ -410,11 +307,11 @@ class MLP(nn.Module):
         super().__init__()
         hidden = hidden or mlp_hidden_width(config)
         self.act = activation(config)
-        self.c_gate = Linear(config.n_embd, hidden, bias=config.bias) if config.mlp in GATED else None
-        self.c_fc = Linear(config.n_embd, hidden, bias=config.bias)
-        self.c_proj = Linear(hidden, config.n_embd, bias=config.bias)
+        self.c_gate = nn.Linear(config.n_embd, hidden, bias=config.bias) if config.mlp in GATED else None
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.c_proj.is_residual_proj = True
-        self.dropout = Dropout(config.dropout)
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.c_fc(x)
@@ -448,10 +345,8 @@ class Block(nn.Module):
         self.mlp = make_mlp(config, layer)
         self.post_mlp_norm = make_norm(config, used=config.post_norm)
 
-    def forward(
-        self, x: torch.Tensor, rope=None, cache: KVCache | None = None, step=None, documents=None
-    ) -> torch.Tensor:
-        x = x + self.post_attn_norm(self.attn(self.ln_1(x), rope, cache, step, documents))
+    def forward(self, x: torch.Tensor, rope=None, cache=None, documents=None) -> torch.Tensor:
+        x = x + self.post_attn_norm(self.attn(self.ln_1(x), rope, cache, documents))
         x = x + self.post_mlp_norm(self.mlp(self.ln_2(x)))
         return x
 
@@ -479,7 +374,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(
             dict(
                 wte=embedding(config.vocab_size, config.n_embd),
-                drop=Dropout(config.dropout),
+                drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
                 ln_f=make_norm(config),
             )
@@ -489,7 +384,7 @@ class GPT(nn.Module):
         else:
             self.set_rope_tables()
         self.embed_scale = config.n_embd**0.5 if config.embed_scale else 1.0  # Gemma's embeddings x sqrt(width)
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight
         if not building_on_meta():
@@ -506,22 +401,26 @@ class GPT(nn.Module):
             self.register_buffer(f"rope_cos{suffix}", cos, persistent=False)
             self.register_buffer(f"rope_sin{suffix}", sin, persistent=False)
 
-    def ropes(self, pick, reach=None) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Each kind of layer's (cos, sin) (CausalSelfAttention.rope_kind), at the positions pick(table) selects.
-        reach: the furthest position the pass reads (an int, or a tensor shaped to broadcast over the picked rows):
-        where LongRoPE has long factors, the global layers take them wherever it is past the original context, as
-        transformers decides by the sequence's length (the keys cached before keep the short ones)."""
+    def ropes(self, pick, reach) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each kind of layer's (cos, sin) (CausalSelfAttention.rope_kind) at the positions pick(table) selects:
+        (T, rotary_width), or (B, 1, T, rotary_width) for rows at positions of their own. reach: the furthest position
+        the pass reads (an int, or a tensor (B, 1, 1) per row): where LongRoPE has long factors, the global layers
+        take them wherever it is past the original context, as transformers decides by the sequence's length (keys
+        cached before keep the short ones)."""
         ropes: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {"none": None}
         for kind, suffix in (("global", ""), ("local", "_local")):
             if hasattr(self, f"rope_cos{suffix}"):
                 ropes[kind] = (pick(getattr(self, f"rope_cos{suffix}")), pick(getattr(self, f"rope_sin{suffix}")))
-        if hasattr(self, "rope_cos_long") and reach is not None:
+        if hasattr(self, "rope_cos_long"):
             past = reach >= self.config.rope_original_context
+            long = (pick(self.rope_cos_long), pick(self.rope_sin_long))
             if isinstance(past, bool):
-                ropes["global"] = (pick(self.rope_cos_long), pick(self.rope_sin_long)) if past else ropes["global"]
+                ropes["global"] = long if past else ropes["global"]
             else:
-                long = pick(self.rope_cos_long), pick(self.rope_sin_long)
                 ropes["global"] = tuple(torch.where(past, a, b) for a, b in zip(long, ropes["global"]))
+        for kind, tables in ropes.items():
+            if tables is not None and tables[0].dim() == 3:  # (B, T, d) -> (B, 1, T, d): every head alike
+                ropes[kind] = (tables[0].unsqueeze(1), tables[1].unsqueeze(1))
         return ropes
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
@@ -563,46 +462,41 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache=None,
         last_only: bool = False,
         positions: torch.Tensor | None = None,
     ):
         """idx (B, T) token ids -> (logits, loss). loss is None without targets.
 
-        last_only returns logits for the final position only (generation). positions (B, T), each token's position
-        in its document, 0 at each document's first token (packed rows, data.py's Batch): each document then attends
-        only within itself, at the positions it would have alone (learned or rotary); a document starting at p > 0
-        continues the row's first one (DocumentMask), so a row may hold more than block_size tokens; not with a cache."""
+        cache: decoding (quillgpt/engine.py's KVCache or GraphCache): the new tokens come after what the cache holds,
+        which says where they are (pick, reach) and stores and attends in every layer. last_only returns the logits
+        of the final position only (a prompt's pass). positions (B, T), each token's position in its document, 0 at
+        each document's first token (packed rows, data.py's Batch): each document then attends only within itself,
+        at the positions it would have alone (learned or rotary); a document starting at p > 0 continues the row's
+        first one (DocumentMask), so a row may hold more than block_size tokens."""
         B, T = idx.size()
-        start = cache.pos if cache is not None else 0
-        assert positions is not None or start + T <= self.config.block_size, (
-            f"sequence of {start + T} exceeds block_size {self.config.block_size}"
-        )
         x = self.embed(idx)  # (B, T, C)
-        windows = {block.attn.window for block in self.transformer.h}
-        documents = dict.fromkeys(windows)  # each window's DocumentMask, for packed rows
-        if positions is not None:
-            assert cache is None, "positions are for packed rows, not for decoding with a KV cache"
+        documents = None
+        if cache is not None:
+            pick, reach = cache.pick, cache.reach()
+        elif positions is None:
+            assert T <= self.config.block_size, f"sequence of {T} exceeds block_size {self.config.block_size}"
+            pick, reach = (lambda table: table[:T]), T - 1
+        else:  # each row's furthest position decides LongRoPE's factors for the row
+            pick, reach = (lambda table: table[positions]), positions.amax(1).view(B, 1, 1)
             flex = DocumentMask.flex_trains_here(positions, self.training * self.config.dropout)
+            windows = {block.attn.window for block in self.transformer.h}
             documents = {window: DocumentMask(positions, flex, window) for window in windows}
         if self.config.pos_emb == "learned":
-            pos = (
-                torch.arange(start, start + T, dtype=torch.long, device=idx.device) if positions is None else positions
-            )
-            x = x + self.transformer.wpe(pos)  # (T, C) or (B, T, C)
-        if positions is None:
-            ropes = self.ropes(lambda table: table[start : start + T], start + T - 1)  # (T, rotary_width)
-        else:  # (B, 1, T, rotary_width): each row's furthest position decides for the row
-            ropes = self.ropes(lambda table: table[positions].unsqueeze(1), positions.amax(1).view(B, 1, 1, 1))
+            x = x + pick(self.transformer.wpe.weight)  # (T, C) or (B, T, C)
+        ropes = self.ropes(pick, reach)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
-            rope, mask = ropes[block.attn.rope_kind], documents[block.attn.window]
+            rope, mask = ropes[block.attn.rope_kind], documents and documents[block.attn.window]
             if self.gradient_checkpointing and self.training:
-                x = checkpoint(block, x, rope, None, None, mask, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, mask, use_reentrant=False)
             else:
-                x = block(x, rope, cache, documents=mask)
-        if cache is not None:
-            cache.pos += T
+                x = block(x, rope, cache, mask)
         if last_only:
             x = x[:, [-1], :]  # (B, 1, C)
         if targets is not None and self.loss_chunks > 1 and self.training:
@@ -646,36 +540,6 @@ class GPT(nn.Module):
             logits = cap * torch.tanh(logits / cap)
         return logits
 
-    def decode_one(self, token: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """The next-token logits (B, V) for token (B, 1) at `position` (a (1,) tensor on the device, which must hold
-        cache.pos), its k and v written into the cache. Under torch.compile shapes never change with the position (the
-        whole cache is attended over, the positions after this one masked), so one compiled graph serves a whole
-        generation (GPT.generate_stream(compile=True)); eager, it attends over the filled prefix only."""
-        x = self.embed(token)  # (B, 1, C)
-        if self.config.pos_emb == "learned":
-            x = x + self.transformer.wpe(position)
-        ropes = self.ropes(lambda table: table.index_select(0, position), position)  # (1, rotary_width)
-        step = DecodeStep.at(position, cache)
-        for block in self.transformer.h:
-            x = block(x, ropes[block.attn.rope_kind], cache, step)
-        return self.head(x)[:, -1, :]
-
-    def decode_rows(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        """decode_one with each row at its own position: tokens (B, 1), positions (B,) -> next-token logits (B, V).
-        For continuous batching (quillgpt/serve/batcher.py), where requests that started at different times share a step.
-        The cache's write(layer, positions, k, v) stores row i's k and v at positions[i] and returns the buffers
-        (B, nkv, L, hs) the rows attend over; cache.length is L. Each row sees the positions up to its own."""
-        B = tokens.size(0)
-        x = self.embed(tokens)  # (B, 1, C)
-        if self.config.pos_emb == "learned":
-            x = x + self.transformer.wpe(positions).unsqueeze(1)  # (B, 1, C)
-        ropes = self.ropes(lambda table: table[positions].view(B, 1, 1, -1), positions.view(B, 1, 1, 1))
-        visible = torch.arange(cache.length, device=tokens.device) <= positions[:, None]  # (B, L)
-        step = DecodeStep(positions, cache.length, visible)
-        for block in self.transformer.h:
-            x = block(x, ropes[block.attn.rope_kind], cache, step)
-        return self.head(x)[:, -1, :]
-
     # ---- accounting -------------------------------------------------------------------------
 
     def flops_per_token(self) -> float:
@@ -690,77 +554,6 @@ class GPT(nn.Module):
         """Model FLOPs utilisation: achieved training FLOP/s over the device's peak."""
         return self.flops_per_token() * tokens_per_second / peak_flops
 
-    # ---- generation ---------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def generate_stream(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        use_cache: bool = True,
-        generator: torch.Generator | None = None,
-        vocab_limit: int | None = None,
-        compile: bool | None = False,
-    ) -> Iterator[torch.Tensor]:
-        """Yield (B, 1) new tokens one at a time. temperature 0 is greedy.
-
-        vocab_limit leaves out ids the tokenizer can't decode (a vocabulary padded for speed).
-        The prompt is cropped to its last block_size tokens. With the KV cache (allocated once, its length a power
-        of two that holds the prompt and the new tokens, at most block_size) the prompt runs in one forward pass,
-        then each token in one decode_one step, compiled or not (decoding_cache: compile True compiles it, None takes
-        a compiled one only where one is kept; the prompt's pass stays eager). When the cache is full it is
-        refilled from the last block_size/2 tokens (learned positions make a sliding window impossible), so beyond
-        block_size the cached and uncached paths differ.
-        """
-        block = self.config.block_size
-        idx = idx[:, -block:]
-        cache = positions = token = step = None
-        new: list[torch.Tensor] = []  # (B, 1) tokens not yet appended to idx: only a (re)fill or no cache reads idx
-        for _ in range(max_new_tokens):
-            if use_cache and cache is not None and cache.pos < cache.length:
-                logits = step(token, positions[cache.pos : cache.pos + 1], cache)  # (B, V)
-                cache.pos += 1
-            else:
-                idx, new = torch.cat((idx, *new), dim=1), []
-                if use_cache:  # the first token, or the cache is full: fill one from the prompt or the last block/2
-                    context = idx[:, -(block // 2) :] if cache is not None else idx
-                    cache, step = self.decoding_cache(idx.size(0), context.size(1) + max_new_tokens, compile)
-                    positions = torch.arange(cache.length, device=idx.device)
-                else:
-                    context = idx[:, -block:]
-                logits = self(context, cache=cache, last_only=True)[0][:, -1, :]
-            token = sample_next(logits[:, :vocab_limit].float(), temperature, top_k, top_p, generator)
-            new.append(token)
-            yield token
-
-    def decoding_cache(self, batch: int, needed: int, compile: bool | None) -> tuple[KVCache, Callable]:
-        """A KV cache with room for `needed` positions (cache_length's power of two) and the one-token step over it,
-        decode_one's signature. compile: on the CPU the step compiled ahead of time and kept on disk between runs
-        (quillgpt/compiled_step.py; True: compiled for this length and kept first, unless a kept one holds it; None:
-        only a kept one, else eager), whose cache may be longer; elsewhere decode_one under torch.compile, kept on
-        the model (a later generation reuses it). False: decode_one as it is."""
-        length = cache_length(needed, self.config.block_size)
-        if compile is not False and self.transformer.wte.weight.device.type == "cpu":
-            from quillgpt.compiled_step import compiled_cache
-
-            kept = compiled_cache(self, batch, length, build=bool(compile))
-            if kept is not None:
-                return kept
-        cache = self.new_cache(batch, length)
-        if not compile:
-            return cache, self.decode_one
-        if getattr(self, "_compiled_decode_one", None) is None:
-            self._compiled_decode_one = torch.compile(self.decode_one, dynamic=False, fullgraph=True)
-        return cache, self._compiled_decode_one
-
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, **kw) -> torch.Tensor:
-        """(B, T) prompt -> (B, T + max_new_tokens), the prompt cropped to block_size as in generate_stream."""
-        new = list(self.generate_stream(idx, max_new_tokens, **kw))
-        return torch.cat([idx[:, -self.config.block_size :], *new], dim=1) if new else idx
-
     def crop_block_size(self, block_size: int) -> None:
         """Shorten the context to block_size (fine-tuning a long-context model on shorter sequences)."""
         assert 0 < block_size <= self.config.block_size
@@ -771,100 +564,7 @@ class GPT(nn.Module):
             if name.startswith("rope_"):  # the rotary tables, (T, rotary_width) each
                 setattr(self, name, table[:block_size].clone())
 
-    def new_cache(self, batch: int, length: int | None = None) -> KVCache:
-        """Room for `length` positions (at most, and by default, block_size), in the dtype keys and values come in:
-        the weights', or under autocast (RL's sampler) autocast's, which holds them exactly and is attended without
-        converting the cache every step (a quarter of RL's sampling time when the cache was fp32: docs/LOG.md)."""
-        cfg = self.config
-        p = self.transformer.wte.weight  # the head may be int8 (quantize_int8)
-        length = min(length or cfg.block_size, cfg.block_size)
-        kind = p.device.type
-        autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
-        dtype = torch.get_autocast_dtype(kind) if autocast else p.dtype
-        return KVCache(cfg.n_layer, batch, cfg.kv_heads, length, cfg.head_width, p.device, dtype)
-
-
-class Int8Linear(nn.Module):
-    """A Linear for decoding with its weight in int8, one scale per output row (weight-only quantization, as gpt-fast
-    and llama.cpp's q8_0 do): a batch-1 token reads every weight once, so a quarter of fp32's bytes is ~4x less
-    time in the matmuls on a CPU. Activations stay in the model's dtype (torch._weight_int8pack_mm)."""
-
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype):
-        super().__init__()
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
-        self.register_buffer("weight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(dtype))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x.reshape(-1, x.size(-1)), self.weight, self.scale)  # (B*T, out)
-        y = y.view(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
-
-
-def quantize_int8(model: GPT, dtype: torch.dtype = torch.bfloat16) -> GPT:
-    """Every Linear of the model (blocks and head) as an Int8Linear, the rest and the activations in `dtype` (bf16
-    where the int8 product runs faster with it: precision.int8_activations): for generation on a CPU only."""
-    model.to(dtype)
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, Int8Linear(child, dtype))
-    return model
-
 
 def summed_nats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The cross-entropy of logits (N, V) in fp32, summed over the counted targets (N,) (-1: not counted)."""
     return F.cross_entropy(logits.float(), targets, ignore_index=-1, reduction="sum")
-
-
-def cache_length(needed: int, block_size: int) -> int:
-    """A power of two >= needed (and >= 64), at most block_size: few distinct lengths, so few compiled graphs."""
-    return min(block_size, max(64, 1 << (needed - 1).bit_length()))
-
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """(B, V) logits -> (B, 1) token ids.
-
-    The draw is made among the candidates only (the top-k, then the top-p of them), not over the whole vocabulary
-    with the rest masked: the same distribution, but a draw's cost grows with the tensor it is given, and over a
-    GPT-2 vocabulary it cost more than a small model's whole step. Off the CPU nothing is read back to the host:
-    there the top-p candidates are masked among the top-k, not cut out (the same distribution again)."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    vocab = logits.size(-1)
-    k = min(top_k, vocab) if top_k is not None and top_k > 0 else vocab
-    nucleus = top_p is not None and 0 < top_p < 1
-    if k == vocab and not nucleus:
-        return draw(F.softmax(logits / temperature, dim=-1), generator)
-    logits, ids = torch.topk(logits, k)  # (B, k), best first (a temperature keeps the order: applied after)
-    logits = logits / temperature
-    if nucleus:
-        probs = logits.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs > top_p  # keep the smallest set whose mass reaches top_p
-        logits = logits.masked_fill(drop, -float("inf"))
-        if logits.device.type == "cpu":
-            # the widest row's nucleus: the columns after it hold no candidate. On the CPU its width costs nothing to
-            # read and narrows the draw; on a GPU reading it would wait for the device, so the draw keeps all k
-            keep = int((~drop).sum(dim=-1).max())
-            logits, ids = logits[:, :keep], ids[:, :keep]
-    choice = draw(F.softmax(logits, dim=-1), generator)  # (B, 1) of k
-    return ids.gather(-1, choice)
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One column per row of probs (B, n) -> (B, 1), drawn by inverse CDF from one uniform number per row: on a
-    CPU, multinomial draws an exponential number per entry, slowly (most of a rollout's sampling: 144 rows of a
-    130-token vocabulary). The sums are in float64 (but on Apple's MPS, which has none), so that the last columns'
-    mass is not lost to rounding; the search finds the first column whose sum passes the draw, never a column of
-    mass 0."""
-    cdf = probs.to(torch.float32 if probs.device.type == "mps" else torch.float64).cumsum(-1)  # (B, n)
-    u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device, dtype=cdf.dtype)  # in [0, 1)
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # (B, 1): u * the total stays below the total

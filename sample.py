@@ -17,15 +17,15 @@ batch. On a terminal a single sample streams as it is produced (force it with --
 off with --no-stream). --seed makes the output repeatable. A prompt longer than the model's context
 keeps its last block_size tokens, with a notice on stderr.
 
-Speed: the KV cache is allocated once and each new token is one decode step over it (model.GPT.decode_one).
---compile compiles that step ahead of time on a CPU (quillgpt/compiled_step.py: tens of seconds, once per model
-shape, batch and cache length) and keeps it on disk; later runs, of any checkpoint of that shape and a cache no
-longer than its, load it in a tenth of a second and use it with no flag (--no-compile: eager). A CPU training run
-of 5 minutes or more keeps the step for its model as it ends (train.py, training.keep_decoding_step). A compiled step runs
-the token in C++, about twice as fast as the eager one on a small model.
---dtype bf16 halves the bytes of weights each token reads, --dtype int8 (weight-only, one scale per output row;
-CPU) quarters them: at batch 1 the matmuls are vector-matrix products bound by reading the weights, not by FLOPs.
-bench.py --sample measures each, bench.py --vs-transformers this script against transformers' generate.
+How it decodes is decided once, where the model loads, and --verbose shows it with its reasons (the decoding plan,
+quillgpt/generate.py: the precision, the step, the product kernels). The rows decode through quillgpt/engine.py: the
+KV cache is allocated once and each new token is one step over it. --compile compiles that step ahead of time on a
+CPU (quillgpt/compiled_step.py: tens of seconds, once per model shape and cache length) and keeps it on disk; later
+runs, of any checkpoint of that shape and a cache no longer than its, load it in a tenth of a second and use it with
+no flag (--no-compile: eager). A CPU training run of 5 minutes or more keeps the step for its model as it ends
+(train.py, training.keep_decoding_step). --dtype bf16 halves the bytes of weights each token reads, --dtype int8
+(weight-only, CPU) quarters them. bench.py --vs-transformers measures this script against transformers' generate
+and llama.cpp.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help=COMPILE_HELP)
     p.add_argument("--interactive", action="store_true", help="read prompts in a loop (one per line; \\n escapes work)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None, help="stream the first sample")
-    p.add_argument("--verbose", action="store_true", help="print tokens/s at the end")
+    p.add_argument("--verbose", action="store_true", help="print the decoding plan (and why), and tokens/s at the end")
     args = p.parse_args(argv)
     if why := sampling_error(
         args.temperature, args.top_p, args.top_k, args.seed, args.num_samples, args.max_new_tokens
@@ -106,7 +106,7 @@ def sample_prompt(
     args: argparse.Namespace,
     generator: torch.Generator,
     stream: bool,
-    label: str,
+    plan,
 ) -> None:
     """Generate and print the samples for one prompt."""
     ids = encode_prompt(tokenizer, prompt, model.config.block_size)
@@ -125,7 +125,7 @@ def sample_prompt(
         args.stop,
         generator,
         stream=sys.stdout if stream else None,
-        compile=args.compile,
+        plan=plan,
     )
     dt = time.perf_counter() - t0
     for i, text in enumerate(texts):
@@ -137,7 +137,9 @@ def sample_prompt(
             print("---------------")
     sys.stdout.flush()
     if args.verbose:
-        print(f"[{n_tokens} tokens in {dt:.2f}s: {n_tokens / max(dt, 1e-9):,.0f} tokens/s, {label}]", file=sys.stderr)
+        print(
+            f"[{n_tokens} tokens in {dt:.2f}s: {n_tokens / max(dt, 1e-9):,.0f} tokens/s, {plan.label}]", file=sys.stderr
+        )
 
 
 def iter_prompts(first: str) -> Iterator[str]:
@@ -159,8 +161,10 @@ def iter_prompts(first: str) -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype)
-    print(f"[sampling {label}]", file=sys.stderr, flush=True)
+    model, tokenizer, plan = load_for_sampling(args.ckpt, args.device, args.dtype, args.compile)
+    print(f"[sampling {plan.label}]", file=sys.stderr, flush=True)
+    if args.verbose:
+        print(plan.text(), file=sys.stderr, flush=True)
     first_prompt = args.prompt
     if args.prompt_file:
         try:
@@ -172,11 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator(device=next(model.parameters()).device)
     generator.manual_seed(args.seed if args.seed is not None else torch.seed())
     if not args.interactive:
-        sample_prompt(model, tokenizer, first_prompt, args, generator, stream, label)
+        sample_prompt(model, tokenizer, first_prompt, args, generator, stream, plan)
         return 0
     for prompt in iter_prompts(first_prompt):
         try:
-            sample_prompt(model, tokenizer, prompt, args, generator, stream, label)
+            sample_prompt(model, tokenizer, prompt, args, generator, stream, plan)
         except UserError as e:  # a bad prompt should not end the session
             print(f"error: {e}", file=sys.stderr)
     return 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 from pathlib import Path
 
 import psutil
@@ -123,15 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     if SERVE_EXTRA_MISSING:
         raise UserError(SERVE_EXTRA_MISSING)
     sock = listen(args.host, args.port)
-    model, tokenizer, label = load_for_sampling(args.ckpt, args.device, args.dtype)
+    model, tokenizer, plan = load_for_sampling(args.ckpt, args.device, args.dtype, args.compile)
     name = args.model_name or Path(args.ckpt.rstrip("/")).stem
     settings = ServerSettings(
         name, model.config.block_size, args.api_key, args.max_body_kb * 1024, args.control_tokens_in_content
     )
     check_slot_memory(model, args.max_batch)
-    batcher = Batcher(model, tokenizer, args.max_batch, args.max_queue, args.compile)
-    if args.compile and not batcher.lone:
-        print(f"[--compile compiles a CPU step; on {batcher.device} every step runs eagerly]", file=sys.stderr)
+    batcher = Batcher(model, tokenizer, args.max_batch, args.max_queue, plan)
     server = uvicorn.Server(
         uvicorn.Config(
             build_app(batcher, settings, page=not args.no_page), log_level="warning", timeout_graceful_shutdown=5
@@ -141,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     host, port = sock.getsockname()[:2]
     root = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     lone = "; a lone request by the compiled step" if batcher.lone else ""
-    # one line that scripts read the API's address from
-    print(f"serving {name} ({label}{lone}) on {root}/v1", flush=True)
+    # one line that scripts read the API's address from (its last word), with the decoding plan
+    print(f"serving {name} ({plan.label}{lone}) {plan.describe()} on {root}/v1", flush=True)
     if not args.no_page:
         print(f"the page: {root}/", flush=True)
     run_server(server, batcher, sock)

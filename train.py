@@ -46,7 +46,6 @@ from quillgpt.errors import run_main
 from quillgpt.feasibility import check_memory, report_feasibility
 from quillgpt.generate import keep_decoding_step, keeps_decoding_step
 from quillgpt.metrics import MetricsLog
-from quillgpt.rl import build_rl
 from quillgpt.run_model import plan_model
 from quillgpt.trainer import (
     Outcome,
@@ -95,7 +94,6 @@ def train(
             tr = build_trainer(cfg, rt, dataset, run_dir, ckpt, plan)
             if validate_only:
                 return report_feasibility(tr, checked)
-            tr.rl = build_rl(tr) if cfg.rl.enabled else None  # RL's sampler, rewards and evaluation
             state = restore(tr, ckpt) if ckpt else TrainState()
             log = start_run(tr, state, resumed=ckpt is not None)
             with StopRequest() as stop, distributed.reporting_peer_failures(dist):  # reported while signals are ours

@@ -1,20 +1,12 @@
 """The CPU chat demo end to end, timed: the calculator tool (issue 38 §4) and RL with verifiable rewards (§1).
 
-    python -m benchmarks.chat_demo --out bench_out/chat_demo.json            # every stage, as README's commands
-    python -m benchmarks.chat_demo --out bench_out/chat_demo.json --skip-base  # checkpoints/base exists already
+    python -m benchmarks.chat_demo --out bench_out/chat_demo.json [--skip-base]   # --skip-base: checkpoints/base is
 
-The stages, each a fresh process of the scripts a user runs, timed from launch to exit:
-1. the Quickstart's base model (configs/base/base.toml), unless --skip-base;
-2. `tasks.py --out data/chat_tasks.jsonl --turns 3 --tool`, and the datasets the two configs prepared from an earlier
-   file removed (they are made from this one again);
-3. SFT: configs/chat/base_chat.toml (--force: a new run);
-4. `eval.py --chat-task arithmetic,reverse,count --chat-items 200` of the chat model: arithmetic with the tool, and
-   RL's starting point for count and reverse;
-5. RL: configs/chat/base_chat_rl.toml (--force), whose wall time is the figure the target is for (<= 10 minutes);
-6. the same eval.py of the RL run's best checkpoint, picked by task_acc on the tasks' validation items (never a test
-   item), and of its last.
-The report (--out, JSON) holds each stage's seconds and the accuracies before and after; the RL run's
-loss_curve.png (reward and held-out accuracy against steps) is copied beside it as rl_curve.png.
+Each stage a fresh process of the scripts a user runs, timed from launch to exit: the Quickstart's base model,
+tasks.py (the two configs' datasets from an earlier file removed), SFT, eval.py of the chat model, RL (whose wall time
+is the figure the target is for, <= 10 minutes), eval.py of RL's best checkpoint (picked on the tasks' validation
+items, never a test item) and of its last. The report (--out) holds each stage's seconds and the accuracies; the RL
+run's loss_curve.png is copied beside it as rl_curve.png.
 """
 
 from __future__ import annotations

@@ -22,14 +22,11 @@ ONEDNN_ISA = re.compile(r"onednn_verbose.*?isa:([^,\n]+)", re.IGNORECASE)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=384, help="the model width n_embd (default %(default)s)")
-    p.add_argument(
-        "--rows", type=int, default=256, help="rows: batch_size x block_size, capped at 256 (default %(default)s)"
-    )
+    p.add_argument("--rows", type=int, default=256, help="batch_size x block_size, at most 256 (default %(default)s)")
 
 
 def onednn_isa() -> str:
-    """The ISA oneDNN reports for a bf16 matmul, from its verbose log in a child process (it prints from C, and reads
-    the setting once)."""
+    """The ISA oneDNN reports for a bf16 matmul, in a child's verbose log (it prints from C, reads the setting once)."""
     code = "import torch; a = torch.randn(64, 64, dtype=torch.bfloat16); a @ a"
     env = {**os.environ, "ONEDNN_VERBOSE": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
@@ -46,11 +43,5 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
     print(load_average())
 
 
-MODE = Mode(
-    "--probe",
-    "the CPU path this process runs: capability, oneDNN's ISA, fp32 vs bf16 matmul rates",
-    __doc__,
-    add_arguments,
-    run,
-    takes_overrides=False,
-)
+SUMMARY = "the CPU path this process runs: capability, oneDNN's ISA, fp32 vs bf16 matmul rates"
+MODE = Mode("--probe", SUMMARY, __doc__, add_arguments, run, takes_overrides=False)

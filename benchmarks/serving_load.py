@@ -1,13 +1,10 @@
 """--serve: serve.py under load: aggregate tokens/s of 1, 8 and 16 concurrent greedy clients (the openai client, one
-thread each, each sending --requests completions of --max-tokens tokens one after another) against one server, and
-whether every level's replies equal the single client's. The model is the config's (default: the GPU preset's char
-model) with random weights and a tokenizer without an end-of-text id, so every reply is --max-tokens long; or
---ckpt's. ServerProcess, serve.py in a subprocess, is what the tests and benchmarks/soak_serve.py start too.
-
---vs-llama-cpp: the same levels against llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server`,
-pip install 'llama-cpp-python[server]') on export.py --gguf's f32 file of the same model, with torch's thread count.
-That server answers one request at a time (llama.cpp's own C++ llama-server batches; the Python package's does not),
-queued: --interrupt_requests False, so that a new request does not cut short the one under way.
+thread each, --requests completions of --max-tokens tokens one after another), and whether every level's replies
+equal the single client's. The model is the config's with random weights and a tokenizer without an end-of-text id
+(every reply --max-tokens long), or --ckpt's. ServerProcess, serve.py in a subprocess, is what the tests start too.
+--vs-llama-cpp: the same levels against llama-cpp-python's OpenAI server on export.py --gguf's f32 file, torch's
+threads; it answers one request at a time (llama.cpp's C++ llama-server batches; the Python package's does not),
+queued (--interrupt_requests False: a new request does not cut short the one under way).
 """
 
 from __future__ import annotations
@@ -27,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import GPU_PRESET, REPO, Mode, add_config, decoding_model_args, llama_cpp_installed, print_table
-from benchmarks.conditions import load_average
+from benchmarks.common import GPU_PRESET, REPO, Mode, add_config, bench_model_args, print_table, run_child
+from benchmarks.conditions import llama_cpp_installed, load_average
 from model import GPT
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.errors import UserError
@@ -37,55 +34,63 @@ from quillgpt.tokenizer import CharTokenizer
 BENCH_CHARS = list("\n !',.:;?" + string.ascii_letters + "0123")  # 65, as tiny Shakespeare's vocabulary
 
 
-class ServerProcess:
-    """serve.py in a subprocess on 127.0.0.1 with a port it picks itself (--port 0), ready once /health answers;
-    api_key None serves without a key."""
+class Server:
+    """A server in a subprocess on 127.0.0.1, its OpenAI API at `base` (api_key); a context manager that closes it."""
 
-    def __init__(self, ckpt: str | Path, *flags: str, api_key: str | None = "bench", startup_timeout: float = 120):
+    def wait_until_up(self, url: str, timeout: float, headers: dict | None = None) -> bool:
+        """Poll url until it answers 200 (True) or the process ends (False); past timeout, its error is raised."""
         import httpx
 
-        self.api_key = api_key
-        key = [] if api_key is None else ["--api-key", api_key]
-        self.proc = subprocess.Popen(
-            [sys.executable, "serve.py", "--ckpt", str(ckpt), "--port", "0", *key, *flags],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT (close) prints every thread's stack
-        )
-        line = self.proc.stdout.readline()  # "serving NAME (...) on http://127.0.0.1:PORT/v1" once the model is loaded
-        if not line.startswith("serving "):
-            self.proc.wait(timeout=30)
-            raise UserError(f"serve.py did not start: {self.proc.stderr.read().strip() or line.strip()}")
-        self.started = line.strip()  # what it serves, how, and where
-        self.base = line.rsplit(" on ", 1)[1].strip()
-        self.root = self.base.removesuffix("/v1")
-        self.pid = self.proc.pid
-        deadline = time.monotonic() + startup_timeout
-        while True:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
             try:
-                if httpx.get(f"{self.root}/health").status_code == 200:
-                    return
+                if httpx.get(url, headers=headers).status_code == 200:
+                    return True
             except httpx.TransportError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-
-    def health(self) -> dict:
-        import httpx
-
-        return httpx.get(f"{self.root}/health").json()
+        return False
 
     def client(self, **kw):
         import openai
 
         return openai.OpenAI(base_url=self.base, api_key=self.api_key, max_retries=0, **kw)
 
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ServerProcess(Server):
+    """serve.py on a port it picks (--port 0), ready once /health answers; api_key None serves without a key."""
+
+    def __init__(self, ckpt: str | Path, *flags: str, api_key: str | None = "bench", startup_timeout: float = 120):
+        self.api_key = api_key
+        cmd = [sys.executable, "serve.py", "--ckpt", str(ckpt), "--port", "0", *flags]
+        cmd += [] if api_key is None else ["--api-key", api_key]
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # SIGABRT (close) prints every thread's stack
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()  # "serving NAME (...) on http://127.0.0.1:PORT/v1" once the model is loaded
+        if not line.startswith("serving "):
+            self.proc.wait(timeout=30)
+            raise UserError(f"serve.py did not start: {self.proc.stderr.read().strip() or line.strip()}")
+        self.started = line.strip()  # what it serves, how, and where
+        self.base = line.rsplit(" on ", 1)[1].strip()
+        self.root, self.pid = self.base.removesuffix("/v1"), self.proc.pid
+        if not self.wait_until_up(f"{self.root}/health", startup_timeout):
+            raise UserError(f"serve.py ended before it answered: {self.proc.stderr.read().strip()[-500:]}")
+
+    def health(self) -> dict:
+        import httpx
+
+        return httpx.get(f"{self.root}/health").json()
+
     def close(self) -> None:
-        """SIGTERM, as a service manager ends serve.py. One still running a minute later is sent SIGABRT, which prints
-        where each of its threads was (PYTHONFAULTHANDLER) before it dies: that goes to stderr here, and the
-        measurements taken stand."""
+        """SIGTERM, as a service manager ends serve.py; one still running a minute later gets SIGABRT, which prints
+        where its threads were (PYTHONFAULTHANDLER) to stderr here before it dies; the measurements taken stand."""
         self.proc.terminate()
         try:
             self.proc.wait(timeout=60)
@@ -96,59 +101,34 @@ class ServerProcess:
         self.proc.stdout.close()
         self.proc.stderr.close()
 
-    def __enter__(self) -> ServerProcess:
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class LlamaCppServer:
-    """llama-cpp-python's OpenAI-compatible server on a GGUF file (its context the model's: --n_ctx 0), on 127.0.0.1,
-    ready once /v1/models answers; the same client() and context manager as ServerProcess."""
+class LlamaCppServer(Server):
+    """llama-cpp-python's OpenAI server on a GGUF file (the model's context: --n_ctx 0), ready once /v1/models is."""
 
     def __init__(self, gguf: str | Path, threads: int, startup_timeout: float = 120):
-        import httpx
-
         with socket.socket() as s:  # a free port (llama_cpp.server takes no --port 0)
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        self.api_key = "bench"
-        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "gguf"]
-        cmd += ["--host", "127.0.0.1", "--port", str(port), "--n_ctx", "0", "--api_key", self.api_key]
+        self.api_key, self.base = "bench", f"http://127.0.0.1:{port}/v1"
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "gguf", "--n_ctx", "0"]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--api_key", self.api_key, "--interrupt_requests", "False"]
         cmd += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
-        cmd += ["--interrupt_requests", "False"]
         # its log (a timing report per request) goes to a file: a pipe nobody reads fills up and stops the server
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
-        self.base = f"http://127.0.0.1:{port}/v1"
-        headers = {"Authorization": f"Bearer {self.api_key}"}
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise UserError(f"llama_cpp.server did not start: {self.log.read().strip()[-500:]}")
-            try:
-                if httpx.get(f"{self.base}/models", headers=headers).status_code == 200:
-                    return
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise
-                time.sleep(0.1)
-
-    client = ServerProcess.client
+        try:
+            up = self.wait_until_up(f"{self.base}/models", startup_timeout, {"Authorization": "Bearer bench"})
+        except Exception:
+            self.close()
+            raise
+        if not up:
+            self.log.seek(0)
+            raise UserError(f"llama_cpp.server did not start: {self.log.read().strip()[-500:]}")
 
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
         self.log.close()
-
-    def __enter__(self) -> LlamaCppServer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -159,30 +139,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (default %(default)s)")
     p.add_argument("--dtype", default="fp32", help="serve.py's --dtype (default %(default)s)")
     p.add_argument("--device", default="cpu", help="serve.py's --device (default %(default)s)")
-    p.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="serve.py --compile: a lone request decoded by the compiled step, compiled at start-up unless one is "
-        "kept (default: --no-compile, every step eager)",
-    )
-    p.add_argument(
-        "--vs-llama-cpp",
-        action="store_true",
-        help="the same levels against llama-cpp-python's server on the model's f32 GGUF (pip install "
-        "'llama-cpp-python[server]')",
-    )
+    compile_help = "serve.py --compile: a lone request decoded by the compiled step, compiled at start-up unless one"
+    compile_help += " is kept (default: --no-compile, every step eager)"
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help=compile_help)
+    llama_help = "the same levels against llama-cpp-python's server on the model's f32 GGUF (pip install "
+    p.add_argument("--vs-llama-cpp", action="store_true", help=llama_help + "'llama-cpp-python[server]')")
 
 
 def bench_checkpoint(config: str, cli: list[str], directory: Path) -> Path:
-    margs = decoding_model_args(config, cli)
+    """The config's model with random weights; BENCH_CHARS have no end-of-text id: no reply ends before max_tokens."""
+    margs, path = bench_model_args(config, cli), directory / "ckpt_best.pt"
     torch.manual_seed(0)
-    model = GPT(margs)
-    tokenizer = CharTokenizer(BENCH_CHARS)  # no end-of-text id: a reply never ends before max_tokens
-    path = directory / "ckpt_best.pt"
-    save_checkpoint(
-        path, {"model": model.state_dict(), "model_args": margs.to_dict(), "tokenizer": tokenizer.to_dict()}
-    )
+    checkpoint = {"model": GPT(margs).state_dict(), "model_args": margs.to_dict()}
+    save_checkpoint(path, {**checkpoint, "tokenizer": CharTokenizer(BENCH_CHARS).to_dict()})
     return path
 
 
@@ -191,7 +160,7 @@ def prompts(n: int) -> list[str]:
     return [f"{BENCH_CHARS[10 + i % 52]}he king said " for i in range(n)]
 
 
-def load(server: ServerProcess, model: str, clients: int, requests: int, max_tokens: int) -> tuple[float, list[str]]:
+def load(server: Server, model: str, clients: int, requests: int, max_tokens: int) -> tuple[float, list[str]]:
     """Aggregate completion tokens/s of `clients` concurrent clients, and each client's last reply."""
     client = server.client(timeout=600)
 
@@ -217,6 +186,9 @@ class Level:
     tokens_per_s: float
     same_text: bool
 
+    def same(self) -> str:
+        return "yes" if self.same_text else "NO"
+
 
 def measure(
     ckpt: str | Path, levels: list[int], requests: int, max_tokens: int, dtype: str, device: str = "cpu", *flags: str
@@ -227,63 +199,34 @@ def measure(
         return measure_server(server, levels, requests, max_tokens)
 
 
-def measure_server(
-    server: ServerProcess | LlamaCppServer, levels: list[int], requests: int, max_tokens: int
-) -> tuple[list[Level], list[str]]:
-    """A started server, warmed up, then each level of concurrent greedy clients in turn; and each prompt's reply
-    with the server to itself."""
+def measure_server(server: Server, levels: list[int], requests: int, max_tokens: int) -> tuple[list[Level], list[str]]:
+    """A started server, warmed up, each level of concurrent greedy clients in turn; and each prompt's reply alone."""
     model = server.client().models.list().data[0].id
     load(server, model, 1, 1, 8)  # warm-up: first-call costs out of the timings
-    client = server.client(timeout=600)
+    client, rows = server.client(timeout=600), []
     alone = [
         client.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0).choices[0].text
         for p in prompts(max(levels))
     ]
-    rows = []
     for clients in levels:
         rate, texts = load(server, model, clients, requests, max_tokens)
         rows.append(Level(clients, rate, texts == alone[:clients]))
     return rows, alone
 
 
-def measure_llama_cpp(
-    ckpt: Path, directory: Path, levels: list[int], requests: int, max_tokens: int
-) -> tuple[list[Level], list[str]]:
-    """llama-cpp-python's server on export.py --gguf's f32 file of ckpt, with torch's threads."""
-    gguf = directory / "model-f32.gguf"
-    export = [sys.executable, "export.py", "--ckpt", str(ckpt), "--gguf", str(gguf), "--outtype", "f32"]
-    done = subprocess.run(export, cwd=REPO, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise UserError(f"export.py --gguf failed: {done.stderr.strip()[-500:]}")
-    with LlamaCppServer(gguf, torch.get_num_threads()) as server:
-        return measure_server(server, levels, requests, max_tokens)
-
-
 def print_levels(rows: list[Level]) -> None:
     base = rows[0].tokens_per_s
-    print_table(
-        ["clients", "tokens/s", "vs first row", "greedy text = 1 client's"],
-        [
-            [str(r.clients), f"{r.tokens_per_s:,.0f}", f"{r.tokens_per_s / base:.2f}x", "yes" if r.same_text else "NO"]
-            for r in rows
-        ],
-    )
+    cells = [[str(r.clients), f"{r.tokens_per_s:,.0f}", f"{r.tokens_per_s / base:.2f}x", r.same()] for r in rows]
+    print_table(["clients", "tokens/s", "vs first row", "greedy text = 1 client's"], cells)
 
 
 def print_against_llama_cpp(ours: list[Level], theirs: list[Level], same_replies: bool) -> None:
-    print_table(
-        ["clients", "serve.py tokens/s", "llama_cpp.server tokens/s", "serve.py / llama.cpp", "its text = 1 client's"],
-        [
-            [
-                str(a.clients),
-                f"{a.tokens_per_s:,.0f}",
-                f"{b.tokens_per_s:,.0f}",
-                f"{a.tokens_per_s / b.tokens_per_s:.2f}x",
-                "yes" if b.same_text else "NO",
-            ]
-            for a, b in zip(ours, theirs)
-        ],
-    )
+    header = ["clients", "serve.py tokens/s", "llama_cpp.server tokens/s", "serve.py / llama.cpp"]
+    rows = [
+        [str(a.clients), f"{a.tokens_per_s:,.0f}", f"{b.tokens_per_s:,.0f}", f"{a.tokens_per_s / b.tokens_per_s:.2f}x"]
+        for a, b in zip(ours, theirs)
+    ]
+    print_table([*header, "its text = 1 client's"], [row + [b.same()] for row, b in zip(rows, theirs)])
     print(f"greedy replies of the two servers equal: {'yes' if same_replies else 'no (f32 rounding near ties)'}")
 
 
@@ -293,12 +236,15 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
         raise UserError("--vs-llama-cpp needs llama-cpp-python's server: pip install 'llama-cpp-python[server]'")
     if args.vs_llama_cpp and (args.device != "cpu" or args.dtype != "fp32"):
         raise UserError("--vs-llama-cpp compares fp32 on the CPU (the f32 GGUF): leave --device and --dtype out")
+    compile_flag = "--compile" if args.compile else "--no-compile"
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.ckpt or bench_checkpoint(args.config, cli, Path(tmp))
-        compile_flag = "--compile" if args.compile else "--no-compile"
         rows, ours_alone = measure(ckpt, levels, args.requests, args.max_tokens, args.dtype, args.device, compile_flag)
-        if args.vs_llama_cpp:
-            theirs, theirs_alone = measure_llama_cpp(Path(ckpt), Path(tmp), levels, args.requests, args.max_tokens)
+        if args.vs_llama_cpp:  # llama-cpp-python's server on export.py --gguf's f32 file, with torch's threads
+            gguf = Path(tmp) / "model-f32.gguf"
+            run_child([sys.executable, "export.py", "--ckpt", str(ckpt), "--gguf", str(gguf), "--outtype", "f32"])
+            with LlamaCppServer(gguf, torch.get_num_threads()) as server:
+                theirs, theirs_alone = measure_server(server, levels, args.requests, args.max_tokens)
     print(
         f"serve.py --dtype {args.dtype} --device {args.device} {compile_flag}: {args.requests} requests per client, "
         f"{args.max_tokens} tokens each, greedy; {load_average()}"
@@ -309,10 +255,5 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
         print_against_llama_cpp(rows, theirs, ours_alone == theirs_alone)
 
 
-MODE = Mode(
-    "--serve",
-    "serve.py under load: aggregate tokens/s of 1, 8 and 16 concurrent greedy clients",
-    __doc__,
-    add_arguments,
-    run,
-)
+SUMMARY = "serve.py under load: aggregate tokens/s of 1, 8 and 16 concurrent greedy clients"
+MODE = Mode("--serve", SUMMARY, __doc__, add_arguments, run)

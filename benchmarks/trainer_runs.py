@@ -1,10 +1,7 @@
-"""Trainers run as their users run them, timed from outside: each line a trainer prints is stamped with the seconds
-since its launch, and the run is stopped at a target val loss or a time limit. What bench.py --gpu races our train.py
-and nanoGPT's with, and the local data it gives them.
-
-A trainer that logs reads its loss back from the device first, so the time between two of its iteration lines is the
-device's time for those iterations, whatever the trainer's own clock says; windows with an evaluation in them are
-left out of ms/iter.
+"""Trainers run as their users run them, timed from outside (what bench.py --gpu races our train.py and nanoGPT's
+with): each line a trainer prints is stamped with the seconds since its launch, and the run is stopped at a target
+val loss or a time limit. A trainer that logs reads its loss back from the device first, so the time between two of
+its iteration lines is the device's, whatever its own clock says; windows with an evaluation are left out.
 """
 
 from __future__ import annotations
@@ -70,14 +67,8 @@ def follow(
     """Run cmd, stamping each line it prints; SIGTERM it when stop(line) says so or at limit_s (train.py then finishes
     its step and saves; nanoGPT's train.py ends)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     why = {"stopped": ""}
 
     def at_limit() -> None:
@@ -110,15 +101,11 @@ def stop_at(dialect: Dialect, target: float) -> Callable[[str], bool]:
 
 
 def steady_ms_per_iter(timeline: Timeline, dialect: Dialect, after: int = 0) -> float | None:
-    """The median ms per iteration between consecutive iteration lines after iteration `after`, leaving out the
-    windows an evaluation falls in; None without two such lines."""
+    """The median ms per iteration between iteration lines after `after`, windows with an evaluation left out."""
     evals = [t for t, _, _ in timeline.evaluations(dialect)]
     its = [(t, i) for t, i in timeline.iterations(dialect) if i > after]
-    windows = [
-        (t2 - t1) / (i2 - i1) * 1e3
-        for (t1, i1), (t2, i2) in zip(its, its[1:])
-        if i2 > i1 and not any(t1 < e < t2 for e in evals)
-    ]
+    pairs = [(a, b) for a, b in zip(its, its[1:]) if b[1] > a[1] and not any(a[0] < e < b[0] for e in evals)]
+    windows = [(t2 - t1) / (i2 - i1) * 1e3 for (t1, i1), (t2, i2) in pairs]
     return statistics.median(windows) if windows else None
 
 
@@ -142,26 +129,14 @@ def race_result(arm: str, timeline: Timeline, dialect: Dialect, target: float) -
     evals = timeline.evaluations(dialect)
     first = next(((t, i) for t, i, v in evals if v <= target), (None, None))
     failed = timeline.returncode not in (0, -signal.SIGTERM) and not timeline.stopped
-    return RaceResult(
-        arm,
-        target,
-        *first,
-        best_val=min((v for _, _, v in evals), default=None),
-        ms_per_iter=steady_ms_per_iter(timeline, dialect),
-        wall_s=timeline.wall,
-        stopped=timeline.stopped,
-        error=f"exit {timeline.returncode}: {timeline.tail()}" if failed else "",
-        evaluations=evals,
-    )
-
-
-# ---- local tokens -------------------------------------------------------------------------------------------------
+    best, ms = min((v for _, _, v in evals), default=None), steady_ms_per_iter(timeline, dialect)
+    error = f"exit {timeline.returncode}: {timeline.tail()}" if failed else ""
+    return RaceResult(arm, target, *first, best, ms, timeline.wall, timeline.stopped, error, evals)
 
 
 def random_token_dataset(directory: Path, vocab_size: int, tokens: int, seed: int = 0) -> Path:
-    """A prepared dataset of uniformly random ids under a char tokenizer of vocab_size characters: local tokens for
-    any vocabulary (a step's speed does not depend on the text), in the layout train.py reads with data.processed_dir
-    and nanoGPT's train.py from data/<dataset>/ (uint16 train.bin and val.bin; meta.pkl is the caller's)."""
+    """A dataset of uniformly random ids under a char tokenizer of vocab_size characters (a step's speed does not depend
+    on the text), as train.py reads it with data.processed_dir and nanoGPT's from data/<dataset>/ (meta.pkl aside)."""
     if vocab_size > np.iinfo(np.uint16).max:
         raise ValueError(f"vocab_size {vocab_size} does not fit nanoGPT's uint16 tokens")
     chars = [chr(c) for c in range(0x100, 0x100 + vocab_size)]  # below the surrogates for any uint16 vocabulary
@@ -169,15 +144,8 @@ def random_token_dataset(directory: Path, vocab_size: int, tokens: int, seed: in
     for split, n in (("train", tokens), ("val", max(tokens // 10, 4096))):
         with atomic_write(directory / f"{split}.bin") as f:
             f.write(rng.integers(0, vocab_size, n, dtype=np.uint16).tobytes())
-    tokenizer = CharTokenizer(chars)
-    save_tokenizer(tokenizer, directory / "tokenizer.json")
-    atomic_write_json(
-        directory / "meta.json",
-        {
-            "dataset": directory.name,
-            "tokenizer": {"kind": "char", "name": None, "file": "tokenizer.json"},
-            "vocab_size": vocab_size,
-            "dtype": "uint16",
-        },
-    )
+    save_tokenizer(CharTokenizer(chars), directory / "tokenizer.json")
+    tokenizer_meta = {"kind": "char", "name": None, "file": "tokenizer.json"}
+    meta = {"dataset": directory.name, "tokenizer": tokenizer_meta, "vocab_size": vocab_size, "dtype": "uint16"}
+    atomic_write_json(directory / "meta.json", meta)
     return directory

@@ -1,39 +1,25 @@
 """The CPU preset against nanoGPT's own train.py, side by side: the same model, settings and data.
 
-    git clone https://github.com/karpathy/nanoGPT ~/nanoGPT
-    python -m benchmarks.vs_nanogpt --nanogpt ~/nanoGPT                       # 3 rounds of 150 iterations per arm
-    python -m benchmarks.vs_nanogpt --nanogpt ~/nanoGPT --iters 300 --rounds 4
-    python -m benchmarks.vs_nanogpt --nanogpt ~/nanoGPT --precision fp32        # ours in fp32 too, as nanoGPT on a CPU
-    python -m benchmarks.vs_nanogpt --nanogpt ~/nanoGPT --isa avx2              # every arm on this CPU's AVX2-only path
+    python -m benchmarks.vs_nanogpt --nanogpt ~/nanoGPT [--precision fp32] [--isa avx2]   # a clone of karpathy/nanoGPT
 
-Four arms, each a fresh process, the order turning each round (drift hits every arm alike):
-- nanoGPT as its README trains the "baby GPT" on a CPU: `python train.py config/train_shakespeare_char.py
-  --device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4
-  --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0` (fp32: nanoGPT autocasts on CUDA only);
-- the same with --compile=True, nanoGPT's default elsewhere;
-- the eager one again with glibc's malloc keeping freed memory (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_),
-  as our trainer sets it for itself (common.keep_freed_memory): the gap without the allocator's share;
-- ours: `python train.py --config configs/shakespeare_char/cpu.toml` with log_interval 1 (a host sync each step,
-  as nanoGPT's log line makes).
-All read our prepared shakespeare_char train.bin (byte for byte nanoGPT's 90/10 character split); nanoGPT gets
-it through a scratch directory holding links to its configurator and config and a meta.pkl with the vocabulary
-size. An arm's ms/iter is the median of the per-iteration times its trainer prints, leaving out the first
---skip iterations (compile, warm-up). The matmul ceiling of the precision ours runs in is measured before each round
-and printed beside. --isa avx2 runs every arm (and the ceiling) under quillgpt.precision.ISA_ENV's caps.
+Four arms, each a fresh process, the order turning each round: nanoGPT as its README trains the baby GPT on a CPU
+(BABY_GPT, eager, fp32: it autocasts on CUDA only), the same compiled, the eager one with glibc keeping freed memory
+as our trainer does (the gap without the allocator's share), and ours, cpu.toml with a host sync each step as
+nanoGPT's log line makes, all on our shakespeare_char train.bin (nanoGPT's 90/10 split, byte for byte). An arm's
+ms/iter is the median of what its trainer prints after --skip iterations; the matmul ceiling is measured each round.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import pickle
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.common import CPU_PRESET, REPO, run_child
 from benchmarks.conditions import ISA_ENV, SHAKESPEARE, load_average, run_on_isa
 from quillgpt.config import build_config, load_toml
 from quillgpt.data import Dataset, find_dataset
@@ -43,35 +29,16 @@ from quillgpt.files import atomic_write
 from quillgpt.machine import MALLOC_MMAP_THRESHOLD, MALLOC_TRIM_THRESHOLD
 from quillgpt.metrics import matmul_ceiling
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-BABY_GPT = [
-    "--device=cpu",
-    "--eval_iters=20",
-    "--log_interval=1",
-    "--block_size=64",
-    "--batch_size=12",
-    "--n_layer=4",
-    "--n_head=4",
-    "--n_embd=128",
-    "--lr_decay_iters=2000",
-    "--dropout=0.0",
-]
+BABY_GPT = ["--device=cpu", "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4"]
+BABY_GPT += ["--n_head=4", "--n_embd=128", "--lr_decay_iters=2000", "--dropout=0.0"]
 NANOGPT_ITER = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", re.M)
 OUR_ITER = re.compile(r"^iter +(\d+)/\d+ \| loss [\d.]+ \|.*?\| ([\d.]+) ms \|", re.M)
-ARMS = (
-    "nanoGPT, eager (its README's CPU command)",
-    "nanoGPT, compiled",
-    "nanoGPT, eager, glibc keeping freed memory",
-    "ours, cpu.toml",
-)
-OURS = ARMS[-1]
-# what common.keep_freed_memory sets in our process, given to nanoGPT's through glibc's environment variables
-KEEP_FREED = {
-    "MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD),
-    "MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_THRESHOLD),
-}
-CPU_PRESET = REPO_ROOT / "configs" / "shakespeare_char" / "cpu.toml"
+ARMS = ("nanoGPT, eager (its README's CPU command)", "nanoGPT, compiled", "nanoGPT, eager, glibc keeping freed memory")
+OURS = "ours, cpu.toml"
+ARMS += (OURS,)
+# what quillgpt.machine.keep_freed_memory sets in our process, given to nanoGPT's through glibc's environment
+KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD)}
+KEEP_FREED["MALLOC_TRIM_THRESHOLD_"] = str(MALLOC_TRIM_THRESHOLD)
 
 
 def iteration_ms(output: str, pattern: re.Pattern, skip: int) -> float:
@@ -97,55 +64,20 @@ def nanogpt_workdir(nanogpt: Path, dataset: Dataset, root: Path, name: str = "sh
     return root
 
 
-def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env={**os.environ, **env}, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return proc.stdout
-
-
-def arm_commands(
-    nanogpt: Path, workdir: Path, iters: int, precision: str, caps: dict[str, str]
-) -> dict[str, tuple[list[str], Path, dict, re.Pattern]]:
-    nano = [
-        sys.executable,
-        str(nanogpt / "train.py"),
-        "config/train_shakespeare_char.py",
-        *BABY_GPT,
-        f"--max_iters={iters}",
-        f"--eval_interval={iters + 1000}",
-        f"--out_dir={workdir / 'out'}",
-    ]
-    ours = [
-        sys.executable,
-        "train.py",
-        "--config",
-        str(CPU_PRESET),
-        "--max-iters",
-        str(iters),
-        "--training.log_interval",
-        "1",
-        "--training.eval_interval",
-        "0",
-        "--training.save_interval",
-        "0",
-        "--run.out_dir",
-        str(workdir / "ours"),
-        "--training.keep_decoding_step",  # nanoGPT compiles nothing after its loop: neither do we here
-        "false",
-        "--force",
-        "--logging.plot",
-        "false",
-        "--data.input",
-        str(SHAKESPEARE),
-        "--training.precision",
-        precision,
-    ]
+def arm_commands(nanogpt: Path, workdir: Path, iters: int, precision: str, caps: dict) -> dict[str, tuple]:
+    """Each arm's (command, working directory, environment, the pattern of its iteration lines)."""
+    nano = [sys.executable, str(nanogpt / "train.py"), "config/train_shakespeare_char.py", *BABY_GPT]
+    nano += [f"--max_iters={iters}", f"--eval_interval={iters + 1000}", f"--out_dir={workdir / 'out'}"]
+    ours = [sys.executable, "train.py", "--config", str(CPU_PRESET), "--max-iters", str(iters), "--force"]
+    ours += ["--training.log_interval", "1", "--training.eval_interval", "0", "--training.save_interval", "0"]
+    ours += ["--run.out_dir", str(workdir / "ours"), "--logging.plot", "false", "--data.input", str(SHAKESPEARE)]
+    ours += ["--training.precision", precision]
+    ours += ["--training.keep_decoding_step", "false"]  # nanoGPT compiles nothing after its loop: neither do we here
     return {
         ARMS[0]: ([*nano, "--compile=False"], workdir, caps, NANOGPT_ITER),
         ARMS[1]: ([*nano, "--compile=True"], workdir, caps, NANOGPT_ITER),
         ARMS[2]: ([*nano, "--compile=False"], workdir, {**caps, **KEEP_FREED}, NANOGPT_ITER),
-        OURS: (ours, REPO_ROOT, caps, OUR_ITER),
+        OURS: (ours, REPO, caps, OUR_ITER),
     }
 
 
@@ -155,9 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=150, help="iterations per arm and round")
     p.add_argument("--skip", type=int, default=20, help="first iterations left out of the median (compile, warm-up)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument(
-        "--precision", choices=("auto", "fp32", "bf16"), default="auto", help="ours (default: the preset's auto)"
-    )
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="ours (default: auto)")
     p.add_argument("--isa", choices=list(ISA_ENV), default="native", help="run every arm on this CPU path")
     args = p.parse_args(argv)
     # the ceiling too must be measured under the caps, which torch reads when it loads: this script again, capped
@@ -168,11 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     if not SHAKESPEARE.is_file():
         raise UserError(f"tiny Shakespeare not found at {SHAKESPEARE}")
     # the preset's dataset, located (or prepared) as train.py does from the repository root
-    cfg = build_config(
-        load_toml(CPU_PRESET),
-        [("data.input", str(SHAKESPEARE)), ("data.data_dir", str(REPO_ROOT / "data"))],
-        source=str(CPU_PRESET),
-    )
+    data = [("data.input", str(SHAKESPEARE)), ("data.data_dir", str(REPO / "data"))]
+    cfg = build_config(load_toml(CPU_PRESET), data, source=str(CPU_PRESET))
     dataset = find_dataset(cfg, DistInfo())
     ms: dict[str, list[float]] = {arm: [] for arm in ARMS}
     ceilings = []
@@ -185,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
             order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
             for arm in order:
                 cmd, cwd, env, pattern = commands[arm]
-                ms[arm].append(iteration_ms(run(cmd, cwd, env), pattern, args.skip))
+                ms[arm].append(iteration_ms(run_child(cmd, env, cwd=cwd)[1], pattern, args.skip))
                 print(f"round {r + 1}, {arm}: {ms[arm][-1]:.1f} ms/iter", flush=True)
     print_table(ms, ceilings, cfg.training.batch_size * cfg.model.block_size, precision)
 
@@ -199,10 +126,8 @@ def print_table(ms: dict[str, list[float]], ceilings: list[float], tokens_per_it
         ratios = [t / o for t, o in zip(times, ours)]
         ratio = "—" if arm == OURS else (f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
         print(f"| {arm} | {median:.1f} | {tokens_per_iter / median * 1e3:,.0f} | {ratio} |")
-    print(
-        f"{precision} matmul ceiling: {statistics.median(ceilings) / 1e9:,.0f} GFLOP/s (median of {len(ceilings)}, "
-        f"{min(ceilings) / 1e9:,.0f}-{max(ceilings) / 1e9:,.0f}, one before each round); {load_average()}"
-    )
+    spread = f"median of {len(ceilings)}, {min(ceilings) / 1e9:,.0f}-{max(ceilings) / 1e9:,.0f}, one before each round"
+    print(f"{precision} matmul ceiling: {statistics.median(ceilings) / 1e9:,.0f} GFLOP/s ({spread}); {load_average()}")
 
 
 if __name__ == "__main__":

@@ -1,63 +1,43 @@
-"""--vs-transformers: greedy decoding of the same exported model by sample.py, by transformers' `generate` and, where
-llama-cpp-python is installed, by llama.cpp on export.py --gguf's f32 and bf16 files (the same threads), each a fresh
-process, so that start-up, loading and any compile count as a user pays them. Our side is
-`python sample.py --ckpt DIR --prompt TEXT --temperature 0 --max-new-tokens N --device D` (everything else sample.py's
-default: dtype auto; --no-compile for the eager step); theirs a Python process that imports transformers, loads the directory with
-AutoModelForCausalLM onto D (in bf16 on a CUDA device, as sample.py's auto; else fp32) and calls generate on the
-prompt's ids (no tokenizer: its load would cost transformers more).
-The sides alternate --repeats times in ABBA order (the machine's drift hits both alike); the table gives each side's
-best process wall time and best generation tokens/s (as each process measures its own generation), and whether the
-greedy tokens are equal. The model is the config's (default: the GPU preset's char model with a 512-token context,
-so that the prompt and 256 new tokens fit) with random weights and tiny Shakespeare's characters, exported as
-export.py --hf writes it. --with-compile first runs sample.py --compile once, ours and inductor's caches empty as on a
-fresh machine (it compiles the step and keeps it: its wall time is the compile's cost, paid once per model shape),
-then adds sample.py's default, which finds the kept step, on the model and on a second checkpoint of its shape with
-other weights (whose text is not compared: it is another model's).
---batch N decodes N copies of the prompt at once (RL's rollouts are 144 rows): sample.py --num-samples N, generate on
-N rows, and llama.cpp with N sequences in one context, each step one llama_decode of N tokens (llama-cpp-python's
-low-level API: its Llama.generate decodes one sequence, which batch 1 keeps using). Tokens/s counts every row's.
+"""--vs-transformers: greedy decoding of one exported model by sample.py (its defaults; --no-compile: the eager step),
+transformers' `generate` (bf16 on CUDA as sample.py's auto, else fp32) and, where llama-cpp-python is installed,
+llama.cpp on export.py --gguf's f32 and bf16 files: fresh processes, so that start-up, loading and any compile count
+as a user pays them, alternating --repeats times in ABBA order; each side's best process wall time and generation
+tokens/s (as each process measures it), and whether the greedy tokens are equal. The model: the config's with a
+512-token context, random weights and tiny Shakespeare's characters. --with-compile first runs sample.py --compile with
+every cache empty (the compile's cost, once per shape), then the default, which finds the kept step, on the model and
+another of its shape. --batch N decodes N copies of the prompt (RL's rollouts are 144 rows); llama.cpp then N
+sequences in one context, one llama_decode of N tokens a step (its low-level API).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
 import re
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from benchmarks.common import (
-    GPU_PRESET,
-    PROMPT_TOKENS,
-    REPO,
-    Mode,
-    add_config,
-    decoding_model_args,
-    llama_cpp_installed,
-    print_table,
-)
-from benchmarks.conditions import load_average
+from benchmarks.common import GPU_PRESET, Mode, add_config, bench_model_args, print_table, run_child
+from benchmarks.conditions import llama_cpp_installed, load_average
 from model import GPT, GPTConfig
 from quillgpt.errors import UserError
 from quillgpt.hf import export_hf
 from quillgpt.loading import load_model, write_safetensors
-from quillgpt.tokenizer import CharTokenizer, tokenizer_from_dict
+from quillgpt.tokenizer import CharTokenizer, Tokenizer, tokenizer_from_dict
 
 SHAKESPEARE_CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # 65, as CHAR_VOCAB
-PROMPT = "ROMEO:\nI will go"  # PROMPT_TOKENS characters
+PROMPT = "ROMEO:\nI will go"  # 16 characters: 16 tokens
 CONTEXT = 512  # the GPU preset's 256 can't hold the prompt and 256 new tokens
-# sample.py --verbose's last line: "[256 tokens in 0.63s: 403 tokens/s, DIR, fp32]"
+# sample.py --verbose's last line: "[256 tokens in 0.63s: 403 tokens/s, DIR, bf16 on cpu]" (the plan's label)
 # the rate, not the seconds: those are printed to 0.01 s, which a short run on a small model rounds to 0
 OUR_RATE = re.compile(r"\[\d+ tokens in [\d.]+s: ([\d,]+) tokens/s, .*, (\w+)[^,]*\]")
 THEIRS = """
-import json, sys, time
-import torch, transformers
+import json, sys, time, torch, transformers
 directory, new_tokens, prompt, device, dtype = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), *sys.argv[4:6]
 batch = int(sys.argv[6])
 model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).to(device).eval()
@@ -71,26 +51,22 @@ print(json.dumps({"ids": out[0, len(prompt):].tolist(), "seconds": seconds}))
 """
 # llama.cpp through llama-cpp-python: its greedy sampler on the file, the threads torch uses, the prompt's ids
 LLAMA_CPP = """
-import json, sys, time
+import itertools, json, sys, time
 import llama_cpp
 path, new_tokens, prompt, threads = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
 llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
-ids, t0 = [], time.perf_counter()
-for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
-    ids.append(token)
-    if len(ids) == new_tokens:
-        break
-seconds = time.perf_counter() - t0
-print(json.dumps({"ids": ids, "seconds": seconds}))
+t0 = time.perf_counter()
+ids = list(itertools.islice(llm.generate(prompt, top_k=1, temp=0.0, reset=True), new_tokens))
+print(json.dumps({"ids": ids, "seconds": time.perf_counter() - t0}))
 """
 # llama.cpp with `batch` sequences in one context, each its own part of the KV cache (a unified cache had every row
 # attend over all rows' cells, masked: minutes at 144 rows): the prompts in one llama_decode, then each step one
 # llama_decode of a token per sequence, greedy by argmax over each row's logits
 LLAMA_CPP_BATCH = """
 import json, sys, time
-import numpy as np
-import llama_cpp as L
-path, new_tokens, prompt, threads, batch = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), *map(int, sys.argv[4:6])
+import numpy as np, llama_cpp as L
+path, new_tokens, prompt = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+threads, batch = map(int, sys.argv[4:6])
 L.llama_backend_init()
 model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
 params = L.llama_context_default_params()
@@ -113,10 +89,8 @@ decode([(s, p, t, p == len(prompt) - 1) for s in range(batch) for p, t in enumer
 rows = [[greedy(s * len(prompt) + len(prompt) - 1)] for s in range(batch)]
 while len(rows[0]) < new_tokens:
     decode([(s, len(prompt) + len(row) - 1, row[-1], True) for s, row in enumerate(rows)])
-    for s, row in enumerate(rows):
-        row.append(greedy(s))
-seconds = time.perf_counter() - t0
-print(json.dumps({"ids": rows[0], "seconds": seconds, "rows_equal": all(row == rows[0] for row in rows)}))
+    for s, row in enumerate(rows): row.append(greedy(s))
+print(json.dumps({"ids": rows[0], "seconds": time.perf_counter() - t0, "rows_equal": all(r == rows[0] for r in rows)}))
 """
 
 
@@ -128,7 +102,7 @@ class Side:
     wall: float = float("inf")
     generation: float = float("inf")
     text: str = ""
-    note: str = ""
+    note: str = ""  # the precision sample.py decoded in
     compared: bool = True  # whether its text should be transformers' (false for another model's)
 
     def record(self, wall: float, generation: float, text: str) -> None:
@@ -137,38 +111,16 @@ class Side:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config(p, GPU_PRESET)
-    p.add_argument(
-        "--new-tokens", type=int, default=256, help="tokens generated per run, within the context (default %(default)s)"
-    )
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens a run generates (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="runs per side; the best is reported (default %(default)s)")
     p.add_argument("--with-compile", action="store_true", help="also time sample.py --compile")
-    p.add_argument(
-        "--batch", type=int, default=1, help="rows decoded at once, each the same prompt (default %(default)s)"
-    )
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="where both sides decode (default %(default)s); on CUDA transformers runs in bf16 as sample.py's auto does",
-    )
+    p.add_argument("--batch", type=int, default=1, help="rows decoded at once, each the prompt (default %(default)s)")
+    p.add_argument("--device", default="cpu", help="where both sides decode (default %(default)s; CUDA: bf16 both)")
 
 
-def run_child(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, str, str]:
-    """(wall seconds, stdout, stderr) of a fresh process (with env added to ours); UserError with its stderr's tail
-    when it fails."""
-    t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
-    wall = time.perf_counter() - t0
-    if done.returncode != 0:
-        raise UserError(f"{' '.join(cmd[:3])} ... failed: {done.stderr.strip()[-500:]}")
-    return wall, done.stdout, done.stderr
-
-
-def run_ours(
-    side: Side, directory: str, new_tokens: int, flags: list[str], device: str, batch: int, env: dict[str, str]
-) -> None:
-    cmd = [sys.executable, "sample.py", "--ckpt", directory, "--prompt", PROMPT, "--temperature", "0"]
-    cmd += ["--max-new-tokens", str(new_tokens), "--no-stream", "--verbose", "--device", device]
-    cmd += ["--num-samples", str(batch)]
+def run_ours(side: Side, ckpt: str, flags: list[str], new_tokens: int, device: str, batch: int, env: dict) -> None:
+    cmd = [sys.executable, "sample.py", "--ckpt", ckpt, "--prompt", PROMPT, "--temperature", "0", "--no-stream"]
+    cmd += ["--max-new-tokens", str(new_tokens), "--verbose", "--device", device, "--num-samples", str(batch)]
     wall, output, log = run_child([*cmd, *flags], env)
     stats = OUR_RATE.findall(log)
     if not stats:
@@ -179,46 +131,20 @@ def run_ours(
     side.record(wall, batch * new_tokens / float(rate.replace(",", "")), text)
 
 
-def run_llama_cpp(side: Side, path: str, new_tokens: int, prompt_ids: list[int], tokenizer, batch: int) -> None:
-    script = LLAMA_CPP if batch == 1 else LLAMA_CPP_BATCH
-    threads = str(torch.get_num_threads())
-    wall, output, _ = run_child(
-        [sys.executable, "-c", script, path, str(new_tokens), json.dumps(prompt_ids), threads, str(batch)]
-    )
+def run_theirs(side: Side, tokenizer: Tokenizer, script: str, *args: object) -> None:
+    """transformers or llama.cpp: `python -c script args`, whose last line is JSON: the first row's ids, the
+    generation's seconds and (llama.cpp's batch) whether every row decoded the same."""
+    wall, output, _ = run_child([sys.executable, "-c", script, *map(str, args)])
     result = json.loads(output.strip().splitlines()[-1])
     if not result.get("rows_equal", True):
-        raise UserError(f"llama.cpp's {batch} rows of the same prompt decoded differently")
+        raise UserError(f"{side.name}: the rows of the same prompt decoded differently")
     side.record(wall, result["seconds"], tokenizer.decode(result["ids"]))
 
 
 def their_dtype(device: str) -> str:
     """transformers' dtype: bf16 on a CUDA device that has it (sample.py's auto there), else fp32 (the CPU's)."""
-    if (
-        device.startswith("cuda")
-        and torch.cuda.is_available()
-        and torch.cuda.is_bf16_supported(including_emulation=False)
-    ):
-        return "bfloat16"
-    return "float32"
-
-
-def run_theirs(
-    side: Side, directory: str, new_tokens: int, prompt_ids: list[int], tokenizer, device: str, batch: int
-) -> None:
-    cmd = [
-        sys.executable,
-        "-c",
-        THEIRS,
-        directory,
-        str(new_tokens),
-        json.dumps(prompt_ids),
-        device,
-        their_dtype(device),
-        str(batch),
-    ]
-    wall, output, _ = run_child(cmd)
-    result = json.loads(output.strip().splitlines()[-1])
-    side.record(wall, result["seconds"], tokenizer.decode(result["ids"]))
+    cuda = device.startswith("cuda") and torch.cuda.is_available()
+    return "bfloat16" if cuda and torch.cuda.is_bf16_supported(including_emulation=False) else "float32"
 
 
 @dataclass
@@ -239,70 +165,70 @@ class Comparison:
         return all(s.text == self.theirs.text for s in self.sides if s.compared and "bf16" not in s.name + s.note)
 
 
+def comparable_model(config: str, cli: list[str], new_tokens: int) -> GPTConfig:
+    """The config's model with a 512-token context, checked to hold the prompt and the new tokens, in tiny
+    Shakespeare's characters (transformers would draw ids another tokenizer has not)."""
+    if importlib.util.find_spec("transformers") is None:  # only the children import it
+        raise UserError("--vs-transformers needs transformers: pip install -e '.[hf]'")
+    margs = bench_model_args(config, ["--model.block_size", str(CONTEXT), *cli])
+    if len(PROMPT) + new_tokens > margs.block_size:
+        raise UserError(f"--new-tokens {new_tokens} and a 16-token prompt exceed the context {margs.block_size}")
+    if margs.vocab_size != len(SHAKESPEARE_CHARS):
+        raise UserError(f"--vs-transformers decodes 65 characters: no vocabulary of {margs.vocab_size}")
+    return margs
+
+
+def export(margs: GPTConfig, directory: str) -> Tokenizer:
+    """The model with random weights as export.py --hf writes it, beside it as safetensors (export.py --gguf reads the
+    char vocabulary there), and another of its shape in other/, exported alike; the tokenizer the export holds."""
+    chars = CharTokenizer(list(SHAKESPEARE_CHARS)).to_dict()
+    for seed, path in ((0, directory), (1, f"{directory}/other")):
+        torch.manual_seed(seed)
+        model = GPT(margs)
+        export_hf(model, chars, path)
+        if seed == 0:
+            write_safetensors(model, chars, f"{directory}/ours.safetensors")
+    return tokenizer_from_dict(load_model(directory).tokenizer)
+
+
 def compare(
     config: str, cli: list[str], new_tokens: int, repeats: int, with_compile: bool, device: str, batch: int = 1
 ) -> Comparison:
-    """sample.py (and sample.py --compile) against transformers' generate on the config's model with random weights,
-    exported as export.py --hf writes it: --repeats fresh processes a side, in ABBA order (the machine's drift hits
-    both alike)."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise UserError("--vs-transformers needs transformers: pip install -e '.[hf]'") from None
-    margs = decoding_model_args(config, ["--model.block_size", str(CONTEXT), *cli])
-    if PROMPT_TOKENS + new_tokens > margs.block_size:
-        raise UserError(
-            f"--new-tokens {new_tokens} + a {PROMPT_TOKENS}-token prompt exceed the context {margs.block_size}"
-        )
-    if margs.vocab_size != len(SHAKESPEARE_CHARS):  # transformers would draw ids the tokenizer has not
-        raise UserError(
-            f"--vs-transformers decodes tiny Shakespeare's {len(SHAKESPEARE_CHARS)} characters: "
-            f"a vocabulary of {margs.vocab_size} can't be compared"
-        )
-    # (side, sample.py's flags, the checkpoint: 0 the model exported, 1 another of its shape)
-    sides = [(Side("sample.py --no-compile (KV cache, eager step)"), ["--no-compile"], 0)]
+    """sample.py (and sample.py --compile) against transformers' generate (and llama.cpp) on the config's model with
+    random weights: --repeats fresh processes a side, in ABBA order (the machine's drift hits every side alike)."""
+    margs = comparable_model(config, cli, new_tokens)
+    # (side, sample.py's flags, the checkpoint: "" the model exported, "/other" another of its shape)
+    ours = [(Side("sample.py --no-compile (KV cache, eager step)"), ["--no-compile"], "")]
     if with_compile:
-        sides.append((Side("sample.py's default (the kept compiled step)"), [], 0))
+        ours.append((Side("sample.py's default (the kept compiled step)"), [], ""))
         other = Side("sample.py's default on another checkpoint of the shape (the same kept step)", compared=False)
-        sides.append((other, [], 1))
+        ours.append((other, [], "/other"))
     compiling = Side("sample.py --compile, its first run (compiles and keeps the step; caches cold)")
-    theirs = Side(f"transformers generate ({their_dtype(device).replace('float', 'fp').replace('bfloat', 'bf')})")
+    dtype = their_dtype(device)
+    theirs = Side(f"transformers generate ({dtype.replace('float', 'fp').replace('bfloat', 'bf')})")
     llama_cpp = llama_cpp_installed() and device == "cpu"
     gguf = {outtype: Side(f"llama.cpp, --gguf {outtype}") for outtype in (("f32", "bf16") if llama_cpp else ())}
     with tempfile.TemporaryDirectory(prefix="vs_transformers_") as directory:
-        torch.manual_seed(0)
-        model, chars = GPT(margs), CharTokenizer(list(SHAKESPEARE_CHARS)).to_dict()
-        export_hf(model, chars, directory)
-        write_safetensors(model, chars, f"{directory}/ours.safetensors")  # GGUF takes the char vocabulary
-        checkpoints = [directory, f"{directory}/other"]
-        torch.manual_seed(1)
-        # exported as the first is: an HF directory has biases (zero where ours has none), so another shape of ours
-        export_hf(GPT(margs), chars, checkpoints[1])
-        tokenizer = tokenizer_from_dict(load_model(directory).tokenizer)
-        prompt_ids = tokenizer.encode(PROMPT)
+        tokenizer = export(margs, directory)
+        decode = (new_tokens, json.dumps(tokenizer.encode(PROMPT)))  # the scripts' arguments after the model's path
         # the compile from cold caches, as on a fresh machine: ours and inductor's, the kept step found in the first
         env = {"QUILLGPT_CACHE": f"{directory}/cache", "TORCHINDUCTOR_CACHE_DIR": f"{directory}/inductor"}
+        mine = (new_tokens, device, batch, env)  # run_ours's arguments after the flags
         if with_compile:
-            run_ours(compiling, directory, new_tokens, ["--compile"], device, batch, env)
-        runs = [
-            lambda side=side, flags=flags, ckpt=ckpt: run_ours(
-                side, checkpoints[ckpt], new_tokens, flags, device, batch, env
-            )
-            for side, flags, ckpt in sides
-        ]
-        runs.append(lambda: run_theirs(theirs, directory, new_tokens, prompt_ids, tokenizer, device, batch))
+            run_ours(compiling, directory, ["--compile"], *mine)
+        runs = [partial(run_ours, side, directory + ckpt, flags, *mine) for side, flags, ckpt in ours]
+        runs.append(partial(run_theirs, theirs, tokenizer, THEIRS, directory, *decode, device, dtype, batch))
         for outtype, side in gguf.items():
             path = f"{directory}/model-{outtype}.gguf"
             export_cmd = [sys.executable, "export.py", "--ckpt", f"{directory}/ours.safetensors", "--gguf", path]
-            subprocess.run([*export_cmd, "--outtype", outtype], cwd=REPO, check=True, capture_output=True)
-            runs.append(
-                lambda side=side, path=path: run_llama_cpp(side, path, new_tokens, prompt_ids, tokenizer, batch)
-            )
+            run_child([*export_cmd, "--outtype", outtype])
+            script = LLAMA_CPP if batch == 1 else LLAMA_CPP_BATCH
+            runs.append(partial(run_theirs, side, tokenizer, script, path, *decode, torch.get_num_threads(), batch))
         for i in range(repeats):  # alternating, in ABBA order, so that drift hits every side alike
             for run_side in runs if i % 2 == 0 else runs[::-1]:
                 run_side()
-    ours = [*([compiling] if with_compile else []), *(side for side, _, _ in sides)]
-    return Comparison(margs, new_tokens, repeats, device, batch, [*ours, theirs, *gguf.values()], theirs)
+    sides = [*([compiling] if with_compile else []), *(side for side, _, _ in ours), theirs, *gguf.values()]
+    return Comparison(margs, new_tokens, repeats, device, batch, sides, theirs)
 
 
 def print_comparison(c: Comparison) -> None:
@@ -310,36 +236,20 @@ def print_comparison(c: Comparison) -> None:
     threads = f", {torch.get_num_threads()} threads" if c.device == "cpu" else ""
     print(
         f"{m.n_layer} layers, n_embd {m.n_embd}, context {m.block_size}, {c.new_tokens} new tokens after a "
-        f"{PROMPT_TOKENS}-token prompt, batch {c.batch}, greedy, on {c.device}{threads}; a fresh process per run, best of {c.repeats}"
+        f"{len(PROMPT)}-token prompt, batch {c.batch}, greedy, on {c.device}{threads}; a fresh process per run, best "
+        f"of {c.repeats}"
     )
-    llama_f32 = next((s for s in c.sides if s.name == "llama.cpp, --gguf f32"), None)
-    print_table(
-        [
-            "decoder",
-            "process wall (s)",
-            "vs transformers",
-            "generation tokens/s",
-            "vs transformers",
-            "vs llama.cpp f32",
-        ],
-        [
-            [
-                s.name + (f" ({s.note})" if s.note else ""),
-                f"{s.wall:.2f}",
-                f"{theirs.wall / s.wall:.2f}x",
-                f"{n / s.generation:,.0f}",
-                f"{theirs.generation / s.generation:.2f}x",
-                f"{llama_f32.generation / s.generation:.2f}x" if llama_f32 else "",
-            ]
-            for s in c.sides
-        ],
-        left=1,
-    )
+    f32 = next((s for s in c.sides if s.name == "llama.cpp, --gguf f32"), None)
+    header = ["decoder", "process wall (s)", "vs transformers", "generation tokens/s", "vs transformers"]
+    rows = [
+        [s.name + (f" ({s.note})" if s.note else ""), f"{s.wall:.2f}", f"{theirs.wall / s.wall:.2f}x"]
+        + [f"{n / s.generation:,.0f}", f"{theirs.generation / s.generation:.2f}x"]
+        + [f"{f32.generation / s.generation:.2f}x" if f32 else ""]
+        for s in c.sides
+    ]
+    print_table([*header, "vs llama.cpp f32"], rows)
     dtypes = {s.note for s in c.sides if s.note}
-    print(
-        f"greedy tokens equal: {c.same_text}"
-        + ("" if c.same_text or dtypes <= {"fp32"} else f" (ours ran in {dtypes})")
-    )
+    print(f"greedy tokens equal: {c.same_text}" + ("" if c.same_text or dtypes <= {"fp32"} else f" (ours in {dtypes})"))
 
 
 def run(args: argparse.Namespace, cli: list[str]) -> None:
@@ -350,10 +260,5 @@ def run(args: argparse.Namespace, cli: list[str]) -> None:
     print(load_average())
 
 
-MODE = Mode(
-    "--vs-transformers",
-    "greedy decoding, fresh processes: sample.py's default against transformers' generate (and llama.cpp)",
-    __doc__,
-    add_arguments,
-    run,
-)
+SUMMARY = "greedy decoding, fresh processes: sample.py's default against transformers' generate (and llama.cpp)"
+MODE = Mode("--vs-transformers", SUMMARY, __doc__, add_arguments, run)

@@ -22,10 +22,10 @@ from typing import TextIO
 
 import torch
 
-from model import GPT, KVCache, sample_next
+from model import GPT
 from quillgpt.chat_template import ChatFormat, chat_format, common_prefix
+from quillgpt.engine import Draws, Engine, Row, RowText, Sampling, showable_length
 from quillgpt.errors import UserError
-from quillgpt.generate import showable_length
 from quillgpt.tokenizer import Tokenizer
 from quillgpt.tools import calculator_for, reply_parts
 
@@ -39,29 +39,26 @@ class ChatSession:
         max_new_tokens: int = 256,
         notices: TextIO | None = sys.stderr,
         control_tokens_in_content: bool = False,
-        compile: bool | None = False,
+        plan=None,
     ):
         """control_tokens_in_content: a message that spells a control token gets the token (transformers' default),
-        not its text (quillgpt.chat_template). compile: decode with the compiled step (GPT.decoding_cache; None: one
-        only where one is kept; True compiles it for the whole context, which the conversation grows into)."""
+        not its text (quillgpt.chat_template). plan: the loaded model's decoding plan (generate.plan_decoding; None:
+        eager); a compiled step is compiled, or loaded, for the whole context, which the conversation grows into,
+        before the first message, where a failure ends the session at once."""
         self.model, self.tokenizer = model, tokenizer
         # a UserError when the tokenizer has no chat template
         self.format: ChatFormat = chat_format(tokenizer, control_tokens_in_content)
         self.calculator = calculator_for(tokenizer) if self.format.tools else None  # one Calculator per reply
         self.max_new_tokens = max_new_tokens
         self.notices = notices
-        self.device = next(model.parameters()).device
-        self.positions = torch.arange(model.config.block_size, device=self.device)  # a step's position, on the device
+        compiled = plan is not None and plan.step != "eager"
+        length = self.block_size if compiled else 64
+        self.engine = Engine(model, plan, capacity=1, length=length, vocab_size=tokenizer.vocab_size)
         self.system = system
         self.messages: list[dict] = []
         self.ids: list[int] = []  # the ids whose keys and values the cache holds, in order
-        self.cache: KVCache | None = None
-        self.compile = compile
-        self.decode = model.decode_one  # the step for the cache (GPT.decoding_cache), chosen with each new cache
         self.encoded = 0  # ids run through the model to read prompts (not to generate): what the cache saves
         self.reset(system)
-        if compile:  # compiled (or loaded) before the first message, where a failure ends the session at once
-            self.ensure_room(self.block_size, 0)
 
     @property
     def block_size(self) -> int:
@@ -75,7 +72,6 @@ class ChatSession:
 
     # ---- one turn ---------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def reply(
         self,
         user_text: str,
@@ -95,27 +91,31 @@ class ChatSession:
         except UserError:
             self.messages.pop()
             raise
-        logits = self.read(prompt, budget)
-        stop = self.format.stop_ids
-        generated: list[int] = []
-        inserted: list[int] = []  # a tool call's output, put in after the call, before anything more is sampled
-        calculator = self.calculator() if self.calculator else None
+        row = Row(
+            prompt,
+            Sampling(temperature, top_k, top_p),
+            budget,
+            stop_ids=self.format.stop_ids,
+            draws=Draws(generator),
+            calculator=self.calculator() if self.calculator else None,
+            text=RowText(self.tokenizer, prompt),
+        )
+        keep = min(common_prefix(self.ids, prompt), len(prompt) - 1)  # the last id must run: its logits are needed
+        self.engine.extend(row, prompt[keep:], keep)
+        self.encoded += len(prompt) - keep
         shown = 0
-        for _ in range(budget):
-            token = inserted.pop(0) if inserted else self.sample(logits, temperature, top_k, top_p, generator)
-            logits = self.step(token)  # the cache takes every token, an end of turn too: the next turn follows it
-            if token in stop:
-                break
-            generated.append(token)
-            if calculator is not None:
-                inserted += calculator.after(token)
+        while self.engine.rows:
+            self.engine.step()
             if stream is not None:
-                text = self.tokenizer.decode_after(prompt[-8:], generated)
-                end = showable_length(text, [])
-                stream.write(text[shown:end])
+                end = len(row.shown) if row.finish else showable_length(row.shown, ())
+                stream.write(row.shown[shown:end])
                 stream.flush()
                 shown = max(shown, end)
-        text = self.tokenizer.decode_after(prompt[-8:], generated) if generated else ""
+        if row.new:  # the cache takes the reply's last id too (an end of turn: the next turn follows it)
+            self.engine.extend(row, row.new[-1:], len(row.ids) - 1, room=0)
+        self.ids = row.ids
+        generated = [t for t in row.new if t not in self.format.stop_ids]
+        text = row.shown if generated else ""
         if stream is not None:
             stream.write(text[shown:])
             stream.flush()
@@ -156,51 +156,3 @@ class ChatSession:
             return False
         del self.messages[turns[0] : turns[1]]
         return True
-
-    # ---- the model and its cache --------------------------------------------------------------------
-
-    def read(self, prompt: list[int], budget: int) -> torch.Tensor:
-        """Bring the cache to hold `prompt`, running through the model only what it lacks; the next-token logits
-        (1, V). Room is made for budget more tokens."""
-        keep = min(common_prefix(self.ids, prompt), len(prompt) - 1)  # the last id must run: its logits are needed
-        self.ensure_room(len(prompt) + budget, keep)
-        self.cache.pos = keep
-        new = torch.tensor([prompt[keep:]], device=self.device)  # (1, T)
-        logits, _ = self.model(new, cache=self.cache, last_only=True)
-        self.ids = list(prompt)
-        self.encoded += len(prompt) - keep
-        return logits[:, -1, :]
-
-    def step(self, token: int) -> torch.Tensor:
-        """Append one id to the cache; the logits (1, V) of the token after it."""
-        position = self.positions[self.cache.pos : self.cache.pos + 1]  # (1,)
-        logits = self.decode(torch.tensor([[token]], device=self.device), position, self.cache)
-        self.cache.pos += 1
-        self.ids.append(token)
-        return logits
-
-    def ensure_room(self, needed: int, keep: int) -> None:
-        """A cache of at least `needed` positions, its first `keep` ones carried over from the old cache."""
-        if self.cache is not None and self.cache.length >= needed:
-            return
-        old = self.cache
-        # one compile for the whole conversation, not one for each length the cache grows through
-        needed = self.block_size if self.compile else needed
-        self.cache, self.decode = self.model.decoding_cache(1, needed, self.compile)
-        if old is not None:
-            for layer in range(len(old.k)):
-                self.cache.k[layer][:, :, :keep] = old.k[layer][:, :, :keep]
-                self.cache.v[layer][:, :, :keep] = old.v[layer][:, :, :keep]
-
-    def sample(
-        self,
-        logits: torch.Tensor,
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        generator: torch.Generator | None,
-    ) -> int:
-        logits = logits.float()
-        if self.tokenizer.vocab_size < logits.size(-1):  # a vocabulary padded for speed: ids nothing decodes
-            logits[:, self.tokenizer.vocab_size :] = -float("inf")
-        return int(sample_next(logits, temperature, top_k, top_p, generator)[0, 0])

@@ -1,7 +1,7 @@
 """One-token decoding compiled ahead of time (AOTInductor), kept on disk between runs.
 
-GPT.decode_one over a KV cache of fixed length, the whole cache attended with the unwritten part masked (one graph
-for every position), is exported with torch.export and compiled by AOTInductor into a shared library packaged as a
+The model's forward pass for one token over one row of the cache (engine.GraphCache: the whole row attended, its
+unwritten part masked, so one graph serves every position) is exported with torch.export and compiled by AOTInductor into a shared library packaged as a
 .pt2 file. Each step then runs in C++: no Python per layer, the elementwise work fused. The weights are the compiled
 model's constants, copied in from the model being decoded (bind: a third faster than handing them in as inputs), so
 a package holds no weights and serves every model of its shape: a run's checkpoints, its fine-tunes. The cache is
@@ -9,10 +9,10 @@ the compiled model's buffers too, pointed at the caller's tensors: the prompt's 
 cache the compiled steps go on writing. (Taking the cache as inputs written in place was slower than the eager step:
 the exported graph copies them.)
 
-Compiling takes tens of seconds on a CPU, once per model shape, batch and dtype (sample.py --compile, for the
-call's cache length; chat.py's for the whole context, which a conversation grows into); loading a kept package takes
-a tenth of a second, so the scripts use one whenever it is there, the one with the shortest cache that holds the
-call's positions. Packages are kept in $QUILLGPT_CACHE/decode (else ~/.cache/quillgpt/decode), named by a hash of
+Compiling takes tens of seconds on a CPU, once per model shape and dtype (sample.py --compile, for the call's
+cache length; chat.py's for the whole context, which a conversation grows into); loading a kept package takes a
+tenth of a second, so the scripts use one whenever it is there (the decoding plan says so), the one with the
+shortest cache that holds the call's positions. Packages are kept in $QUILLGPT_CACHE/decode (else ~/.cache/quillgpt/decode), named by a hash of
 everything the compiled code depends on (the weights' names and shapes, the model's arguments, the batch and dtype,
 torch's version and the CPU's code path: an AVX2-capped process gets its own) and the cache's length.
 Measured: docs/sampling.md.
@@ -38,12 +38,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from quillgpt.decoding_kernels import SPLIT_MAX_ROWS, SPLIT_MIN_ELEMENTS
+from quillgpt.engine import GraphCache, KVCache
 from quillgpt.errors import UserError
 from quillgpt.files import cache_dir, fsync_dir, sha256_file
-from quillgpt.kernels import SPLIT_MAX_ROWS, SPLIT_MIN_ELEMENTS, graph_splits
 from quillgpt.precision import CPU_PATH_ENV
 
-# Inductor's settings for a step whose linear maps split (kernels.linear), where inductor writes the matrix-vector
+# Inductor's settings for a step whose linear maps split (decoding_kernels.DecodingLinear), where inductor writes the matrix-vector
 # products as its own loops: a pointwise result of more than one op (a layer norm's output) is computed once into a
 # buffer. Left inlined, as by default on the CPU (up to 50 ops), it is recomputed inside the next product for every
 # output row: 2.6 against 1.25 ms a token (docs/LOG.md). Elsewhere (extern matmuls) the buffers cost ~7%.
@@ -54,33 +55,29 @@ _tickets = count()
 
 
 class DecodeOne(nn.Module):
-    """model.decode_one over a KV cache of its own, (token (B, 1), position (1,)) -> logits (B, V): what torch.export
-    takes. The cache's buffers (k0, v0, k1, ...) are the compiled model's too, and a caller binds its own cache's
-    tensors in their place (bind), so the eager prompt pass and the compiled steps write one cache."""
+    """The model's forward pass for one token (1, 1) at `position` (1,) over a cache row of its own -> logits (1, V):
+    what torch.export takes. The row's buffers (k0, v0, k1, ...) are the compiled model's too, and a caller binds
+    its own cache's tensors in their place (bind), so the eager prompt pass and the compiled steps write one cache."""
 
-    def __init__(self, model: nn.Module, cache):
+    def __init__(self, model: nn.Module, k: list[torch.Tensor], v: list[torch.Tensor]):
         super().__init__()
-        self.model, self.n_layer = model, len(cache.k)
-        for i, (k, v) in enumerate(zip(cache.k, cache.v)):
-            self.register_buffer(f"k{i}", torch.zeros_like(k))
-            self.register_buffer(f"v{i}", torch.zeros_like(v))
+        self.model, self.n_layer = model, len(k)
+        for i, (ki, vi) in enumerate(zip(k, v)):
+            self.register_buffer(f"k{i}", torch.zeros_like(ki))
+            self.register_buffer(f"v{i}", torch.zeros_like(vi))
 
     def forward(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         k = [getattr(self, f"k{i}") for i in range(self.n_layer)]
         v = [getattr(self, f"v{i}") for i in range(self.n_layer)]
-        return self.model.decode_one(token, position, StaticCache(k, v))
+        logits, _ = self.model(token, cache=GraphCache(k, v, position))
+        return logits[:, -1, :]
 
 
-class StaticCache:
-    """The KVCache interface decode_one writes and reads (write, length, pos), over given buffers."""
+class Row0:
+    """The first row of a KVCache's buffers, (1, nkv, L, hs) views: what a compiled step binds and writes."""
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
-        self.k, self.v, self.length, self.pos = k, v, k[0].size(2), 0
-
-    def write(self, layer: int, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        self.k[layer].index_copy_(2, position, k.to(self.k[layer].dtype))
-        self.v[layer].index_copy_(2, position, v.to(self.v[layer].dtype))
-        return self.k[layer], self.v[layer]
+    def __init__(self, cache: KVCache):
+        self.k, self.v = [b[:1] for b in cache.k], [b[:1] for b in cache.v]
 
 
 def bind(runner, model: nn.Module, cache) -> None:
@@ -99,7 +96,7 @@ def bind(runner, model: nn.Module, cache) -> None:
 def package_key(model: nn.Module, batch: int) -> str:
     """A hash of what the compiled code depends on but the cache's length (a package's file name carries that), not
     the weights' values (bind copies those in): the weights' names, dtypes and shapes, the model's arguments and
-    modules, the batch, torch's version, the CPU's code path and whether its linear maps split (kernels.linear)."""
+    modules, the batch, torch's version, the CPU's code path and how its linear maps split (DecodingLinear)."""
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
@@ -110,16 +107,21 @@ def package_key(model: nn.Module, batch: int) -> str:
         "torch": torch.__version__,
         "cpu": torch.backends.cpu.get_cpu_capability(),
         "env": {k: os.environ.get(k, "") for k in CPU_PATH_ENV},
-        # the graph's linear maps, and inductor's settings, differ where they split (and with the split's bounds)
-        "split_linear": splits(model) and [SPLIT_MIN_ELEMENTS, SPLIT_MAX_ROWS],
+        # the graph's linear maps, and inductor's settings, differ where they split (by parts, and the split's bounds)
+        "split_linear": splits(model) and [sorted(split_parts(model)), SPLIT_MIN_ELEMENTS, SPLIT_MAX_ROWS],
     }
     digest.update(json.dumps(facts, sort_keys=True).encode())
     return digest.hexdigest()[:32]
 
 
+def split_parts(model: nn.Module) -> set[int]:
+    """The row blocks the model's decoding products split into (decoding_kernels.DecodingLinear; 1: not split)."""
+    return {getattr(m, "parts", 1) for m in model.modules()} - {1}
+
+
 def splits(model: nn.Module) -> bool:
-    """Whether a compiled step's linear maps in this model split (kernels.graph_splits)."""
-    return graph_splits(next(model.parameters()))
+    """Whether a compiled step's linear maps in this model split (the plan swapped split products in)."""
+    return bool(split_parts(model))
 
 
 def packages_dir() -> Path:
@@ -146,23 +148,6 @@ def kept_packages(key: str) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def compiled_cache(model: nn.Module, batch: int, length: int, build: bool):
-    """A KV cache with room for `length` positions or more and the compiled step over it, as decode_one's signature
-    (token, position, cache) -> logits: the kept package of this model's shape and batch with the shortest cache that
-    holds them (the cache takes its length: a step compiled for a long generation serves the shorter ones, attending
-    over its whole cache), or (build) a package compiled for `length` and kept first. None where none is kept and
-    build is false, or where the package found does not load (one line says why: the caller decodes eagerly)."""
-    path = kept_package(model, batch, length, build)
-    if path is None:
-        return None
-    cache = model.new_cache(batch, package_length(path))
-    try:
-        return cache, compiled_step(path, model, cache)
-    except NotLoaded as e:
-        print(f"[{e}: decoding eagerly]", file=sys.stderr, flush=True)
-        return None
-
-
 def kept_package(model: nn.Module, batch: int, length: int, build: bool) -> Path | None:
     """The file of the kept package of this model's shape and batch with the shortest cache that holds `length`
     positions, or (build) of one compiled for `length` and kept first; None where none is kept and build is false.
@@ -175,7 +160,7 @@ def kept_package(model: nn.Module, batch: int, length: int, build: bool) -> Path
             return path
     if not build:
         return None
-    return compile_package(model, model.new_cache(batch, length), key)
+    return compile_package(model, KVCache.for_model(model, batch, length), key)
 
 
 _verified: set[Path] = set()  # packages whose digest this process has checked
@@ -213,9 +198,34 @@ class NotLoaded(Exception):
     """A package that passed its digest check but does not load (a torch or library it was not built against)."""
 
 
-def compiled_step(path: Path, model: nn.Module, cache) -> Callable:
-    """A kept package's step over `cache` (anything with per-layer k and v lists of the package's batch and length:
-    a KVCache, or serve.py's row of its slot buffers), loaded once per process. NotLoaded where it does not load."""
+def compiled_row_step(path: Path, model: nn.Module, cache: KVCache) -> Callable | None:
+    """A kept package's step over row 0 of `cache` (whose length must be the package's), as the engine calls a step:
+    (token (1, 1), cache) -> logits (1, V), the row's position advanced. Loaded once per process; None, with one
+    line, where it does not load (the engine then decodes eagerly)."""
+    row = Row0(cache)
+    try:
+        runner = loaded_runner(path)
+    except NotLoaded as e:
+        print(f"[{e}: decoding eagerly]", file=sys.stderr, flush=True)
+        return None
+    positions = torch.arange(cache.length, device=cache.device)  # each step's position, on the device
+    ticket = next(_tickets)
+
+    def step(token: torch.Tensor, given: KVCache) -> torch.Tensor:
+        assert given is cache, "a compiled step decodes over the cache it was bound to"
+        if _bound.get(id(runner)) != ticket:  # another model or cache used the runner since: bind again
+            bind(runner, model, row)
+            _bound[id(runner)] = ticket
+        at = cache.positions[0]
+        logits = runner.run([token, positions[at : at + 1]])[0]
+        cache.positions[0] = at + 1
+        return logits
+
+    return step
+
+
+def loaded_runner(path: Path):
+    """The package's runner, loaded once per process. NotLoaded where it does not load."""
     if path not in _loaded:
         # the package's own C++ loader: torch._inductor.aoti_load_package would import inductor's Python first,
         # seconds of a process's start-up for the same loader
@@ -224,27 +234,33 @@ def compiled_step(path: Path, model: nn.Module, cache) -> Callable:
         except Exception as e:  # the loader's own errors are RuntimeErrors of many lines
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise NotLoaded(f"the kept decoding step {path} does not load ({first})") from None
-    return aoti_step(_loaded[path], model, cache)
+    return _loaded[path]
 
 
-def aoti_step(runner, model: nn.Module, cache) -> Callable:
-    """A loaded package's runner for this model and cache, as decode_one's signature: (token, position, cache) ->
-    logits. Bound to them before its first token, and again whenever another step has used the runner since (two
-    models of one shape, two conversations)."""
-    ticket = next(_tickets)
+def graph_row_step(model: nn.Module, cache: KVCache) -> Callable:
+    """Off the CPU: a lone row's step under torch.compile, one fixed-shape graph over row 0 of the whole cache (the
+    unwritten part masked), compiled once per model (kept on it) and shape."""
+    if getattr(model, "_graph_step", None) is None:
 
-    def step(token: torch.Tensor, position: torch.Tensor, given) -> torch.Tensor:
-        assert given is cache, "a compiled step decodes over the cache it was bound to"
-        if _bound.get(id(runner)) != ticket:
-            bind(runner, model, cache)
-            _bound[id(runner)] = ticket
-        return runner.run([token, position])[0]
+        def forward(token, position, k, v):
+            logits, _ = model(token, cache=GraphCache(k, v, position))
+            return logits[:, -1, :]
+
+        model._graph_step = torch.compile(forward, dynamic=False, fullgraph=True)
+    row = Row0(cache)
+    positions = torch.arange(cache.length, device=cache.device)
+
+    def step(token: torch.Tensor, given: KVCache) -> torch.Tensor:
+        at = cache.positions[0]
+        logits = model._graph_step(token, positions[at : at + 1], row.k, row.v)
+        cache.positions[0] = at + 1
+        return logits
 
     return step
 
 
 def compile_package(model: nn.Module, cache, key: str) -> Path:
-    """Export and compile decode_one over the cache's shapes into the cache directory, the file moved into place
+    """Export and compile the one-token step (DecodeOne) over the cache's shapes into the cache directory, the file moved into place
     whole (a process killed while compiling leaves nothing half-written), and return it. Where that directory can't
     be written, the package goes to a temporary directory for this process alone, with one line. A machine with no
     working C++ compiler, or a compiler that fails on the step, is a UserError: one line, before the export where
@@ -283,10 +299,11 @@ def compile_package(model: nn.Module, cache, key: str) -> Path:
 def build_package(model: nn.Module, cache, directory: Path, key: str) -> Path:
     """compile_package's work: torch.export, then AOTInductor into a temporary package moved into place under the
     name that carries its digest (package_name)."""
-    token = torch.zeros((cache.k[0].size(0), 1), dtype=torch.long, device=cache.k[0].device)
+    token = torch.zeros((1, 1), dtype=torch.long, device=cache.device)
     position = torch.zeros(1, dtype=torch.long, device=token.device)
+    row = Row0(cache)
     with torch.no_grad():
-        exported = torch.export.export(DecodeOne(model, cache), (token, position), strict=False)
+        exported = torch.export.export(DecodeOne(model, row.k, row.v), (token, position), strict=False)
     # torch's own deprecation notice from inside the packaging (pytree's LeafSpec), not the user's to act on
     with tempfile.TemporaryDirectory(dir=directory, prefix=".compiling-") as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
@@ -301,7 +318,7 @@ def build_package(model: nn.Module, cache, directory: Path, key: str) -> Path:
         )
         with open(built, "rb") as f:
             os.fsync(f.fileno())
-        path = directory / package_name(key, cache.k[0].size(2), sha256_file(Path(built)))
+        path = directory / package_name(key, cache.length, sha256_file(Path(built)))
         os.replace(built, path)  # the same directory's file system: the package appears whole or not at all
     fsync_dir(directory)
     _verified.add(path)

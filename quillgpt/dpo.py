@@ -4,7 +4,7 @@ train.py on a preference dataset (prepare.py --preference) trains with this loss
 the best checkpoint are the trainer's.
 
     batches = PairBatches(dataset, block_size, batch_size, seed, device)   # (x, y, stored reference log-probs)
-    dpo, batches = build_dpo(cfg, dataset, model, fresh, ...)              # the reference: stored, or a model
+    objective = build_preference_pairs(cfg.dpo, cfg.training, seed, dataset, reference, fresh, rt)
     loss = dpo.loss(model, x, y, stored)                                   # TRL's per-pair loss, averaged
 
 A micro-batch of batch_size pairs is 2 x batch_size rows, the chosen sides then the rejected ones (TRL's order),
@@ -37,12 +37,12 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from quillgpt import distributed
-from quillgpt.config import Config, DPOConfig
+from quillgpt.config import DPOConfig, TrainingConfig
 from quillgpt.data import Dataset, batch_rng, gather_rows
 from quillgpt.distributed import DistInfo
 from quillgpt.errors import UserError
 from quillgpt.files import atomic_write, atomic_write_json, read_json
-from quillgpt.run_model import build_model, plan_model
+from quillgpt.objective import Objective, Trainer, eval_indices, hellaswag
 
 REFERENCE_DIR = "reference"
 SUMS = ("loss", "reward_acc", "reward_margin", "chosen_reward", "rejected_reward")  # then the pair count
@@ -297,34 +297,63 @@ def frozen(model: nn.Module) -> nn.Module:
     return model
 
 
-def build_dpo(
-    cfg: Config,
+class PreferencePairs(Objective):
+    """DPO's objective: a micro-batch of pairs' DPO loss (DPO.loss), its evaluation TRL's figures on held-out pairs."""
+
+    name, rows_per_sample = "dpo", 2
+
+    def __init__(self, dpo: DPO, batches: PairBatches):
+        self.dpo, self.batches = dpo, batches
+
+    def loss(self, tr: Trainer, batch: tuple) -> torch.Tensor:
+        return self.dpo.loss(tr.model, *batch)
+
+    def data_line(self, tr: Trainer) -> str:
+        return self.dpo.description
+
+    @torch.no_grad()
+    def evaluate(self, tr: Trainer, batches: int) -> dict[str, float]:
+        """Per split the DPO loss and TRL's reward figures (a side's reward is beta x its log-prob gain over the
+        reference): how often the chosen side's is the higher, their mean margin and each side's mean, over `batches`
+        batches of pairs (the same every time), dealt to the ranks as LanguageModeling.evaluate deals them."""
+        tr.model.eval()
+        out = {}
+        for split in ("train", "val"):
+            sums = torch.zeros(6, device=tr.rt.device)
+            for k in eval_indices(tr, batches, split):
+                with tr.rt.autocast:
+                    sums += (k < batches) * self.dpo.sums(tr.model, *self.batches.get(split, k))
+            out.update(figures(distributed.all_reduce_sum(sums), split))
+        if tr.evaluation.hellaswag:
+            out.update(hellaswag(tr, tr.evaluation.hellaswag))
+        tr.model.train()
+        return out
+
+
+def build_preference_pairs(
+    settings: DPOConfig,
+    training: TrainingConfig,
+    seed: int,
     dataset: Dataset,
-    model: nn.Module,
+    reference: nn.Module,
     fresh: bool,
-    device: torch.device,
-    precision: str,
-    autocast,
-    dist: DistInfo,
-) -> tuple[DPO, PairBatches]:
-    """The run's DPO and its batches. model: the run's model on its device, before training; fresh: it holds
-    run.init_from's weights (a new run), so it is the reference itself, else (resumed) the reference is built again
-    from run.init_from."""
-    if cfg.training.best_metric == "bpb":
+    rt,
+) -> PreferencePairs:
+    """The objective of a run on preference pairs. reference: run.init_from's model on the run's device; fresh: it
+    is the run's own model before training (a new run), which on_the_fly then copies."""
+    if training.best_metric == "bpb":
         raise UserError("training.best_metric = 'bpb' means nothing for DPO: use val_loss (the DPO loss)")
-    if cfg.training.loss_chunks > 1:
+    if training.loss_chunks > 1:
         raise UserError("training.loss_chunks applies to the language-model loss: DPO needs it at 1")
-    block_size = model.config.block_size
-    batches = PairBatches(dataset, block_size, cfg.training.batch_size, cfg.run.seed, device)
-    reference = model if fresh else build_model(plan_model(cfg, dataset, None)).to(device)
-    if cfg.dpo.reference == "on_the_fly":
-        dpo = DPO(cfg.dpo, frozen(copy.deepcopy(reference) if fresh else reference))
+    batches = PairBatches(dataset, reference.config.block_size, training.batch_size, seed, rt.device)
+    if settings.reference == "on_the_fly":
+        dpo = DPO(settings, frozen(copy.deepcopy(reference) if fresh else reference))
         how = "the reference (run.init_from's model) runs on each batch"
     else:
-        batches.stored, how = stored_reference(reference, batches, precision, autocast, dist)
-        dpo = DPO(cfg.dpo, None)
-    s = cfg.dpo
+        batches.stored, how = stored_reference(reference, batches, rt.precision, rt.autocast, rt.dist)
+        dpo = DPO(settings, None)
+    s = settings
     loss = s.loss_type + (f", label_smoothing {s.label_smoothing}" if s.loss_type == "robust" else "")
     loss += f" + {s.sft_weight} x the chosen replies' NLL" if s.sft_weight else ""
     dpo.description = f"dpo: beta {s.beta}, {loss} loss | {batches.describe()} | {how}"
-    return dpo, batches
+    return PreferencePairs(dpo, batches)

@@ -30,7 +30,7 @@ ALLOCATOR_SLACK = 0.15
 def memory_estimate(cfg: Config, model: GPT, precision: str, world_size: int) -> dict[str, float]:
     """Bytes per rank the training step adds to the process: fp32 weights, gradients and optimizer state, the
     16-bit weight copies autocast makes, activations and the logits (rough upper bounds, checked against measured
-    peak RSS: docs/benchmarks.md, "Fine-tuning SmolLM2-135M"). A LoRA model (meta_model's) has gradients and
+    peak RSS: docs/LOG.md, "benchmarks/ trimmed to its living modes"). A LoRA model (meta_model's) has gradients and
     optimizer state for its adapters only, and its frozen linear weights in the bytes lora.quantize gives them."""
     n = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

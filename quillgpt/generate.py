@@ -1,5 +1,12 @@
-"""Text from a model: load it for sampling, encode a prompt, and decode a batch of continuations with stop
-sequences, streaming the first row. sample.py is the command line over these."""
+"""Text from a model: load it for decoding under a plan decided once and shown, encode a prompt, and decode a batch of
+continuations with stop strings, streaming the first row (through quillgpt/engine.py). sample.py is the command line
+over these; chat.py and serve.py load through load_for_sampling too.
+
+The decoding plan (plan_decoding) is every choice a decoding run takes from the machine, a file or a flag, each with
+its reason: the precision (--dtype, or auto's kept measurement), the step (eager, a compiled package kept on disk,
+or torch.compile on a GPU) and the product kernels swapped into the loaded model (quillgpt/decoding_kernels.py).
+sample.py --verbose prints it; serve.py's start line always does.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +14,23 @@ import math
 import re
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 import torch
 
-from model import GPT, quantize_int8
+from model import GPT
+from quillgpt.decoding_kernels import (
+    ROW_PROBE_MAX_WIDTH,
+    SPLIT_MARGIN,
+    measure_bf16_speedup,
+    quantize_int8,
+    split_speedup,
+    use_decoding_kernels,
+)
+from quillgpt.engine import Draws, Engine, Row, RowText, Sampling, cache_length, showable_length
 from quillgpt.errors import UserError
-from quillgpt.kernels import ROW_PROBE_MAX_WIDTH, measure_bf16_speedup
 from quillgpt.loading import load_model
 from quillgpt.precision import PRECISIONS, inference_precision, int8_activations, kept_measurement, machine_key
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
@@ -23,7 +39,7 @@ ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 DTYPES = ("auto", "fp32", "bf16", "fp16", "int8")  # what --dtype takes in sample.py, chat.py and serve.py
 COMPILE_HELP = (
     "--compile: decode with the one-token step compiled ahead of time and kept on disk (CPU: compiled once per model "
-    "shape, batch and cache length, tens of seconds, unless a kept one holds the call's cache; "
+    "shape and cache length, tens of seconds, unless a kept one holds the call's cache; "
     "quillgpt/compiled_step.py); default: with a kept one where there is one, else eagerly; --no-compile: eagerly"
 )
 DEVICES = "auto | cpu | cuda | cuda:N | mps"  # what --device takes in sample.py, chat.py, serve.py and eval.py
@@ -58,29 +74,142 @@ DECODING_BF16_MARGIN = 1.25
 DECODING_BATCH_ROWS = 16
 
 
-def decoding_precision(requested: str, device: torch.device, width: int) -> str:
+def decoding_precision(requested: str, device: torch.device, width: int) -> tuple[str, str]:
     """The precision sample.py, chat.py and serve.py decode a model of this width in, whatever their batch (so that
-    on one machine the three agree on greedy text): `requested`, or for "auto" bf16 on a CUDA device that has it,
-    and on the CPU bf16 where the products of one decoding row, run as the step runs them (kernels.linear), measure
+    on one machine the three agree on greedy text), and why: `requested`, or for "auto" bf16 on a CUDA device that
+    has it, and on the CPU bf16 where the products of one decoding row, run as the step runs them, measure
     DECODING_BF16_MARGIN faster in bf16 than in fp32 and those of DECODING_BATCH_ROWS rows no slower. Each speed-up
     is measured once per machine and width and kept (kept_measurement)."""
-    if requested != "auto" or device.type != "cpu":
-        return inference_precision(requested, device, width, 1)
+    if requested != "auto":
+        return requested, "--dtype"
+    if device.type != "cpu":
+        return inference_precision(requested, device, width, 1), f"auto on {device.type}"
     width = min(width, ROW_PROBE_MAX_WIDTH)
+    pays = split_speedup()[0] >= SPLIT_MARGIN
 
-    def speedup(rows: int) -> float:
+    def speedup(rows: int) -> tuple[float, str]:
         key = f"{machine_key()}|{width}|{rows} rows"
-        return kept_measurement("bf16_decoding_speedup.json", key, lambda: measure_bf16_speedup(width, rows), float)
+        measure = lambda: measure_bf16_speedup(width, rows, pays)  # noqa: E731
+        return kept_measurement("bf16_decoding_speedup.json", key, measure, float, where=True)
 
-    return "bf16" if speedup(1) >= DECODING_BF16_MARGIN and speedup(DECODING_BATCH_ROWS) >= 1.0 else "fp32"
+    (row, where), (batch, _) = speedup(1), speedup(DECODING_BATCH_ROWS)
+    chosen = "bf16" if row >= DECODING_BF16_MARGIN and batch >= 1.0 else "fp32"
+    return chosen, (
+        f"auto: a decoding row's products ran {row:.2f}x as fast in bf16 (bf16 from {DECODING_BF16_MARGIN}x), "
+        f"{DECODING_BATCH_ROWS} rows' {batch:.2f}x (from 1.0x); {where}"
+    )
 
 
-def load_for_sampling(source: str | Path, device: str = "auto", dtype: str = "fp32") -> tuple[GPT, Tokenizer, str]:
-    """A checkpoint, run directory, .safetensors file, or Hugging Face directory or hub name -> (model in `dtype` on
-    the device (pick_device), tokenizer, label: the source, the precision and the device). dtype auto (the scripts'
-    default): bf16 on a CUDA device that has it; on the CPU bf16 where decoding's products run clearly faster in it
-    (decoding_precision). int8: weight-only int8 (CPU), its activations in the precision its int8
-    product runs faster with (precision.int8_activations)."""
+@dataclass
+class DecodingPlan:
+    """How a loaded model decodes, decided once where it is loaded (plan_decoding), each choice with its reason."""
+
+    device: torch.device
+    precision: str  # what the weights and activations are in ("int8 (bf16 activations)" for int8)
+    precision_why: str
+    step: str = "eager"  # "eager", "compiled" (a package kept on disk, CPU) or "torch.compile" (elsewhere)
+    step_why: str = ""
+    compile: bool | None = None  # the request: True compiles a package where none holds a call; None: kept ones
+    products: list[str] = field(default_factory=list)  # the decoding kernels swapped in, and why
+    source: str = ""
+
+    @property
+    def label(self) -> str:
+        """`checkpoints/base/ckpt_best.pt, bf16 on cpu`: what sample.py's first line says."""
+        return f"{self.source}, {self.precision} on {self.device}"
+
+    def lines(self) -> list[str]:
+        return [
+            f"precision: {self.precision} ({self.precision_why})",
+            f"step: {self.step} ({self.step_why})",
+            f"products: {'; '.join(self.products) or 'PyTorch own, as they are'}",
+        ]
+
+    def describe(self) -> str:
+        """The plan in one line (serve.py's start line)."""
+        return "[decoding plan | " + " | ".join(self.lines()) + "]"
+
+    def text(self) -> str:
+        """The plan a line a choice (sample.py and chat.py --verbose)."""
+        return "\n".join(["[decoding plan]", *(f"  {line}" for line in self.lines())])
+
+    def lone_step(self, model: GPT, rows: int, length: int):
+        """(a cache of `rows` rows, the compiled step over its first row) for an engine that decodes a lone row so, or
+        None eagerly: the kept package whose cache is the shortest that holds `length` positions (compile True: one
+        compiled for `length` and kept first; the cache takes the package's length), or off the CPU torch.compile."""
+        if self.step == "eager":
+            return None
+        from quillgpt.compiled_step import compiled_row_step, graph_row_step, kept_package, package_length
+        from quillgpt.engine import KVCache
+
+        if self.step == "torch.compile":
+            cache = KVCache.for_model(model, rows, length)
+            return cache, graph_row_step(model, cache)
+        package = kept_package(model, 1, length, build=bool(self.compile))
+        if package is None:
+            return None
+        cache = KVCache.for_model(model, rows, package_length(package))
+        step = compiled_row_step(package, model, cache)
+        return (cache, step) if step is not None else None
+
+
+def plan_decoding(
+    model: GPT, device: torch.device, dtype: str = "fp32", compile: bool | None = None, source: str = ""
+) -> tuple[GPT, DecodingPlan]:
+    """Decide how the model decodes on this device and make it so: its precision (dtype: auto, fp32, bf16, fp16 or
+    int8), the step (compile: True compiles one where none is kept, None takes a kept one, False is eager) and, on
+    the CPU, the decoding kernels swapped in. Returns the model as it decodes (int8's is another) and the plan."""
+    if dtype == "int8" and device.type != "cpu":
+        raise UserError(f"--dtype int8 is for the CPU (weight-only int8 matmuls); on {device} use bf16")
+    if dtype == "int8":
+        activations = int8_activations(model.config.n_embd)
+        precision, why = (
+            f"int8 ({activations} activations)",
+            f"--dtype int8, whose product is faster with {activations}",
+        )
+    else:
+        activations, why = decoding_precision(dtype, device, model.config.n_embd)
+        precision = activations
+    model.eval().to(device=device, dtype=PRECISIONS[activations])
+    if dtype == "int8":
+        model = quantize_int8(model, PRECISIONS[activations])
+    plan = DecodingPlan(device, precision, why, compile=compile, source=source)
+    if device.type == "cpu":
+        speedup, where = split_speedup()
+        pays = speedup >= SPLIT_MARGIN
+        plan.products = use_decoding_kernels(model, pays)
+        verdict = "used" if pays else f"not used: under {SPLIT_MARGIN}x"
+        plan.products.append(f"a row's fp32 product split ran {speedup:.2f}x as fast ({verdict}; {where})")
+    plan.step, plan.step_why = decoding_step(model, plan)
+    return model, plan
+
+
+def decoding_step(model: GPT, plan: DecodingPlan) -> tuple[str, str]:
+    """Which step the plan decodes with, and why: eager with --no-compile; on the CPU the compiled package kept for
+    this model's shape (compiled first with --compile), else eager; elsewhere torch.compile with --compile."""
+    if plan.compile is False:
+        return "eager", "--no-compile"
+    if plan.device.type != "cpu":
+        return ("torch.compile", "--compile") if plan.compile else ("eager", "no --compile")
+    from quillgpt.compiled_step import kept_packages, package_key, verified
+
+    kept = [(length, path) for length, path in kept_packages(package_key(model, 1)) if verified(path)]
+    if kept:
+        shown = ", ".join(f"{path} ({length} positions)" for length, path in kept)
+        return "compiled", f"kept for this model's shape: {shown}"
+    if plan.compile:
+        return "compiled", "--compile: none kept for this model's shape, compiled at its first generation and kept"
+    return "eager", "no compiled step kept for this model's shape (--compile keeps one)"
+
+
+def load_for_sampling(
+    source: str | Path, device: str = "auto", dtype: str = "fp32", compile: bool | None = None
+) -> tuple[GPT, Tokenizer, DecodingPlan]:
+    """A checkpoint, run directory, .safetensors file, or Hugging Face directory or hub name -> (the model as it
+    decodes on the device (pick_device), its tokenizer, the decoding plan: plan_decoding, whose label names the
+    source, the precision and the device). dtype auto (the scripts' default): bf16 on a CUDA device that has it; on
+    the CPU bf16 where decoding's products run clearly faster in it (decoding_precision). int8: weight-only int8
+    (CPU), its activations in the precision its int8 product runs faster with (precision.int8_activations)."""
     device = pick_device(device)
     loaded = load_model(source)
     if loaded.tokenizer is None:
@@ -95,17 +224,8 @@ def load_for_sampling(source: str | Path, device: str = "auto", dtype: str = "fp
             f"{tokenizer_label(loaded.tokenizer)} tokenizer's {tokenizer.vocab_size}: sample from the "
             "checkpoint it was exported from instead"
         )
-    if dtype == "int8" and device.type != "cpu":
-        raise UserError(f"--dtype int8 is for the CPU (weight-only int8 matmuls); on {device} use bf16")
-    width = loaded.model.config.n_embd
-    if dtype == "int8":
-        activations = int8_activations(width)
-    else:
-        activations = decoding_precision(dtype, device, width)
-    loaded.model.eval().to(device=device, dtype=PRECISIONS[activations])
-    model = quantize_int8(loaded.model, PRECISIONS[activations]) if dtype == "int8" else loaded.model
-    precision = f"int8 ({activations} activations)" if dtype == "int8" else activations
-    return model, tokenizer, f"{loaded.source}, {precision} on {device}"
+    model, plan = plan_decoding(loaded.model, device, dtype, compile, loaded.source)
+    return model, tokenizer, plan
 
 
 # A run at least this long keeps its decoding step by default (keep_decoding_step): the compile, 15-30 s on 2 cores
@@ -142,8 +262,8 @@ def keep_decoding_step(checkpoint: str | Path, processes: int = 1) -> None:
             flush=True,
         )
         return
-    model, _, label = load_for_sampling(checkpoint, device="cpu", dtype="auto")
-    length = model.config.block_size
+    model, _, plan = load_for_sampling(checkpoint, device="cpu", dtype="auto")
+    label, length = plan.label, model.config.block_size
     if kept := kept_package(model, 1, length, build=False):
         print(f"[sample.py's compiled decoding step for this model's shape is kept already: {kept.name}]", flush=True)
         return
@@ -212,38 +332,6 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> list[in
     return ids
 
 
-def showable_length(text: str, stop: list[str]) -> int:
-    """How much of a growing sample can be printed: not a cut-off UTF-8 character, nor what may begin a stop sequence."""
-    n = len(text.rstrip("\ufffd"))
-    held = max((k for s in stop for k in range(1, len(s)) if text[:n].endswith(s[:k])), default=0)
-    return n - held
-
-
-class RowText:
-    """The text of a growing row of ids, decoded as it grows: each token's text is decoded after the 8 ids before
-    it (context enough for a sentencepiece space, as for the prompt) and kept once it ends in a whole character, so
-    a token costs the decoding of a few ids, not of the whole row."""
-
-    CONTEXT = 8
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
-        self.tokenizer = tokenizer
-        self.context = list(prompt_ids[-self.CONTEXT :])  # the ids before the pending ones
-        self.pending: list[int] = []  # ids whose text may still end in a cut-off UTF-8 character
-        self.kept = ""
-
-    def add(self, token: int) -> str:
-        """Append one id; returns the row's whole text (U+FFFD where a character is not complete yet)."""
-        self.pending.append(token)
-        tail = self.tokenizer.decode_after(self.context, self.pending)
-        if tail.endswith("\ufffd"):
-            return self.kept + tail
-        self.kept += tail
-        self.context = (self.context + self.pending)[-self.CONTEXT :]
-        self.pending = []
-        return self.kept
-
-
 def generate_texts(
     model: GPT,
     tokenizer: Tokenizer,
@@ -256,55 +344,52 @@ def generate_texts(
     stop: list[str] | None = None,
     seed: int | torch.Generator | None = None,
     stream: TextIO | None = None,
-    compile: bool = False,
+    plan: DecodingPlan | None = None,
 ) -> tuple[list[str], int]:
-    """Sample num_samples continuations as one batch. Returns (texts, tokens generated).
+    """Sample num_samples continuations as one batch, rows of one engine (quillgpt/engine.py). Returns (texts, tokens
+    generated: every row's, as many steps as the longest ran).
 
-    A row ends at the tokenizer's <|endoftext|> (end of sequence) or the first stop sequence, which are left out;
-    stop sequences may span tokens.
-    seed: an int seeds a new generator, a torch.Generator is drawn from as it is (an interactive session
-    shares one), None uses torch's global one. stream, a text file, receives the first row's text as
-    it is produced. compile: decode with the compiled step (GPT.generate_stream)."""
-    stop = [s for s in stop or [] if s]
+    A row ends at the tokenizer's <|endoftext|> (end of sequence) or the first stop string, which are left out;
+    stop strings may span tokens. seed: an int seeds a new generator, a torch.Generator is drawn from as it is (an
+    interactive session shares one), None uses torch's global one. stream, a text file, receives the first row's
+    text as it is produced. plan: the loaded model's (plan_decoding): the step it decodes with (None: eager)."""
+    stop = tuple(s for s in stop or [] if s)
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed) if isinstance(seed, int) else seed
-    idx = torch.tensor([prompt_ids] * num_samples, dtype=torch.long, device=device)
-    rows = [RowText(tokenizer, prompt_ids) for _ in range(num_samples)]
-    texts = [""] * num_samples
-    done = [False] * num_samples
+    if max_new_tokens == 0:
+        return [""] * num_samples, 0
+    draws = Draws(generator, num_samples)
+    ends = frozenset() if tokenizer.eot_id is None else frozenset({tokenizer.eot_id})
+    rows = [
+        Row(
+            prompt_ids,
+            Sampling(temperature, top_k, top_p),
+            max_new_tokens,
+            stop_ids=ends,
+            stop=stop,
+            draws=draws,
+            draw_index=i,
+            text=RowText(tokenizer, prompt_ids),
+        )
+        for i in range(num_samples)
+    ]
+    length = cache_length(len(prompt_ids) + max_new_tokens, model.config.block_size)
+    engine = Engine(model, plan, capacity=num_samples, length=length, vocab_size=tokenizer.vocab_size)
+    engine.add(rows)
     shown = steps = 0
-    for token in model.generate_stream(
-        idx,
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        generator=generator,
-        vocab_limit=tokenizer.vocab_size,
-        compile=compile,
-    ):
+    while engine.rows:
+        engine.step()
         steps += 1
-        for i, t in enumerate(token[:, 0].tolist()):
-            if done[i]:
-                continue
-            if t == tokenizer.eot_id:
-                done[i] = True
-                continue
-            texts[i] = rows[i].add(t)
-            hits = [texts[i].index(s) for s in stop if s in texts[i]]
-            if hits:
-                texts[i], done[i] = texts[i][: min(hits)], True
         if stream is not None:
-            end = len(texts[0]) if done[0] else showable_length(texts[0], stop)
-            stream.write(texts[0][shown:end])
+            first = rows[0]
+            end = len(first.shown) if first.finish else showable_length(first.shown, stop)
+            stream.write(first.shown[shown:end])
             stream.flush()
             shown = max(shown, end)
-        if all(done):
-            break
     if stream is not None:
-        stream.write(texts[0][shown:])
+        stream.write(rows[0].shown[shown:])
         stream.flush()
-    return texts, steps * num_samples
+    return [row.shown for row in rows], steps * num_samples
 
 
 def unescape(text: str) -> str:

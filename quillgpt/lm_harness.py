@@ -7,7 +7,7 @@ QuillLM is the harness's model interface over our GPT and tokenizer (char, train
 - loglikelihood: scoring.continuation_logprobs, the scorer HellaSwag uses here too; an empty context
   is <|endoftext|> (the harness's convention) when the tokenizer has one.
 - loglikelihood_rolling: the sum of scoring.score_text's windows over the text.
-- generate_until: greedy decoding through the KV cache (model.generate_stream), cut at the first
+- generate_until: greedy decoding through the engine (quillgpt/engine.py), cut at the first
   stop string.
 Chat mode (eval.py --apply-chat-template, the harness's --apply_chat_template): the harness renders each request
 with apply_chat_template below (the tokenizer's own template, quillgpt/chat_template.py) and hands over the text;
@@ -31,6 +31,7 @@ from lm_eval.api.model import LM
 
 from model import GPT
 from quillgpt.chat_template import chat_format, check_messages
+from quillgpt.engine import Engine, Row, RowText, cache_length
 from quillgpt.errors import UserError
 from quillgpt.scoring import continuation_logprobs, encode_pair, score_text
 from quillgpt.tokenizer import Tokenizer
@@ -103,22 +104,18 @@ class QuillLM(LM):
     @torch.inference_mode()
     def generate_until(self, requests) -> list[str]:
         out = []
+        ends = frozenset({self.tokenizer.eot_id} if self.tokenizer.eot_id is not None else ()) | set(self.stop_ids)
         for context, kwargs in (r.args for r in requests):
-            until = [s for s in kwargs.get("until", []) if s]
-            limit = int(kwargs.get("max_gen_toks", 256))
+            until = tuple(s for s in kwargs.get("until", []) if s)
             ids = self.encode_context(context) or [self.tokenizer.eot_id or 0]
-            idx = torch.tensor([ids], device=self._device)
-            generated: list[int] = []
-            text = ""
-            for token in self.model.generate_stream(idx, limit, temperature=0, vocab_limit=self.tokenizer.vocab_size):
-                if int(token) == self.tokenizer.eot_id or int(token) in self.stop_ids:
-                    break
-                generated.append(int(token))
-                text = self.tokenizer.decode_after(ids[-8:], generated)
-                if any(s in text for s in until):
-                    break
-            cut = min((text.index(s) for s in until if s in text), default=len(text))
-            out.append(text[:cut])
+            row = Row(ids, max_new=int(kwargs.get("max_gen_toks", 256)), stop_ids=ends, stop=until)
+            row.text = RowText(self.tokenizer, ids)
+            length = cache_length(len(row.prompt) + row.max_new, self.model.config.block_size)
+            engine = Engine(self.model, length=length, vocab_size=self.tokenizer.vocab_size)
+            engine.add([row])
+            while engine.rows:
+                engine.step()
+            out.append(row.shown)
         return out
 
 

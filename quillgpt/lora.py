@@ -29,7 +29,6 @@ from torch.nn import functional as F
 from model import GATED, GPT
 from quillgpt.config import GPTConfig, LoraConfig, lora_targets
 from quillgpt.errors import UserError
-from quillgpt.kernels import Dropout
 
 # target -> (its Linear's path inside a model.py Block, which piece of the Linear's output: q, k, v of c_attn, or None:
 # all of it). The names are PEFT's for a Llama layer (config.LORA_TARGETS).
@@ -151,7 +150,7 @@ class LoraLinear(nn.Module):
         self.adapted = adapted  # target name -> its piece
         self.scaling = scaling
         self.adapters = nn.ModuleDict({name: Adapter(base.in_features, pieces[i], rank) for name, i in adapted.items()})
-        self.dropout = Dropout(p)
+        self.dropout = nn.Dropout(p)
 
     @property
     def in_features(self) -> int:

@@ -293,7 +293,7 @@ class MetricsLog:
         --plot`), in the background.
 
         matplotlib's renderer grows a long-lived process's resident memory with each redraw of a lengthening
-        curve (benchmarks/soak.py showed it; docs/LOG.md); a child's memory goes with it, and training
+        curve (a soak of train.py showed it; docs/LOG.md); a child's memory goes with it, and training
         doesn't wait for the drawing. While a redraw is under way, later ones are skipped (each draws the whole
         history; finish() draws the last). Its own session: Ctrl-C in the terminal is for train.py alone."""
         if self._plotter is not None and self._plotter.poll() is None:

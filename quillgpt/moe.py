@@ -28,7 +28,6 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from quillgpt.config import GPTConfig
-from quillgpt.kernels import Dropout
 
 
 class Routing(NamedTuple):
@@ -77,7 +76,7 @@ class MoE(nn.Module):
         # DeepSeek-V3's e_score_correction_bias: moves the choice of experts only, never their weights. A persistent
         # buffer: checkpoints keep it, so a resumed run chooses as the straight run does
         self.register_buffer("router_bias", torch.zeros(E) if config.balance == "bias" else None)
-        self.dropout = Dropout(config.dropout)
+        self.dropout = nn.Dropout(config.dropout)
         self.init_experts(config)
 
     @torch.no_grad()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -262,20 +263,25 @@ def machine_key() -> str:
     return f"{cpu_model()}|{capability}|{caps}|{torch.get_num_threads()} threads|torch {torch.__version__}"
 
 
-def kept_measurement(name: str, key: str, measure: Callable[[], T], kind: type) -> T:
+def kept_measurement(name: str, key: str, measure: Callable[[], T], kind: type, where: bool = False):
     """A measurement of this machine kept in the cache directory's file `name` (files.cache_dir) under `key`: read
-    where kept (and of `kind`), else measured and written, so that every run on the machine takes the same answer
-    and pays the probe once. An unreadable file costs the probe again; one that cannot be written, only this
-    run's answer."""
+    where kept (of `kind`, a number finite and >= 0), else measured and written, so that every run on the machine
+    takes the same answer and pays the probe once. An unreadable file, or a value that is not such a number, costs
+    the probe again; a file that cannot be written, only this run's answer. where: (the value, where it came from)."""
     path = cache_dir() / name
     kept = read_kept(path, (kind,))
-    if key not in kept:
-        kept[key] = measure()
+    value = kept.get(key)
+    if isinstance(value, (int, float)) and not (math.isfinite(value) and value >= 0):
+        value = None
+    source = f"kept in {path}"
+    if value is None:
+        value = kept[key] = measure()
         try:
             atomic_write_json(path, kept)
+            source = f"measured now, kept in {path}"
         except WriteError:
-            pass
-    return kept[key]
+            source = f"measured now ({path} could not be written)"
+    return (value, source) if where else value
 
 
 def read_kept(path: Path, kinds: tuple[type, ...]) -> dict:

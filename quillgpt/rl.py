@@ -1,6 +1,6 @@
 """Reinforcement learning with verifiable rewards (GRPO): train.py with rl.enabled.
 
-Each optimizer step takes rl.prompts_per_step questions of rl.tasks (quillgpt/tasks.py: reverse and count on made-up
+Each optimizer step (Reinforcement.step, the run's objective: quillgpt/objective.py) takes rl.prompts_per_step questions of rl.tasks (quillgpt/tasks.py: reverse and count on made-up
 words, which a chat model has not memorized and no held-out item uses, or the tasks' training split: rl.questions),
 samples rl.group_size replies to each with the KV cache (every reply of the step decoded together, one row each;
 calculator calls answered as in chat.py: quillgpt/tools.py), scores every reply, and takes one policy-gradient step
@@ -36,7 +36,7 @@ import importlib.util
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -47,12 +47,13 @@ from model import GPT
 from quillgpt import tasks
 from quillgpt.chat_template import ChatFormat, chat_format
 from quillgpt.config import RLConfig
+from quillgpt.data import BatchSource, Dataset
 from quillgpt.errors import UserError
 from quillgpt.evaluate import run_chat_tasks
-from quillgpt.loading import load_model
+from quillgpt.moe import RouterTally
+from quillgpt.objective import LanguageModeling, Trainer, apply_gradients
 from quillgpt.replies import Reply, sample_groups
 from quillgpt.tokenizer import Tokenizer
-from quillgpt.trainer import Trainer, clip_gradients, step_unless_nonfinite
 
 RewardFn = Callable[[str, str, str], float]  # (question, reply, answer) -> reward
 
@@ -179,22 +180,44 @@ def token_logprobs(model: GPT, rows: QuestionRows, autocast) -> torch.Tensor:
     return logp.view_as(rows.y)
 
 
-@dataclass
-class RL:
-    """An RL run's sampler, rewards and evaluation: the trainer's fit() calls step() instead of its train_step, and
-    eval_metrics adds metrics() (trainer.Trainer.rl)."""
+class Reinforcement(LanguageModeling):
+    """RL's objective: the trainer's fit() steps on it (step: rollouts, rewards, the policy-gradient pass) and its
+    evaluation adds the tasks' held-out accuracy (metrics) to the chat data's language-model figures."""
 
-    cfg: RLConfig
-    seed: int
-    tokenizer: Tokenizer
-    fmt: ChatFormat
-    reward: RewardFn
-    reference: GPT | None  # kl_coef > 0: run.init_from's model, frozen
-    pools: dict[str, list[tuple]]  # each task's training items' keys
-    tokens_per_step: int = 0  # tokens in the last step's policy-gradient pass (prompts and replies)
-    recent: list[tuple[float, float, float]] = field(
-        default_factory=list
-    )  # per step since figures(): reward, length, kl
+    name, loss_name = "rl", "policy loss"
+
+    def __init__(
+        self,
+        cfg: RLConfig,
+        seed: int,
+        tokenizer: Tokenizer,
+        fmt: ChatFormat,
+        reward: RewardFn,
+        reference: GPT | None,
+        pools: dict[str, list[tuple]],
+        batches: BatchSource,
+        routing: RouterTally | None,
+    ):
+        super().__init__(batches, routing)
+        self.cfg, self.seed, self.tokenizer, self.fmt, self.reward = cfg, seed, tokenizer, fmt, reward
+        self.reference = reference  # kl_coef > 0: run.init_from's model, frozen
+        self.pools = pools  # each task's training items' keys
+        self.tokens = 0  # tokens in the last step's policy-gradient pass (prompts and replies)
+        self.recent: list[tuple[float, float, float]] = []  # per step since figures(): reward, length, kl
+
+    def tokens_per_step(self, tr: Trainer) -> int:
+        return self.tokens
+
+    def batch_line(self, tr: Trainer) -> str:
+        r = self.cfg
+        return (
+            f"rl: {r.prompts_per_step} questions ({', '.join(r.tasks)}) x {r.group_size} replies a step, at most "
+            f"{r.max_new_tokens} tokens each | reward: {r.reward or 'the task grader'} | kl_coef {r.kl_coef} | "
+            f"policy-gradient passes of {tr.cfg.training.batch_size} rows"
+        )
+
+    def evaluate(self, tr: Trainer, batches: int) -> dict[str, float]:
+        return {**super().evaluate(tr, batches), **self.metrics(tr)}
 
     def items(self, it: int) -> list[tasks.Item]:
         """Step it's questions: a function of (seed, it), the tasks in turn; on made-up words (rl.questions)."""
@@ -240,7 +263,7 @@ class RL:
     def step(self, tr: Trainer, it: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step: sample, score, and the policy-gradient pass over a row per question (Rollouts.rows),
         in parts of questions of similar length, at most training.batch_size replies each (length_parts). Returns
-        (loss, grad norm, skipped) as trainer.train_step does."""
+        (loss, grad norm, skipped) as Objective.step does."""
         _, rollouts = self.rollouts(tr, it)
         device = tr.rt.device
         rows = rollouts.rows(device, rollouts.advantages(self.cfg.scale_advantages))
@@ -249,7 +272,7 @@ class RL:
         model = tr.raw_model  # eager: every step's rows have another length
         model.train()
         total, kl_total = torch.zeros((), device=device), torch.zeros((), device=device)
-        self.tokens_per_step = 0
+        self.tokens = 0
         most = max(1, tr.cfg.training.batch_size // self.cfg.group_size)  # questions a pass, for batch_size replies
         for part in length_parts(lengths, most):
             T = max(lengths[i] for i in part)
@@ -258,13 +281,8 @@ class RL:
             tr.scaler.scale(loss).backward()
             total += loss.detach()
             kl_total += kl
-            self.tokens_per_step += len(part) * T
-        for opt in tr.optimizers:
-            tr.scaler.unscale_(opt)
-        norm = clip_gradients(model, tr.cfg.optimizer.grad_clip)
-        skipped = step_unless_nonfinite(tr.optimizers, tr.scaler, norm)
-        for opt in tr.optimizers:
-            opt.zero_grad(set_to_none=True)
+            self.tokens += len(part) * T
+        norm, skipped = apply_gradients(tr)
         lengths = [len(r.ids) for group in rollouts.replies for r in group]
         self.recent.append((rollouts.rewards.mean().item(), sum(lengths) / len(lengths), kl_total.item()))
         return total, norm, skipped
@@ -305,17 +323,17 @@ class RL:
         return {"task_acc": sum(accs.values()) / len(accs), **accs}
 
 
-def build_rl(tr: Trainer) -> RL:
-    """The RL side of a run whose config has rl.enabled: its chat format, reward, reference model and prompts."""
-    cfg = tr.cfg
-    tokenizer = tr.dataset.tokenizer
+def build_rl(
+    cfg: RLConfig, seed: int, dataset: Dataset, reference: GPT | None, batches: BatchSource, routing
+) -> Reinforcement:
+    """The objective of a run whose config has rl.enabled: its chat format, reward and prompts; reference (kl_coef >
+    0): run.init_from's model, frozen here."""
+    tokenizer = dataset.tokenizer
     if not tokenizer.chat_template:
         raise UserError("rl.enabled trains a chat model: data.chat = true, with run.init_from's chat tokenizer")
-    reward = load_reward(cfg.rl.reward) if cfg.rl.reward else grader_reward
-    reference = None
-    if cfg.rl.kl_coef > 0:
-        reference = load_model(cfg.run.init_from).model.to(tr.rt.device).eval()
-        for p in reference.parameters():
-            p.requires_grad_(False)
-    pools = {name: tasks.split_keys(name, "train") for name in cfg.rl.tasks}
-    return RL(cfg.rl, cfg.run.seed, tokenizer, chat_format(tokenizer), reward, reference, pools)
+    reward = load_reward(cfg.reward) if cfg.reward else grader_reward
+    if reference is not None:
+        reference.eval().requires_grad_(False)
+    pools = {name: tasks.split_keys(name, "train") for name in cfg.tasks}
+    args = (cfg, seed, tokenizer, chat_format(tokenizer), reward, reference, pools, batches, routing)
+    return Reinforcement(*args)

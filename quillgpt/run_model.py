@@ -61,6 +61,8 @@ class ModelPlan:
     config: GPTConfig  # the architecture as built: vocabulary grown, context cropped
     source: str | None = None  # init_from: what load_model reads
     lora: LoraPlan | None = None  # lora.enabled: the adapters, on the frozen source
+    # a resumed DPO or RL (kl_coef > 0) run: run.init_from's model, its reference (a new run's is the model as it starts)
+    reference: ModelPlan | None = None
 
 
 def plan_model(cfg: Config, dataset: Dataset, resume: TrainingCheckpoint | None) -> ModelPlan:
@@ -89,6 +91,8 @@ def plan_model(cfg: Config, dataset: Dataset, resume: TrainingCheckpoint | None)
         vocab_size = cfg.model.vocab_size or dataset.vocab_size
         plan = ModelPlan("scratch", GPTConfig.from_dict({**cfg.model_args(), "vocab_size": vocab_size}))
     check_fits(dataset, plan.config.block_size, plan.config.vocab_size)
+    if (dataset.preference or cfg.rl.enabled and cfg.rl.kl_coef > 0) and plan.origin == "resume":
+        plan = replace(plan, reference=plan_model(cfg, dataset, None))
     return plan
 
 

@@ -2,49 +2,48 @@
 
     rt = setup(cfg, dist, ckpt and ckpt.resolution())   # device, precision, compile, process group, seed, MFU peak
     dataset = find_dataset(cfg, dist)                 # data.py: located (or prepared) and checked
-    tr = build_trainer(cfg, rt, dataset, run_dir, ckpt)       # model, wrapping, optimizers, scaler, batches
+    tr = build_trainer(cfg, rt, dataset, run_dir, ckpt)       # model, wrapping, optimizers, scaler, objective
     state = restore(tr, ckpt) if ckpt else TrainState()
     log = start_run(tr, state, resumed=ckpt is not None)
     with StopRequest() as stop:
         outcome = fit(tr, state, log, stop)           # step, log, evaluate, save
 
 train.py is that sequence; bench.py and feasibility.py (--validate) build the same Trainer and time its
-train_step. The config flows down: build_trainer() returns the config the run records (config.resolved),
+train_step. What differs between language modelling, DPO and RL is the run's objective (quillgpt/objective.py:
+its loss, batches, evaluation and figures), chosen once in build_trainer; the loop is one. The config flows down: build_trainer() returns the config the run records (config.resolved),
 and nothing here writes into the one it was given. Optimizers and the LR schedule live in
 optim.py, checkpoint contents and run directories in checkpoint.py, telemetry in metrics.py.
 """
 
 from __future__ import annotations
 
-import math
+import copy
 import os
 import shutil
 import signal
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
 
-import numpy as np
 import torch
 import torch.nn as nn
-from torch.nn import functional as F
-from tqdm import tqdm
 
 from model import GPT
 from quillgpt import distributed
 from quillgpt.checkpoint import Resolution, RunDir, TrainingCheckpoint, TrainState, rng_state, set_rng_state
 from quillgpt.config import Config, EvalConfig, TrainingConfig, resolved, summary, to_toml
-from quillgpt.data import BatchSource, Dataset, micro_batch_index
+from quillgpt.data import BatchSource, Dataset
 from quillgpt.distributed import DistInfo
-from quillgpt.dpo import DPO, PairBatches, build_dpo, figures
+from quillgpt.dpo import build_preference_pairs
 from quillgpt.errors import UserError
 from quillgpt.files import atomic_write_text
+from quillgpt.kernels import use_cpu_training_kernels
 from quillgpt.lora import adapter_state, trainable_summary
 from quillgpt.machine import keep_freed_memory
 from quillgpt.metrics import MetricsLog, default_peak_flops, rss_mb
 from quillgpt.moe import RouterTally, moe_line
+from quillgpt.objective import LanguageModeling, Objective
 from quillgpt.optim import lr_multiplier, make_optimizers, set_lr
 from quillgpt.precision import (
     PRECISIONS,
@@ -54,8 +53,9 @@ from quillgpt.precision import (
     measure_cpu_rates,
 )
 from quillgpt.precision import autocast as precision_autocast
+from quillgpt.rl import build_rl
 from quillgpt.run_model import ModelPlan, build_model, plan_model
-from quillgpt.scoring import HellaSwagItem, hellaswag_items, score_hellaswag
+from quillgpt.scoring import HellaSwagItem, hellaswag_items
 
 # ---- setup --------------------------------------------------------------------------------------
 
@@ -244,23 +244,23 @@ class Trainer:
     model: nn.Module  # raw_model as the step calls it: FSDP- or DDP-wrapped and compiled as configured
     optimizers: list[torch.optim.Optimizer]
     scaler: torch.amp.GradScaler  # enabled for fp16 only
-    batches: BatchSource | PairBatches
+    objective: Objective  # what the run trains on: its loss, batches, evaluation (quillgpt/objective.py)
     run_dir: RunDir | None  # None: a measurement that saves nothing (bench.py)
     tokenizer: dict  # the dataset's tokenizer.to_dict(), stored in every checkpoint
-    evaluation: Evaluation  # what eval_metrics() scores besides the loss
-    dpo: DPO | None = None  # preference data: the loss is DPO's, on batches of pairs (dpo.py)
+    evaluation: Evaluation  # what the evaluation scores besides the loss
     lora: dict | None = None  # a LoRA run: its adapters' settings and its base (run_model.LoraPlan.record)
-    # rl.enabled: quillgpt.rl.RL (train.py sets it), whose step() fit() takes instead of train_step, and whose
-    # metrics() (held-out task accuracy) eval_metrics adds
-    rl: Any = None
-    routing: RouterTally | None = None  # an MoE's router balance over each step (moe.py); None: dense, or DPO
+
+    @property
+    def batches(self):
+        return self.objective.batches
+
+    @property
+    def block_size(self) -> int:
+        return self.raw_model.config.block_size
 
     @property
     def tokens_per_step(self) -> int:
-        if self.rl is not None:  # the last RL step's policy-gradient pass
-            return self.rl.tokens_per_step
-        rows = 2 if self.dpo else 1  # DPO: a pair is two rows
-        return rows * tokens_per_step(self.cfg.training, self.rt.dist.world_size, self.raw_model.config.block_size)
+        return self.objective.tokens_per_step(self)
 
 
 def muon_dtype(cfg: Config, rt: Runtime) -> torch.dtype:
@@ -290,12 +290,25 @@ def build_trainer(
     plan = plan or distributed.on_every_rank(plan_model, rt.dist, cfg, dataset, resume)
     raw_model = distributed.on_every_rank(build_model, rt.dist, plan, resume, PRECISIONS[rt.precision])
     raw_model.to(rt.device)
+    if rt.device.type == "cpu":
+        use_cpu_training_kernels(raw_model)  # the faster dropout mask and attention paths (quillgpt/kernels.py)
     raw_model.gradient_checkpointing = cfg.training.gradient_checkpointing
-    dpo, pairs = None, None
-    if dataset.preference:  # before wrapping: a new run's model is the reference itself
-        fresh = plan.origin == "init_from"
-        dpo, pairs = distributed.on_every_rank(
-            build_dpo, rt.dist, cfg, dataset, raw_model, fresh, rt.device, rt.precision, rt.autocast, rt.dist
+    # DPO's and RL's reference, run.init_from's model: before wrapping, a new run's model is it
+    reference = None
+    if dataset.preference or cfg.rl.enabled and cfg.rl.kl_coef > 0:
+        reference = raw_model if plan.reference is None else build_model(plan.reference).to(rt.device)
+    preference = None
+    if dataset.preference:
+        preference = distributed.on_every_rank(
+            build_preference_pairs,
+            rt.dist,
+            cfg.dpo,
+            cfg.training,
+            cfg.run.seed,
+            dataset,
+            reference,
+            reference is raw_model,
+            rt,
         )
     lora = plan.lora.settings.as_config() if plan.lora else None
     name = run_dir.path.name if run_dir else cfg.run.name
@@ -319,16 +332,7 @@ def build_trainer(
     # after wrapping: FSDP swaps the parameters. Muon's Newton-Schulz matmuls run in bf16 only where the run does
     optimizers = make_optimizers(raw_model, cfg.optimizer, rt.device.type, muon_dtype(cfg, rt))
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.precision == "fp16")
-    batches = pairs or BatchSource(
-        dataset,
-        raw_model.config.block_size,
-        cfg.training.batch_size,
-        cfg.run.seed,
-        rt.device,
-        chat_rows=cfg.data.chat_rows,
-        document_mask=cfg.data.document_mask,
-    )
-    evaluation = Evaluation.load(cfg.eval, dataset, rt.device)
+    objective = preference or language_objective(cfg, rt, dataset, raw_model, reference)
     return Trainer(
         cfg,
         rt,
@@ -337,14 +341,34 @@ def build_trainer(
         model,
         optimizers,
         scaler,
-        batches,
+        objective,
         run_dir,
         dataset.tokenizer.to_dict(),  # on chat data: with its chat template, so sample.py and export.py have it
-        evaluation,
-        dpo,
+        Evaluation.load(cfg.eval, dataset, rt.device),
         plan.lora.record() if plan.lora else None,
-        routing=None if dpo else RouterTally.of(raw_model, distributed.all_reduce_sum),  # DPO's loss has no router's
     )
+
+
+def language_objective(
+    cfg: Config, rt: Runtime, dataset: Dataset, raw_model: GPT, reference: GPT | None
+) -> LanguageModeling:
+    """The objective of a text or chat run: language modelling over its batches, or with rl.enabled RL, whose
+    rollouts step (quillgpt/rl.py) and whose evaluation adds the tasks' accuracy; reference: its KL penalty's."""
+    batches = BatchSource(
+        dataset,
+        raw_model.config.block_size,
+        cfg.training.batch_size,
+        cfg.run.seed,
+        rt.device,
+        chat_rows=cfg.data.chat_rows,
+        document_mask=cfg.data.document_mask,
+    )
+    routing = RouterTally.of(raw_model, distributed.all_reduce_sum)
+    if cfg.rl.enabled:
+        if reference is raw_model:  # a new run: the model as it starts, kept apart
+            reference = copy.deepcopy(raw_model)
+        return build_rl(cfg.rl, cfg.run.seed, dataset, reference, batches, routing)
+    return LanguageModeling(batches, routing)
 
 
 def restore(tr: Trainer, ckpt: TrainingCheckpoint) -> TrainState:
@@ -406,8 +430,8 @@ def start_run(tr: Trainer, state: TrainState, resumed: bool) -> MetricsLog | Non
         json_log=cfg.logging.json_log and not evaluating_only,
         plot=cfg.logging.plot and not evaluating_only,
         assistant_only=tr.dataset.chat,
-        dpo=tr.dpo is not None,
-        loss_name="policy loss" if tr.rl is not None else None,
+        dpo=tr.objective.name == "dpo",
+        loss_name=tr.objective.loss_name if tr.objective.loss_name != "loss" else None,
     )
     log = MetricsLog.resume(run_dir.path, state.iter_num, **kw) if resumed else MetricsLog(run_dir.path, **kw)
     if cfg.logging.wandb_project:
@@ -418,45 +442,26 @@ def start_run(tr: Trainer, state: TrainState, resumed: bool) -> MetricsLog | Non
 
 
 def print_startup(tr: Trainer, state: TrainState) -> None:
-    t, rt, model, dataset = tr.cfg.training, tr.rt, tr.raw_model, tr.dataset
+    rt, model, dataset = tr.rt, tr.raw_model, tr.dataset
     print(summary(tr.cfg))
     print(
         f"data: {dataset.directory} | {dataset.tokenizer.kind} tokenizer, vocab {dataset.vocab_size} | "
         f"train {dataset.lengths['train']:,} / val {dataset.lengths['val']:,} tokens"
     )
-    if tr.dpo:
-        print(tr.dpo.description)
-    elif dataset.chat:
-        print(chat_line(dataset, model.config.block_size, tr.cfg.data.chat_rows))
-    elif tr.cfg.data.document_mask:
-        print("documents: each attends only within itself, its positions from 0 (data.document_mask)")
+    if line := tr.objective.data_line(tr):
+        print(line)
     print(f"model: {model.num_params() / 1e6:.2f}M parameters | {model.flops_per_token() / 1e6:.1f} MFLOPs/token")
     if tr.lora:
         print(lora_line(tr))
     if model.config.n_experts:
         print(moe_line(model))
-    if tr.rl is not None:
-        r = tr.cfg.rl
-        print(
-            f"rl: {r.prompts_per_step} questions ({', '.join(r.tasks)}) x {r.group_size} replies a step, at most "
-            f"{r.max_new_tokens} tokens each | reward: {r.reward or 'the task grader'} | kl_coef {r.kl_coef} | "
-            f"policy-gradient passes of {t.batch_size} rows"
-        )
-    else:
-        print(
-            f"batch: {t.batch_size} x {t.grad_accum_steps} accum x {rt.dist.world_size} ranks = "
-            f"{t.batch_size * t.grad_accum_steps * rt.dist.world_size} "
-            f"{'pairs (2 rows each)' if tr.dpo else 'sequences'}, {tr.tokens_per_step:,} tokens per optimizer step"
-        )
+    print(tr.objective.batch_line(tr))
     print(device_line(rt))
     if rt.matmul_rates and rt.precision == "bf16" and rt.matmul_rates.faster == "fp32":
         print(emulation_warning(rt.matmul_rates), flush=True)
     if state.iter_num:
         print(f"resuming {tr.run_dir.path} at iter {state.iter_num} (best val loss {state.best_val_loss:.4f})")
     print(f"run: {tr.run_dir.path} | rss {rss_mb():.0f} MB", flush=True)
-
-
-ISOLATED = ", each conversation attending only within itself"
 
 
 def lora_line(tr: Trainer) -> str:
@@ -466,19 +471,6 @@ def lora_line(tr: Trainer) -> str:
     return (
         f"lora: rank {lo.rank}, alpha {lo.alpha:g} on {', '.join(lo.targets)}{quantized} | "
         f"{trainable_summary(tr.raw_model)} | base {base['path']} (sha256 {base['sha256'][:12]})"
-    )
-
-
-def chat_line(dataset: Dataset, block_size: int, rows: str) -> str:
-    """What chat training counts: the assistant's tokens, their share, and the conversations rows cut short."""
-    starts = dataset.starts["train"]
-    longer = int((np.diff(np.append(starts, dataset.lengths["train"])) > block_size + 1).sum())
-    share = dataset.meta.get("train_assistant_tokens", 0) / dataset.lengths["train"]
-    return (
-        f"chat: losses, accuracy and the best checkpoint count the assistant's tokens only ({share:.1%} of train "
-        f"tokens) | rows {rows}, each from a conversation start{ISOLATED if rows == 'packed' else ''} | {longer:,} of "
-        f"{len(starts):,} train conversations "
-        f"are longer than block_size + 1 = {block_size + 1}: rows cut them there"
     )
 
 
@@ -506,180 +498,13 @@ def device_line(rt: Runtime) -> str:
 
 
 def train_step(tr: Trainer, it: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward/backward over grad_accum_steps micro-batches, clip, step. Returns (loss, grad norm, skipped): tensors
-    on the device, `skipped` 1.0 where non-finite gradients left the weights as they were. Nothing here waits for
-    the device, so on a GPU the host queues the next step while this one runs."""
-    accum, rank, world = tr.cfg.training.grad_accum_steps, tr.rt.dist.rank, tr.rt.dist.world_size
-    total_loss = torch.zeros((), device=tr.rt.device)
-    for micro in range(accum):
-        index = micro_batch_index(it, rank, micro, accum, world)
-        upcoming = (
-            micro_batch_index(it, rank, micro + 1, accum, world)
-            if micro + 1 < accum
-            else micro_batch_index(it + 1, rank, 0, accum, world)
-        )
-        batch = tr.batches.get("train", index, next_index=upcoming)
-        with distributed.no_sync(tr.model, last=micro == accum - 1):
-            with tr.rt.autocast:
-                loss = micro_batch_loss(tr, batch) / accum
-            tr.scaler.scale(loss).backward()
-        total_loss += loss.detach()
-        if tr.routing is not None:  # an MoE: the loss reported is the cross-entropy, the router's losses apart
-            total_loss -= tr.routing.add() / accum
-    for opt in tr.optimizers:
-        tr.scaler.unscale_(opt)
-    norm = clip_gradients(tr.model, tr.cfg.optimizer.grad_clip)
-    skipped = step_unless_nonfinite(tr.optimizers, tr.scaler, norm)
-    if tr.routing is not None:
-        tr.routing.end_step(skipped)  # DeepSeek-V3's biases move after the weights, by the step's loads
-    for opt in tr.optimizers:
-        opt.zero_grad(set_to_none=True)
-    return total_loss, norm, skipped
+    """One optimizer step of the run's objective: (loss, grad norm, skipped), tensors on the device (Objective.step)."""
+    return tr.objective.step(tr, it)
 
 
-def micro_batch_loss(tr: Trainer, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The model's loss on (x, y) (the mean cross-entropy of the counted targets), or on preference pairs DPO's."""
-    if tr.dpo is not None:
-        return tr.dpo.loss(tr.model, *batch)
-    x, y, positions = batch
-    return tr.model(x, y, positions=positions)[1]
-
-
-def step_unless_nonfinite(
-    optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler, norm: torch.Tensor
-) -> torch.Tensor:
-    """Apply each optimizer's update unless the gradients are non-finite, decided on the device; returns the skip
-    flag (0-dim, 1.0 = skipped). fp16: GradScaler finds the infs and skips (and lowers its scale). Otherwise the
-    flag goes to the optimizers as GradScaler's `found_inf`, which fused AdamW and Muon skip on without a host sync;
-    an optimizer without that protocol (for-loop AdamW) has the host read the flag."""
-    if scaler.is_enabled():
-        scale = scaler._get_scale_async().clone()
-        for opt in optimizers:
-            scaler.step(opt)
-        scaler.update()
-        return (scaler._get_scale_async() < scale).float()
-    found_inf = (~torch.isfinite(norm)).float()
-    for opt in optimizers:
-        if getattr(opt, "_step_supports_amp_scaling", False):
-            opt.grad_scale, opt.found_inf = None, found_inf
-            try:
-                opt.step()
-            finally:
-                del opt.grad_scale, opt.found_inf
-        elif not found_inf.item():
-            opt.step()
-    return found_inf
-
-
-def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip to max_norm (0: don't) and return the global L2 norm of the gradients before clipping."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    else:
-        norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params]))
-    return distributed.full_tensor(norm)
-
-
-# ---- evaluation -----------------------------------------------------------------------------------
-
-
-@torch.no_grad()  # not inference_mode: FSDP's unsharded weights made here are reused by training
 def eval_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
-    """Mean loss, perplexity, next-token accuracy and bits per byte over `batches` (default eval_iters) batches per
-    split (the same batches every time), and HellaSwag when eval.hellaswag names it. On chat data all of them are
-    over the assistant's tokens (the targets that count), weighted by their number.
-
-    The batches are dealt round-robin to the ranks, so the result does not depend on the world size.
-    Every rank runs the same number of forwards (FSDP gathers weights collectively); padding batches count zero.
-    On preference pairs: dpo_metrics."""
-    if tr.dpo is not None:
-        return dpo_metrics(tr, batches)
-    tr.model.eval()
-    out = {}
-    n, device = batches or tr.cfg.training.eval_iters, tr.rt.device
-    for split in ("train", "val"):
-        # the sums of loss x w, correct / numel, w, nats of tokens with bytes, their bytes, where w is the share of the
-        # batch's targets that count (1 except on chat data, where the loss counts the assistant's tokens only); loss x
-        # w is the batch's nats over its numel
-        sums = torch.zeros(5, device=device)
-        for k in eval_indices(tr, n, split):
-            x, y, positions = tr.batches.get(split, k)
-            with tr.rt.autocast:
-                logits, _ = tr.model(
-                    x, positions=positions
-                )  # no targets: the one cross-entropy is the per-token one below
-            counted = y >= 0
-            w = counted.sum().float() / y.numel()
-            nbytes = tr.evaluation.token_bytes[y.clamp(min=0)] * counted
-            nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none", ignore_index=-1)
-            sums += (k < n) * torch.stack(
-                [
-                    nats.sum() / y.numel(),
-                    ((logits.argmax(-1) == y) & counted).sum().float() / y.numel(),
-                    w,
-                    (nats * (nbytes.flatten() > 0)).sum(),
-                    nbytes.sum().float(),
-                ]
-            )
-        sums = distributed.all_reduce_sum(sums)
-        counted = sums[2].clamp(min=1e-9)  # (a split without a counted token reports 0, not 0/0)
-        loss = (sums[0] / counted).item()
-        out[f"{split}_loss"] = loss
-        out[f"{split}_ppl"] = math.exp(min(loss, 50))
-        out[f"{split}_acc"] = (sums[1] / counted).item()
-        out[f"{split}_bpb"] = (sums[3] / math.log(2) / sums[4].clamp(min=1)).item()
-    if tr.evaluation.hellaswag:
-        out.update(hellaswag(tr, tr.evaluation.hellaswag))
-    if tr.rl is not None:
-        out.update(tr.rl.metrics(tr))
-    tr.model.train()
-    return out
-
-
-def eval_indices(tr: Trainer, n: int, split: str) -> Iterable[int]:
-    """The evaluation batches this rank reads, dealt round-robin: every rank the same count (an index >= n pads a
-    rank's share and counts zero), with a progress bar on the main rank."""
-    rank, world = tr.rt.dist.rank, tr.rt.dist.world_size
-    return tqdm(
-        range(rank, math.ceil(n / world) * world, world),
-        desc=f"eval {split}",
-        leave=False,
-        disable=None if tr.rt.dist.is_main else True,
-    )
-
-
-@torch.no_grad()
-def dpo_metrics(tr: Trainer, batches: int | None = None) -> dict[str, float]:
-    """eval_metrics on preference pairs: per split the DPO loss and TRL's reward figures (a side's reward is beta x
-    its log-prob gain over the reference): how often the chosen side's is the higher, their mean margin and each
-    side's mean, over eval_iters batches of pairs (the same every time), dealt to the ranks as eval_metrics's."""
-    tr.model.eval()
-    out = {}
-    n, device = batches or tr.cfg.training.eval_iters, tr.rt.device
-    for split in ("train", "val"):
-        sums = torch.zeros(6, device=device)
-        for k in eval_indices(tr, n, split):
-            with tr.rt.autocast:
-                sums += (k < n) * tr.dpo.sums(tr.model, *tr.batches.get(split, k))
-        out.update(figures(distributed.all_reduce_sum(sums), split))
-    if tr.evaluation.hellaswag:
-        out.update(hellaswag(tr, tr.evaluation.hellaswag))
-    tr.model.train()
-    return out
-
-
-def hellaswag(tr: Trainer, items: list[HellaSwagItem]) -> dict[str, float]:
-    """acc and acc_norm on the items, dealt to the ranks in turn; every rank scores as many (padding items count
-    zero), so FSDP's collective forwards stay in step. The uncompiled model: items vary in length, which would make
-    torch.compile compile again and again."""
-    rank, world = tr.rt.dist.rank, tr.rt.dist.world_size
-    share = [items[i % len(items)] for i in range(rank, math.ceil(len(items) / world) * world, world)]
-    score = score_hellaswag(tr.raw_model, tr.dataset.tokenizer, share, tr.rt.autocast)
-    real = [i < len(items) for i in range(rank, math.ceil(len(items) / world) * world, world)]
-    right = sum(r for r, k in zip(score.right, real) if k), sum(r for r, k in zip(score.right_norm, real) if k)
-    sums = distributed.all_reduce_sum(torch.tensor([*right, sum(real)], dtype=torch.float64, device=tr.rt.device))
-    return {"hellaswag_acc": (sums[0] / sums[2]).item(), "hellaswag_acc_norm": (sums[1] / sums[2]).item()}
+    """The run's evaluation over `batches` (default eval_iters) batches per split (Objective.evaluate)."""
+    return tr.objective.evaluate(tr, batches or tr.cfg.training.eval_iters)
 
 
 def evaluate_and_track(tr: Trainer, state: TrainState, log: MetricsLog | None, final: bool = False) -> str:
@@ -858,7 +683,7 @@ def fit(tr: Trainer, state: TrainState, log: MetricsLog | None, stop: StopReques
     single = tr.rt.dist.world_size == 1
     while state.iter_num < t.max_iters and not reason:
         lr = set_lr(tr.optimizers, lr_multiplier(state.iter_num, tr.cfg))
-        loss, norm, skipped = (tr.rl.step if tr.rl is not None else train_step)(tr, state.iter_num)
+        loss, norm, skipped = train_step(tr, state.iter_num)
         guard.record(skipped, state.iter_num)
         state.iter_num += 1
         state.tokens_seen += tr.tokens_per_step
@@ -961,13 +786,11 @@ def log_step(
             tokens_per_s,
             tr.raw_model.estimate_mfu(tokens_per_s, tr.rt.peak_flops),
             state.tokens_seen,
-            step_figures(tr),
+            tr.objective.figures(),
         )
     return mean_loss
 
 
 def step_figures(tr: Trainer) -> dict[str, float] | None:
-    """The step line's figures besides the loss: an RL run's rewards, an MoE's router balance (moe.RouterTally)."""
-    if tr.rl is not None:
-        return tr.rl.figures()
-    return tr.routing.figures() if tr.routing is not None else None
+    """The step line's figures besides the loss: an RL run's rewards, an MoE's router balance."""
+    return tr.objective.figures()

@@ -105,6 +105,17 @@ def shakespeare_path() -> Path:
     return SHAKESPEARE
 
 
+def uncached_greedy(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
+    """The greedy continuation without a cache, the reference decoding is held to: the whole row (its last
+    block_size tokens) through the model for every new token."""
+    idx = prompt
+    with torch.no_grad():
+        for _ in range(n):
+            logits, _ = model(idx[:, -model.config.block_size :])
+            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx
+
+
 def word_salad(n_chars: int, words: list[str] = WORDS, seed: int = 0) -> str:
     """Deterministic sentences of random words, one per line, n_chars long."""
     rng = random.Random(seed)
@@ -175,7 +186,7 @@ def tiny_overrides(data_dir: Path, out_dir: Path, **extra) -> dict:
     return base
 
 
-# The compiled bf16 run of the tests that compile a training step (test_train's determinism, bench's --kernels): the
+# The compiled bf16 run of the tests that compile a training step (test_train's determinism and others): the
 # same model and batch shapes, so the second to run reuses inductor's cache (both are in xdist group "compiled_step")
 TINY_COMPILED = {
     "training.compile": True,

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO_ROOT, TINY_COMPILED, X86_ONLY, tiny_overrides
+from conftest import REPO_ROOT, X86_ONLY
 
 import bench
 import speedrun
-from benchmarks.common import llama_cpp_installed, write_repeated
+from benchmarks.conditions import llama_cpp_installed
 from benchmarks.training_step import LoopBatchSource
 from quillgpt.checkpoint import RunDir, load_checkpoint
 from quillgpt.data import BatchSource, load_dataset
@@ -74,44 +74,13 @@ def test_bench_tables_the_optimised_and_baseline_steps_and_the_speed_up(tiny, ca
     assert "load average" in out
 
 
-@pytest.mark.slow
-def test_against_a_commit_alternates_both_codes(tiny, capsys):
-    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True).returncode:
-        pytest.skip("not a git checkout")
-    bench.main(
-        ["--against", "HEAD", "--rounds", "2", "--warmup", "1", "--iters", "2", "--training.compile", "false", *tiny]
-    )
-    out = capsys.readouterr().out
-    rows = {row[0]: row for row in table_rows(out)}
-    assert len(rows["this checkout"][1].split(",")) == 2 and len(rows["HEAD"][1].split(",")) == 2
-    assert float(rows["HEAD"][2]) > 0 and number_after("this checkout / HEAD:", out) > 0
-
-
-def test_json_prints_the_results_and_profile_writes_a_trace_of_aten_ops(tiny, tmp_path, capsys):
-    trace_dir = tmp_path / "prof"
-    bench.main(
-        [
-            *tiny,
-            "--warmup",
-            "1",
-            "--iters",
-            "2",
-            "--repeats",
-            "1",
-            "--json",
-            "--profile",
-            str(trace_dir),
-            "--profile-steps",
-            "1",
-            "--training.compile",
-            "false",
-        ]
-    )  # eager, as in the table test above
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+def test_json_prints_the_results_as_one_line(tiny, capsys):
+    """--json: the measurements as the last line, what bench.py --gpu reads from the bench.py it runs as a child."""
+    bench.main([*tiny, "--warmup", "1", "--iters", "2", "--repeats", "1", "--json", "--training.compile", "false"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # eager, as in the table test above
     assert len(result) == 1 and result[0]["name"] == "optimised"
     assert result[0]["tokens_per_s"] > 0 and result[0]["peak_mb"] > 0 and result[0]["first_step_s"] > 0
-    trace = json.loads((trace_dir / "trace.json").read_text())
-    assert any("aten::" in str(event.get("name")) for event in trace["traceEvents"])
+    assert result[0]["ms_median"] > 0
 
 
 def test_baseline_batches_equal_vectorised_batches(tiny):
@@ -124,210 +93,31 @@ def test_baseline_batches_equal_vectorised_batches(tiny):
         assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y) and a.positions is b.positions is None
 
 
-def test_sample_mode_times_decoding_in_each_precision_with_and_without_cache(capsys):
-    bench.main(
-        [
-            "--sample",
-            *TINY_MODEL,
-            "--model.block_size",
-            "32",
-            "--new-tokens",
-            "40",
-            "--repeats",
-            "1",
-            "--no-compile-decoding",
-        ]
-    )  # compiled decoding: test_model.py
-    out = capsys.readouterr().out
-    rows = {tuple(row[:3]): row for row in table_rows(out) if row[0] != "weights"}
-    assert set(rows) == {("fp32", "off", "no"), ("fp32", "on", "no"), ("bf16", "on", "no"), ("int8", "on", "no")}
-    assert rows[("fp32", "on", "no")][5] == "1.00x"
-    assert all(float(row[3].replace(",", "")) > 0 and float(row[6]) > 0 for row in rows.values())
-    assert "bf16 matmul ceiling here" in out
-
-
-def test_lora_kernels_part_passes_a_frozen_linear_map_stored_each_way(capsys):
-    bench.main(["--lora", "--part", "kernels", "--tiny"])
-    rows = {row[0]: row for row in table_rows(capsys.readouterr().out)[1:]}  # the header row first
-    assert {"bf16 weight (LoRA)", "int8, ours", "NF4, ours"} <= set(rows)
-    error = {name: float(row[2]) for name, row in rows.items()}
-    assert error["bf16 weight (LoRA)"] < error["int8, ours"] < error["NF4, ours"] < 0.15
-
-
-def test_muon_mode_times_torch_muon_against_the_batched_muon(tiny, capsys):
-    bench.main(["--muon", *tiny, "--optimizer.name", "muon", "--warmup", "1", "--iters", "2", "--repeats", "1"])
-    out = capsys.readouterr().out
-    rows = {row[0]: row for row in table_rows(out)}
-    assert float(rows["torch.optim.Muon (a chain per matrix)"][1]) > 0 and rows["optim.Muon (a chain per shape)"][
-        2
-    ].endswith("%")
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("compiled_step")
-def test_kernels_mode_clocks_each_kernel_of_the_compiled_step_and_puts_them_back(tiny_data, tmp_path, capsys):
-    """--kernels: the compiled step's matmuls (with FLOP/s), fused kernels, ops called by name and optimizer, each
-    timed once (the parts add up to no more than the step), and the generated code unwrapped afterwards."""
-    from torch._inductor.codecache import PyCodeCache
-
-    # test_train's compiled run (the defaults and these overrides, no preset), so inductor's cache has its code
-    overrides = tiny_overrides(tiny_data, tmp_path, **TINY_COMPILED, **{"data.input": tiny_data / "tiny.txt"})
-    (tmp_path / "defaults.toml").write_text("")
-    bench.main(
-        [
-            "--kernels",
-            "--config",
-            str(tmp_path / "defaults.toml"),
-            "--warmup",
-            "2",
-            "--iters",
-            "3",
-            "--top",
-            "100",
-            *[a for k, v in overrides.items() for a in (f"--{k}", str(v))],
-        ]
-    )
-    out = capsys.readouterr().out
-    rows = {row[0]: row for row in table_rows(out) if row[0] != "kernel"}
-    matmuls = [row for name, row in rows.items() if name.startswith(("mm ", "bmm ", "addmm ", "baddbmm "))]
-    assert matmuls and sum(float(row[4].replace(",", "")) for row in matmuls) > 0  # GFLOP/s (tiny ones read 0)
-    assert len(set(re.findall(r"\(graph (\d+)\)", " ".join(rows)))) == 2  # the forward's kernels and the backward's
-    assert rows["(AdamW step)"][1] == "1" and rows["(batches)"][1] == "1"
-    assert any(name.startswith("aten::_scaled_dot_product_flash_attention") for name in rows)  # bf16, no dropout
-    rest = re.search(r"the rest \(autograd, dynamo's guards, Python\) (-?[\d.]+) ms", out)
-    assert rest and float(rest[1]) >= 0, out
-    assert "of the matmul ceiling measured just before" in out
-    modules = [m for m in PyCodeCache.modules if hasattr(m, "call")]
-    assert all(type(m.extern_kernels).__name__ != "_TimedMatmuls" for m in modules)
-    assert all(
-        getattr(fn, "__name__", "") != "wrapper"
-        for m in modules
-        for n, fn in vars(m).items()
-        if n.startswith("cpp_fused")
-    )
-    assert type(torch.ops.quill.keep_mask.default).__name__ == "OpOverload"
-
-
-def test_kernels_mode_needs_a_compiled_step(tiny):
-    with pytest.raises(UserError, match="--kernels times the kernels torch.compile generates"):
-        bench.main(["--kernels", *tiny, "--training.compile", "false", "--warmup", "1"])
-
-
-def test_hellaswag_mode_reports_seconds_per_1000_items(capsys):
-    bench.main(["--hellaswag", *TINY_MODEL, "--model.block_size", "64", "--items", "6"])
-    out = capsys.readouterr().out
-    assert re.search(r"6 items \(\d+ tokens a row\)", out)
-    assert number_after("", out.split("\n")[1]) > 0 and "s per 1,000 items" in out and "matmul ceiling here" in out
-
-
-def test_prepare_mode_times_each_worker_count_and_finds_identical_outputs(tmp_path, capsys):
-    text = tmp_path / "small.txt"
-    text.write_text(TEXT.replace("king.\n", "king.\n\n"))  # paragraphs: the documents of the jsonl corpus
-    bench.main(["--prepare", "--input", str(text), "--vocab-size", "300", "--size-mb", "1", "--workers", "2"])
-    out = capsys.readouterr().out
-    assert re.search(r"BPE training to \d+ tokens on small.txt: [\d.]+ s", out)
-    rows = {row[0]: row for row in table_rows(out)}
-    assert set(rows) == {"workers", "1", "2"}
-    for n in ("1", "2"):
-        assert float(rows[n][2]) > 0 and float(rows[n][3].split()[0].replace(",", "")) > 0  # MB/s, peak RSS
-    assert re.search(r"2 workers / 1: [\d.]+x the speed; train.bin and val.bin identical", out)
-
-
-@pytest.mark.slow
-def test_memory_mode_reports_the_peak_rss_a_larger_train_bin_adds(tiny, capsys):
-    bench.main(["--memory", *tiny, "--training.compile", "false", "--size-mb", "2", "--iters", "3"])
-    out = capsys.readouterr().out
-    rows = table_rows(out)
-    assert rows[0][0] == "train.bin" and len(rows) == 3
-    assert rows[2][0] == "2.0 MB"
-    assert re.search(r"a 2 MB train.bin adds [+-]\d+ MB of peak training RSS", out)
-
-
-@pytest.mark.slow
-def test_precision_curves_show_bf16_tracking_fp32_at_every_eval(tiny, capsys):
-    bench.main(["--precision-curves", *tiny, "--iters", "4", "--eval-interval", "2", "--training.eval_iters", "2"])
-    out = capsys.readouterr().out
-    rows = table_rows(out)
-    assert rows[0] == ["iter", "fp32", "bf16", "bf16 - fp32"]
-    assert [r[0] for r in rows[1:]] == ["0", "2", "4"]
-    fp32, bf16 = float(rows[-1][1]), float(rows[-1][2])
-    assert abs(fp32 - bf16) < 0.2  # bf16 autocast tracks fp32
-    assert "training speed" in out
-
-
-@pytest.mark.slow
-def test_precision_curves_stop_at_a_signal(tiny):
-    """SIGTERM during the first (fp32) run: that run saves and returns, and the benchmark stops too,
-    with a non-zero exit, instead of going on to the bf16 run."""
-    import signal
-
-    cmd = [
-        sys.executable,
-        "bench.py",
-        "--precision-curves",
-        *tiny,
-        "--iters",
-        "100000",
-        "--eval-interval",
-        "10",
-        "--training.eval_iters",
-        "2",
-    ]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("iter "):
-                proc.send_signal(signal.SIGTERM)
-                break
-        out = "".join(lines) + proc.communicate(timeout=120)[0]
-    finally:
-        proc.kill()
-    assert proc.returncode != 0
-    assert "stopped by a signal during the fp32 run" in out
-    assert out.count("data: ") == 1 and "device: cpu, fp32" in out  # the bf16 run never started
-
-
-def test_missing_input_is_a_user_error(tmp_path):
-    with pytest.raises(UserError, match="--input .*missing.txt not found"):
-        bench.main(["--prepare", "--input", str(tmp_path / "missing.txt")])
-
-
 def test_a_flag_of_another_mode_is_one_line_naming_its_modes():
-    with pytest.raises(
-        UserError, match=r"^--items is a flag of --hellaswag, not of --sample \(python bench.py --sample"
-    ):
-        bench.main(["--sample", "--items", "5"])
-    with pytest.raises(UserError, match=r"^--baseline is a flag of the training step, not of --kernels"):
-        bench.main(["--kernels", "--baseline"])
-    with pytest.raises(UserError, match=r"^--rounds is a flag of --against, not of the training step"):
-        bench.main(["--rounds", "2"])
-    with pytest.raises(UserError, match=r"^--prepare takes no config overrides: --training.batch_size 2"):
-        bench.main(["--prepare", "--training.batch_size", "2"])
-    with pytest.raises(UserError, match=r"^--kernels has no flag --iter: did you mean --iters\?"):
-        bench.main(["--kernels", "--iter", "3"])
+    with pytest.raises(UserError, match=r"^--seeds is a flag of --moe, not of --serve \(python bench.py --serve"):
+        bench.main(["--serve", "--seeds", "5"])
+    with pytest.raises(UserError, match=r"^--baseline is a flag of the training step, not of --moe"):
+        bench.main(["--moe", "--baseline"])
+    with pytest.raises(UserError, match=r"^--with-compile is a flag of --vs-transformers, not of the training step"):
+        bench.main(["--with-compile"])
+    with pytest.raises(UserError, match=r"^--probe takes no config overrides: --training.batch_size 2"):
+        bench.main(["--probe", "--training.batch_size", "2"])
+    with pytest.raises(UserError, match=r"^--moe has no flag --repeat: did you mean --repeats\?"):
+        bench.main(["--moe", "--repeat", "3"])
     with pytest.raises(UserError, match="unknown option '--no-such-flag'"):
-        bench.main(["--memory", "--no-such-flag", "1"])
+        bench.main(["--serve", "--no-such-flag", "1"])
 
 
 def test_help_lists_the_modes_and_each_mode_its_own_flags_and_defaults(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--help"])
     out = capsys.readouterr().out
-    modes = ["--against REV", "--kernels", "--sample", "--hellaswag", "--prepare", "--memory", "--precision-curves"]
-    assert all(f"  {flag}" in out for flag in [*modes, "--muon", "--finetune"])
-    assert "--baseline" in out and "--mode:" not in out and "--vocab-size" not in out
+    assert all(f"  {flag}" in out for flag in ["--moe", "--probe", "--vs-transformers", "--serve", "--gpu"])
+    assert "--baseline" in out and "--mode:" not in out and "--with-compile" not in out
     with pytest.raises(SystemExit):
-        bench.main(["--prepare", "--help"])
+        bench.main(["--serve", "--help"])
     out = capsys.readouterr().out
-    assert "--vocab-size VOCAB_SIZE" in out and "(default 4096)" in out and "--baseline" not in out
-
-
-def test_write_repeated_repeats_the_pattern_to_exactly_the_size(tmp_path):
-    path = tmp_path / "f"
-    write_repeated(path, b"abc", 8)
-    assert path.read_bytes() == b"abcabcab"
+    assert "--max-tokens MAX_TOKENS" in out and "(default 128)" in out and "--baseline" not in out
 
 
 @pytest.mark.slow
@@ -499,17 +289,3 @@ def test_vs_transformers_decodes_the_same_greedy_tokens_as_transformers_generate
     if batch == 1:
         with pytest.raises(UserError, match="exceed the context 32"):
             bench.main(["--vs-transformers", "--new-tokens", "30", *small])
-
-
-def test_a_child_s_peak_rss_is_its_own_not_its_parent_s(tmp_path):
-    """Linux carries ru_maxrss over fork and exec: a small child of a parent that once held 1 GB must still read
-    small (benchmarks.common.run_child reads the child's own VmHWM)."""
-    from benchmarks.common import run_child
-
-    held = bytearray(b"x") * 10**9  # every page touched: the parent's high-water mark passes 1 GB
-    del held
-    # the child holds its 200 MB a while: run_child reads the peak every 50 ms while the child lives (a benchmark's
-    # child runs for minutes), and a loaded machine can let a child that exits at once slip between two readings
-    child = "import time; b = bytearray(b'x') * 200_000_000; time.sleep(0.5)"
-    _, peak_mb = run_child([sys.executable, "-c", child], tmp_path / "child.log")
-    assert 150 < peak_mb < 600, peak_mb

@@ -19,7 +19,7 @@ from quillgpt.chat_session import ChatSession
 from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.errors import UserError
-from quillgpt.generate import load_for_sampling
+from quillgpt.generate import load_for_sampling, plan_decoding
 from quillgpt.tokenizer import CharTokenizer
 
 CHARS = list("\n !'+,-.0123456789:=?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
@@ -100,11 +100,11 @@ def test_each_turn_reads_only_its_new_ids_and_equals_reencoding_the_whole_conver
         reply = session.reply(text)
         generated = session.ids[len(prompt) :]
         assert generated == greedy_reencoding(model, prompt, 12, fmt.stop_ids)
-        assert session.ids == prompt + generated and session.cache.pos == len(session.ids)
+        assert session.ids == prompt + generated and session.engine.cache.positions[0] == len(session.ids)
         assert reply == tok.decode([t for t in generated if t not in fmt.stop_ids])
         assert prompt[: len(before)] == before  # the cache held a prefix of this turn's prompt ...
         assert session.encoded - encoded == len(prompt) - len(before)  # ... and only the rest was read
-    assert session.cache.length > 64  # it grew past its first allocation, its contents carried over
+    assert session.engine.cache.length > 64  # it grew past its first allocation, its contents carried over
     assert [m["role"] for m in session.messages] == ["system"] + ["user", "assistant"] * 3
 
 
@@ -186,8 +186,10 @@ def test_compiling_a_conversations_step_asks_for_the_whole_context_once(tmp_path
         raise KeyboardInterrupt  # as a user stopping the compile: nothing is kept
 
     monkeypatch.setattr(compiled_step, "compile_package", compile_package)
+    model = random_chat_model(block_size=256)
+    _, plan = plan_decoding(model, torch.device("cpu"), "fp32", compile=True)
     with pytest.raises(KeyboardInterrupt):
-        ChatSession(random_chat_model(block_size=256), chat_tokenizer(), max_new_tokens=16, compile=True)
+        ChatSession(model, chat_tokenizer(), max_new_tokens=16, plan=plan)
     assert asked == [256]  # a first turn would need 64 positions
 
 
@@ -445,7 +447,7 @@ def test_chat_task_answers_decoded_together_are_each_questions_reply_alone(
     """evaluate.chat_answers decodes every question's reply in one batch (or passes of a few rows, the cache's
     bound), a finished reply leaving the batch, its prompts read together, right-padded (or a few at a time, the
     logits' bound): each reply is ChatSession's to that question alone, with replies ending at different steps."""
-    from quillgpt import evaluate, replies
+    from quillgpt import engine, evaluate
     from quillgpt.replies import sample_groups
     from quillgpt.tasks import sample_items
 
@@ -460,16 +462,22 @@ def test_chat_task_answers_decoded_together_are_each_questions_reply_alone(
     row = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_width * 4 * min(cfg.block_size, longest + evaluate.ANSWER_TOKENS)
     monkeypatch.setattr(evaluate, "REPLY_CACHE_BYTES", row * rows_per_pass)
     if prompts_per_read:
-        monkeypatch.setattr(replies, "PROMPT_LOGITS_BYTES", 4 * (longest + 1) * cfg.vocab_size * prompts_per_read)
+        monkeypatch.setattr(engine, "PROMPT_LOGITS_BYTES", 4 * (longest + 1) * cfg.vocab_size * prompts_per_read)
     passes = []
     monkeypatch.setattr(
         evaluate,
         "sample_groups",
         lambda m, t, f, prompts, *a: passes.append(len(prompts)) or sample_groups(m, t, f, prompts, *a),
     )
-    batch_sizes, decode_rows = [], model.decode_rows
-    monkeypatch.setattr(model, "decode_rows", lambda t, *a: batch_sizes.append(t.size(0)) or decode_rows(t, *a))
+    batch_sizes = []
+
+    def steps(module, inputs, output) -> None:  # each step's rows (a prompt's pass reads more than one position)
+        if inputs[0].size(1) == 1:
+            batch_sizes.append(inputs[0].size(0))
+
+    hook = model.transformer.wte.register_forward_hook(steps)
     answers = evaluate.chat_answers(model, tok, questions)
+    hook.remove()
     if rows_per_pass > len(questions):  # one pass: a finished reply leaves the batch, the others go on
         assert batch_sizes == sorted(batch_sizes, reverse=True) and batch_sizes[0] > batch_sizes[-1]
     assert passes == [len(questions[i : i + rows_per_pass]) for i in range(0, len(questions), rows_per_pass)]

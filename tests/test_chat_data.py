@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO_ROOT, resume_in_subprocess, tiny_overrides, train_until_sigterm
 
-from benchmarks.chat_rows import sums_conversations
 from model import GPT, GPTConfig
 from quillgpt.chat_template import CHAT_TOKENS, TOOL_TOKENS, chat_format
 from quillgpt.data import BatchSource, load_dataset
@@ -31,7 +31,22 @@ CHAT_NAMES = ("train.bin", "val.bin", "tokenizer.json", *CHAT_FILES)
 
 
 def sums(n: int, seed: int = 0) -> list[list[dict]]:
-    return sums_conversations(n, seed, top=99)
+    """n conversations "What is a + b?" -> the sum (a, b <= 99), a third with a system message, a quarter with a
+    second exchange."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        messages = [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": str(a + b)}]
+        if i % 3 == 0:
+            messages.insert(0, {"role": "system", "content": "Answer with a number."})
+        if i % 4 == 0:
+            messages += [
+                {"role": "user", "content": "And doubled?"},
+                {"role": "assistant", "content": str(2 * (a + b))},
+            ]
+        out.append(messages)
+    return out
 
 
 def write_jsonl(path: Path, records: list) -> Path:

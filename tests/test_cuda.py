@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, tiny_overrides
+from conftest import REPO_ROOT, tiny_overrides, uncached_greedy
 from test_step_sync import nan_gradient_once
 
 from model import GPT, GPTConfig
@@ -24,7 +24,8 @@ from quillgpt.checkpoint import load_checkpoint, save_checkpoint
 from quillgpt.config import build_config
 from quillgpt.data import find_dataset
 from quillgpt.distributed import DistInfo
-from quillgpt.generate import load_for_sampling
+from quillgpt.engine import generate
+from quillgpt.generate import load_for_sampling, plan_decoding
 from train import train
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -151,7 +152,7 @@ def test_a_checkpoint_saved_on_the_gpu_loads_on_the_cpu_and_back(tiny_data, tmp_
     assert all(t.device.type == "cpu" for t in ckpt["model"].values())
     model, tokenizer, _ = load_for_sampling(run, "cpu")
     prompt = torch.tensor([tokenizer.encode("The ")])
-    assert model.generate(prompt, 10, temperature=0).shape == (1, prompt.size(1) + 10)
+    assert generate(model, prompt, 10, temperature=0).shape == (1, prompt.size(1) + 10)
     capsys.readouterr()
     train(resume=str(run), overrides={"training.max_iters": 6, "run.device": "cpu"})
     assert (
@@ -233,9 +234,11 @@ def test_kv_cache_decoding_equals_the_full_forward(tf32_off, compile, pos_emb):
     config = GPTConfig(block_size=64, vocab_size=50, n_layer=2, n_head=4, n_embd=64, pos_emb=pos_emb, n_kv_head=2)
     model = GPT(config).cuda().eval()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    prompt = torch.randint(0, 50, (2, 5), device="cuda")
-    full = model.generate(prompt, 40, temperature=0, use_cache=False)
-    cached = model.generate(prompt, 40, temperature=0, use_cache=True, compile=compile)
+    prompt = torch.randint(0, 50, (1, 5), device="cuda")  # a lone row: the one a compiled step decodes
+    full = uncached_greedy(model, prompt, 40)
+    _, plan = plan_decoding(model, torch.device("cuda"), "fp32", compile)
+    assert plan.step == ("torch.compile" if compile else "eager")
+    cached = generate(model, prompt, 40, temperature=0, plan=plan)
     assert torch.equal(cached, full)
 
 

@@ -1,84 +1,189 @@
-"""Decoding: the eager one-token step (the filled prefix of the cache), the compiled step (the whole cache, masked) and
-the uncached forward pass give the same greedy tokens on a model loaded as sample.py loads it; sampling draws from
-the top-k / top-p distribution; a row's text decoded as it grows equals the whole row decoded; and on a GPU the host
-never waits for the device in a decoding step, but to read its new tokens (on the meta device, and counted on the
-CPU)."""
+"""Decoding through the engine (quillgpt/engine.py): every way of decoding gives the uncached forward pass's greedy
+tokens (the eager step over the filled prefix, rows at their own positions over the masked span, the compiled step
+over the whole row), within and past the context; a compiled step is kept, checked and shared by every model of its
+shape; sampling draws from the top-k / top-p distribution with one number a row; a row's text decoded as it grows
+equals the whole row decoded; and on a GPU the host reads nothing back but each step's new tokens (on the meta
+device, and counted on the CPU)."""
 
 import asyncio
 import shutil
 
 import pytest
 import torch
-from conftest import gpt2_encoding_error, needs_gpt2_encoding  # noqa: F401 (the skipif string)
+from conftest import gpt2_encoding_error, needs_gpt2_encoding, uncached_greedy  # noqa: F401 (the skipif string)
 from test_chat import chat_tokenizer, random_chat_model
 from test_sample import write_char_checkpoint
 from test_step_sync import SYNCING
 from torch.overrides import TorchFunctionMode
 
-from model import GPT, DecodeStep, GPTConfig, sample_next
+from model import GPT, GPTConfig
 from quillgpt import compiled_step
 from quillgpt.chat_session import ChatSession
-from quillgpt.generate import RowText, generate_texts, load_for_sampling
+from quillgpt.engine import Draws, Engine, Row, RowText, Sampling, cache_length, generate, sample_next
+from quillgpt.generate import generate_texts, load_for_sampling, plan_decoding
 from quillgpt.serve.batcher import Batcher, GenRequest
 from quillgpt.tokenizer import tokenizer_from_dict
 
 GPT2_STYLE = dict(block_size=64, n_layer=2, n_head=4, n_embd=64)  # learned positions, LayerNorm, GELU
 MODERN_SWITCHES = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, n_kv_head=1, bias=False)
 MODERN = dict(GPT2_STYLE, **{**MODERN_SWITCHES, "n_kv_head": 2})
-real = compiled_step.aoti_step
+WINDOWED = dict(MODERN, sliding_window=8)
+real = compiled_step.compiled_row_step
 
 
-@pytest.fixture(scope="module", params=[GPT2_STYLE, MODERN], ids=["gpt2-style", "modern-gqa"])
+@pytest.fixture(scope="module", params=[GPT2_STYLE, MODERN, WINDOWED], ids=["gpt2-style", "modern-gqa", "window"])
 def loaded(request, tmp_path_factory):
     ckpt = write_char_checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt_best.pt", **request.param)
-    model, tokenizer, _ = load_for_sampling(ckpt, "cpu", "fp32")
+    model, tokenizer, _ = load_for_sampling(ckpt, "cpu", "fp32", compile=False)
     return model, tokenizer
 
 
+def cpu(model: GPT, compile: bool | None):
+    """The model's decoding plan on the CPU in fp32, compiled as asked."""
+    return plan_decoding(model, torch.device("cpu"), "fp32", compile)[1]
+
+
 def test_eager_decoding_gives_the_uncached_greedy_tokens_within_and_past_the_context(loaded):
-    """Within block_size the cached eager path equals recomputing the whole sequence each token; past it (the cache
-    refilled from the last block_size/2 tokens) sample.py's text equals model.generate's."""
+    """Within block_size the cached tokens are the uncached ones; past it (the cache full, each row read again from
+    its last block_size/2 tokens) sample.py's text equals the engine's generate."""
     model, tokenizer = loaded
     prompt = torch.tensor([tokenizer.encode("the king ")])
-    cached = model.generate(prompt, 50, temperature=0)
-    assert torch.equal(cached, model.generate(prompt, 50, temperature=0, use_cache=False))
+    cached = generate(model, prompt, 50, temperature=0)
+    assert torch.equal(cached, uncached_greedy(model, prompt, 50))
     assert len(set(cached[0, 9:].tolist())) > 3  # the text varies: a real comparison
-    long = model.generate(prompt, 150, temperature=0)
+    long = generate(model, prompt, 150, temperature=0)
     texts, _ = generate_texts(model, tokenizer, prompt[0].tolist(), 1, 150, temperature=0)
     assert texts[0] == tokenizer.decode(long[0, 9:].tolist())
 
 
+def test_rows_at_their_own_positions_give_each_rows_uncached_tokens(loaded):
+    """Rows of prompts of different lengths decode together (each over the span up to the furthest, masked per row),
+    rows that end leave and the rest move into their places: every row's greedy tokens are its own, alone."""
+    model, tokenizer = loaded
+    prompts = [tokenizer.encode(t) for t in ("the king ", "a", "the queen and the lord ", "love ")]
+    rows = [Row(p, max_new=n) for p, n in zip(prompts, (30, 5, 12, 40))]
+    engine = Engine(model, capacity=4, length=64)
+    engine.add(rows)
+    while engine.rows:
+        engine.step()
+    for row in rows:
+        alone = uncached_greedy(model, torch.tensor([row.prompt]), row.max_new)[0, len(row.prompt) :]
+        assert row.new == alone.tolist() and row.finish == "length"
+
+
+def test_a_prompt_read_into_a_cache_that_holds_a_conversation_gives_one_whole_pass(loaded):
+    """chat.py reads a new turn into a cache that holds the conversation so far (Engine.extend): each new position
+    sees the cache and the new positions before it, exactly as in one pass over the whole sequence."""
+    model, tokenizer = loaded
+    ids = tokenizer.encode("the king and the queen say")
+    with torch.no_grad():
+        whole, _ = model(torch.tensor([ids]))
+    engine = Engine(model, length=64)
+    row = Row(ids[:10], max_new=1)
+    engine.extend(row, ids[:10], 0)
+    first = engine.logits
+    engine.extend(row, ids[10:], 10)
+    torch.testing.assert_close(first, whole[:, 9], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(engine.logits, whole[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_row_view_masks_what_is_unwritten_and_gives_the_eager_logits(loaded):
+    """The compiled step's cache view (GraphCache: the whole row, the unwritten part masked, a position tensor) gives
+    the eager step's logits at every position, in eager PyTorch too."""
+    from quillgpt.engine import GraphCache
+
+    model, tokenizer = loaded
+    prompt = tokenizer.encode("the lord ")
+    eager, masked = Engine(model, length=32), Engine(model, length=32)
+    for engine in (eager, masked):
+        engine.add([Row(prompt, max_new=20)])
+    with torch.inference_mode():
+        for pos in range(len(prompt), 32):
+            token = torch.tensor([[pos % 20]])
+            eager.feed([pos % 20])
+            view = GraphCache([b[:1] for b in masked.cache.k], [b[:1] for b in masked.cache.v], torch.tensor([pos]))
+            logits, _ = model(token, cache=view)
+            masked.cache.positions[0] += 1
+            torch.testing.assert_close(logits[:, -1], eager.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_allocates_one_cache_per_length_bucket():
+    assert [cache_length(n, 1024) for n in (1, 64, 65, 300, 600, 5000)] == [64, 64, 128, 512, 1024, 1024]
+    assert cache_length(100, 96) == 96
+
+
+def test_a_prompt_longer_than_the_context_is_cropped_and_decoding_runs_past_it():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=32)).eval()
+    out = generate(model, torch.randint(0, 50, (1, 40)), 50, temperature=1.0, top_k=10)
+    assert out.shape == (1, 32 + 50) and out.max() < 50
+
+
+def test_each_token_after_the_prompt_runs_the_model_on_one_new_position():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=32)).eval()
+    seen = []
+    handle = model.transformer.wte.register_forward_hook(lambda m, i, o: seen.append(i[0].shape))
+    generate(model, torch.randint(0, 50, (1, 8)), 10, temperature=0)
+    handle.remove()
+    assert seen == [(1, 8)] + [(1, 1)] * 9
+
+
+def test_a_seed_repeats_the_samples_and_a_rows_draws_do_not_depend_on_when_others_end():
+    """Rows drawing from one generator take one number each per step, ended rows too: a seed gives the same
+    samples, and a row that ends early changes nothing for the others."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=50, n_layer=2, n_head=2, n_embd=32)).eval()
+    prompt = torch.randint(0, 50, (3, 4))
+    a = generate(model, prompt, 15, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    b = generate(model, prompt, 15, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+    draws = Draws(torch.Generator().manual_seed(3), 3)
+    rows = [Row(prompt[i].tolist(), Sampling(1.0), 15 if i != 1 else 4, draws=draws, draw_index=i) for i in range(3)]
+    engine = Engine(model, capacity=3)
+    engine.add(rows)
+    while engine.rows:
+        engine.step()
+    assert [r.ids for r in rows] == [a[0].tolist(), a[1, :8].tolist(), a[2].tolist()]
+
+
 @pytest.mark.slow
 def test_a_compiled_step_is_kept_and_serves_every_model_of_its_shape_and_every_shorter_cache(tmp_path, monkeypatch):
-    """compile=True compiles the step ahead of time and keeps it; later (as a new process) another model of the same
-    shape uses it by default (compile=None) without compiling, with its own weights: each gives its eager greedy
-    tokens, also when their generations take turns on the one package and when a call needs a shorter cache than
-    the kept one (it takes the kept length); a chat session's reply too. Another shape gets none."""
+    """A plan with compile=True compiles the step ahead of time and keeps it; later (as a new process) another model
+    of the same shape uses it by default (compile=None) without compiling, with its own weights: each gives its eager
+    greedy tokens, also when their generations take turns on the one package and when a call needs a shorter cache
+    than the kept one (it takes the kept length); a chat session's reply too. Another shape gets none."""
     monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "cache"))
     model, other = (random_chat_model(block_size=128, seed=seed, **MODERN_SWITCHES) for seed in (0, 1))
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
-    eager = model.generate(prompt, 150, temperature=0)  # past block_size: a refill
-    assert torch.equal(model.generate(prompt, 150, temperature=0, compile=True), eager)
+    eager = generate(model, prompt, 150, temperature=0, plan=cpu(model, False))  # past block_size: a refill
+    assert torch.equal(generate(model, prompt, 150, temperature=0, plan=cpu(model, True)), eager)
     assert [compiled_step.package_length(p) for p in compiled_step.packages_dir().glob("*.pt2")] == [128]
     compiled_step._loaded.clear()  # as a new process: loaded from disk
     monkeypatch.setattr(compiled_step, "compile_package", lambda *a: pytest.fail("compiled again"))
-    other_eager = other.generate(prompt, 150, temperature=0)
+    other_plan = cpu(other, None)
+    assert other_plan.step == "compiled" and "(128 positions)" in other_plan.step_why
+    other_eager = generate(other, prompt, 150, temperature=0)
     assert not torch.equal(other_eager, eager)  # other weights: a real test of whose weights the step reads
     steps = []
-    monkeypatch.setattr(compiled_step, "aoti_step", lambda *a: steps.append(a[2].length) or real(*a))
-    assert torch.equal(other.generate(prompt, 150, temperature=0, compile=None), other_eager) and steps == [128] * 2
-    assert torch.equal(other.generate(prompt, 10, temperature=0, compile=True), other_eager[:, :15])  # needs 64
-    streams = (m.generate_stream(prompt, 20, temperature=0, compile=None) for m in (model, other))
-    turns = zip(*streams)  # one token of each in turn, on the one package
-    mine, theirs = (torch.cat(tokens, dim=1) for tokens in zip(*turns))
-    assert torch.equal(mine, eager[:, 5:25]) and torch.equal(theirs, other_eager[:, 5:25])
-    assert steps == [128] * 5
-    replies = [ChatSession(other, chat_tokenizer(), compile=c).reply("What is 17 + 25?") for c in (False, None)]
-    assert replies[0] == replies[1] and len(replies[0]) > 5 and steps == [128] * 6
-    steps.clear()
+    monkeypatch.setattr(compiled_step, "compiled_row_step", lambda *a: steps.append(a[2].length) or real(*a))
+    assert torch.equal(generate(other, prompt, 150, temperature=0, plan=other_plan), other_eager) and steps == [128]
+    assert torch.equal(generate(other, prompt, 10, temperature=0, plan=other_plan), other_eager[:, :15])  # needs 64
+    model_plan = cpu(model, None)
+    a, b = (Engine(m, p, length=64) for m, p in ((model, model_plan), (other, other_plan)))  # turns on one package
+    rows = [Row(prompt[0].tolist(), max_new=20) for _ in range(2)]
+    a.add(rows[:1])
+    b.add(rows[1:])
+    while a.rows or b.rows:
+        for engine in (a, b):
+            if engine.rows:
+                engine.step()
+    assert rows[0].ids == eager[0, :25].tolist() and rows[1].ids == other_eager[0, :25].tolist()
+    assert steps == [128] * 4
+    replies = [ChatSession(other, chat_tokenizer(), plan=p).reply("What is 17 + 25?") for p in (None, other_plan)]
+    assert replies[0] == replies[1] and len(replies[0]) > 5 and steps == [128] * 5
     wider = random_chat_model(block_size=128, **{**MODERN_SWITCHES, "n_kv_head": 2})  # another shape
-    wider.generate(prompt, 10, temperature=0, compile=None)
-    assert not steps
+    assert cpu(wider, None).step == "eager"
 
 
 def test_only_a_finished_run_of_five_minutes_or_more_keeps_the_decoding_step_by_default():
@@ -124,15 +229,16 @@ def test_a_run_that_keeps_its_decoding_step_leaves_the_one_sample_py_decodes_wit
     assert not list(tmp_path.rglob("*.pt2")) and "[compiling" not in capsys.readouterr().out
     run = train(overrides=tiny_run(tmp_path, "kept", text, "keeps", **{"training.keep_decoding_step": True}))
     printed = capsys.readouterr().out
-    model, _, _ = load_for_sampling(run.checkpoint_path, "cpu", "auto")
+    model, _, plan = load_for_sampling(run.checkpoint_path, "cpu", "auto")
     path = compiled_step.kept_package(model, 1, model.config.block_size, build=False)
     assert path is not None and f"{path}; sample.py, chat.py and serve.py use it]" in printed
     assert compiled_step.kept_package(model, 1, 8, build=False) == path  # a short call's cache: the kept one serves
     steps = []
-    monkeypatch.setattr(compiled_step, "aoti_step", lambda *a: steps.append(a[2].length) or real(*a))
+    monkeypatch.setattr(compiled_step, "compiled_row_step", lambda *a: steps.append(a[2].length) or real(*a))
     prompt = torch.tensor([[1, 2, 3]])
-    kept = model.generate(prompt, 20, temperature=0, compile=None)
-    assert steps == [32] and torch.equal(kept, model.generate(prompt, 20, temperature=0, compile=False))
+    assert plan.step == "compiled" and str(path) in plan.step_why
+    kept = generate(model, prompt, 20, temperature=0, plan=plan)
+    assert steps == [32] and torch.equal(kept, generate(model, prompt, 20, temperature=0))
     monkeypatch.setattr(compiled_step, "compile_package", lambda *a: pytest.fail("compiled again"))
     train(overrides=tiny_run(tmp_path, "kept", text, "again", **{"training.keep_decoding_step": True}))
     assert "is kept already" in capsys.readouterr().out
@@ -147,69 +253,44 @@ def test_a_run_that_keeps_its_decoding_step_leaves_the_one_sample_py_decodes_wit
     assert len(list(tmp_path.rglob("*.pt2"))) == 1
 
 
-def test_the_eager_step_reads_the_filled_prefix_and_matches_the_masked_whole_cache(loaded, monkeypatch):
-    """Eager, a step attends over the positions written so far with SDPA and no mask; under torch.compile over the
-    whole cache with the rest masked. The logits agree at every position."""
-    model, tokenizer = loaded
-    prompt = torch.tensor([tokenizer.encode("the lord ")])
-
-    def step_logits() -> list[torch.Tensor]:
-        cache = model.new_cache(1, 32)
-        with torch.inference_mode():
-            model(prompt, cache=cache)
-            out = []
-            for pos in range(prompt.size(1), 32):
-                out.append(model.decode_one(torch.tensor([[pos % 20]]), torch.tensor([pos]), cache))
-                cache.pos += 1
-        return out
-
-    cache = model.new_cache(1, 32)
-    cache.pos = 5  # the position being written: the eager span is read from the cache's count, not the device
-    assert DecodeStep.at(torch.tensor([5]), cache).span == 6 and DecodeStep.at(torch.tensor([5]), cache).visible is None
-    eager = step_logits()
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    masked = DecodeStep.at(torch.tensor([5]), cache)
-    assert masked.span == 32 and masked.visible.tolist() == [True] * 6 + [False] * 26
-    for a, b in zip(eager, step_logits(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+def numbers(rows: int, generator: torch.Generator) -> torch.Tensor:
+    """A step's uniform numbers for `rows` rows, as engine.Draws gives them."""
+    return torch.rand(rows, 1, generator=generator, dtype=torch.float64)
 
 
 def test_sampling_draws_the_top_k_distribution_scaled_by_the_temperature():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     g = torch.Generator().manual_seed(0)
-    draws = torch.cat([sample_next(logits, 0.5, 3, None, g) for _ in range(6000)])
+    draws = torch.cat([sample_next(logits, 0.5, 3, None, numbers(1, g)) for _ in range(6000)])
     freq = torch.bincount(draws.view(-1), minlength=5).float() / draws.numel()
     expected = torch.cat([torch.softmax(logits[0, :3] / 0.5, -1), torch.zeros(2)])
     torch.testing.assert_close(freq, expected, atol=0.02, rtol=0)
 
 
-def test_sampling_a_batch_over_the_whole_vocabulary_draws_each_rows_distribution_and_never_a_token_of_mass_0(
-    monkeypatch,
-):
-    """No top-k: each of 64 rows draws from its own softmax (model.draw, one uniform number per row); a token whose
+def test_sampling_a_batch_over_the_whole_vocabulary_draws_each_rows_distribution_and_never_a_token_of_mass_0():
+    """No top-k: each of 64 rows draws from its own softmax (engine.draw, one uniform number per row); a token whose
     probability is 0 is never drawn, wherever it sits (first, between others, last)."""
     logits = torch.tensor(
         [[-float("inf"), 1.0, 0.0, -float("inf"), 2.0, -float("inf")], [3.0, 0.0, 0.0, 1.0, 0.0, 0.0]]
     )
     g = torch.Generator().manual_seed(0)
-    draws = torch.cat([sample_next(logits.repeat(32, 1), 1.0, None, None, g) for _ in range(200)], dim=1)  # (64, 200)
+    draws = torch.cat([sample_next(logits.repeat(32, 1), 1.0, None, None, numbers(64, g)) for _ in range(200)], dim=1)
     for row in range(2):
         freq = torch.bincount(draws[row::2].flatten(), minlength=6).float() / draws[row::2].numel()
         torch.testing.assert_close(freq, torch.softmax(logits[row], -1), atol=0.015, rtol=0)
     assert set(draws[0::2].flatten().tolist()) == {1, 2, 4}
     for u, first in ((0.0, 1), (1 - 2**-53, 4)):  # the draws at both ends: the first and last tokens of mass > 0
-        monkeypatch.setattr(torch, "rand", lambda *shape, dtype, **kw: torch.full(shape, u, dtype=dtype))  # noqa: B023
-        assert sample_next(logits[:1], 1.0, None, None).item() == first
+        assert sample_next(logits[:1], 1.0, None, None, torch.full((1, 1), u, dtype=torch.float64)).item() == first
 
 
 def test_top_p_keeps_each_rows_own_nucleus():
     """Row 0's nucleus is its best token alone, row 1's the three near-equal ones: a batch draws each from its own."""
     logits = torch.tensor([[9.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, -5.0, -5.0]])
     g = torch.Generator().manual_seed(0)
-    draws = torch.cat([sample_next(logits, 1.0, None, 0.9, g) for _ in range(300)], dim=1)
+    draws = torch.cat([sample_next(logits, 1.0, None, 0.9, numbers(2, g)) for _ in range(300)], dim=1)
     assert set(draws[0].tolist()) == {0}
     assert set(draws[1].tolist()) == {0, 1, 2}
-    assert set(sample_next(logits, 1.0, 4, 0.9, g).view(-1).tolist()) <= {0, 1, 2}  # top-k, then top-p
+    assert set(sample_next(logits, 1.0, 4, 0.9, numbers(2, g)).view(-1).tolist()) <= {0, 1, 2}  # top-k, then top-p
 
 
 @needs_gpt2_encoding
@@ -223,19 +304,6 @@ def test_a_rows_text_decoded_as_it_grows_equals_the_whole_row_decoded():
         whole = tokenizer.decode_after(prompt[-8:], row[:i])
         assert grown == whole
     assert grown == " naïve 🦜🦜 café, déjà vu\n\n  x"
-
-
-def test_appending_several_tokens_to_a_filled_cache_gives_the_logits_of_one_whole_pass(loaded):
-    """chat.py reads a new turn into a cache that holds the conversation so far: each new position sees the cache and
-    the new positions before it, exactly as in one pass over the whole sequence."""
-    model, tokenizer = loaded
-    ids = torch.tensor([tokenizer.encode("the king and the queen say")])  # (1, T)
-    with torch.no_grad():
-        whole, _ = model(ids)
-        cache = model.new_cache(1)
-        first, _ = model(ids[:, :10], cache=cache)
-        rest, _ = model(ids[:, 10:], cache=cache)
-    torch.testing.assert_close(torch.cat([first, rest], dim=1), whole, rtol=1e-5, atol=1e-5)
 
 
 # ---- no host reads: what a GPU would wait on ----------------------------------------------------------
@@ -257,14 +325,35 @@ class HostReads(TorchFunctionMode):
 
 
 @pytest.mark.parametrize("switches", [GPT2_STYLE, MODERN], ids=["gpt2-style", "modern-gqa"])
-def test_cached_decoding_reads_nothing_back_on_the_meta_device(switches):
+def test_a_decoding_step_reads_nothing_back_on_the_meta_device(switches):
     """The meta device stands in for a GPU: its tensors have no values, so any read back to the host (int(), .item(),
-    .tolist()) raises there. The eager KV-cache steps run on it, greedy, top-k and top-p (sample.py's decoding)."""
+    .tolist()) raises there. A prompt's pass and the model's steps (rows at one position, rows at their own) run
+    on it, and so does the sampling of greedy, top-k and top-p rows: the one read a step makes is the new tokens."""
     model = GPT(GPTConfig(vocab_size=40, **switches)).to("meta").eval()
-    prompt = torch.zeros(2, 5, dtype=torch.long, device="meta")
-    for kw in ({"temperature": 0}, {"top_k": 20}, {"top_k": 20, "top_p": 0.9}, {"top_p": 0.5}):
-        tokens = list(model.generate_stream(prompt, 6, **{"temperature": 0.8, **kw}))
-        assert len(tokens) == 6 and tokens[-1].shape == (2, 1) and tokens[-1].device.type == "meta"
+    engine = Engine(model, capacity=2, length=32)
+    engine.add([Row([1, 2, 3, 4, 5], max_new=8), Row([1, 2], max_new=8)])
+    for _ in range(3):
+        engine.feed([1, 2])  # rows at positions of their own
+    logits = engine.logits
+    assert logits.shape == (2, 40) and logits.device.type == "meta"
+    numbers = torch.rand(2, 1, device="meta", dtype=torch.float64)
+    for k, p in ((None, None), (20, None), (20, 0.9), (None, 0.5)):
+        assert sample_next(logits, 0.8, k, p, numbers).shape == (2, 1)
+
+
+def test_each_engine_step_reads_the_device_once(loaded):
+    """sample.py's rows, greedy and sampled: a step makes one read, the new tokens (.tolist()); positions are kept
+    on the host."""
+    model, tokenizer = loaded
+    for sampling in (Sampling(0.0), Sampling(0.9, 20)):
+        engine = Engine(model, capacity=2, length=64)
+        draws = Draws(torch.Generator().manual_seed(0), 2)
+        engine.add([Row(tokenizer.encode("the "), sampling, 10, draws=draws, draw_index=i) for i in range(2)])
+        mode = HostReads()
+        with mode:
+            for _ in range(5):
+                engine.step()
+        assert [name for name, _ in mode.reads] == ["tolist"] * 5
 
 
 def test_a_serving_step_reads_the_device_once_for_every_request_in_it(loaded):
@@ -277,7 +366,7 @@ def test_a_serving_step_reads_the_device_once_for_every_request_in_it(loaded):
     for temperature, seed in ((0.0, None), (1.0, 1), (0.7, 2)):
         batcher.submit(GenRequest(tokenizer.encode("the king "), 20, temperature=temperature, seed=seed), loop)
     batcher.admit()
-    assert len(batcher.active) == 3
+    assert len(batcher.engine.rows) == 3
     mode = HostReads()
     with mode:
         for _ in range(6):

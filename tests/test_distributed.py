@@ -24,6 +24,7 @@ from conftest import REPO_ROOT, word_salad
 
 from quillgpt import distributed
 from quillgpt.checkpoint import load_checkpoint
+from quillgpt.engine import generate
 from quillgpt.generate import load_for_sampling
 from quillgpt.prepare import prepare_dataset
 from train import train
@@ -297,7 +298,7 @@ def test_fsdp_trains_like_ddp_and_resumes(workdir, ddp_dropout):
 
     model, tokenizer, _ = load_for_sampling(run, "cpu")  # the full weights gathered from the shards
     prompt = torch.tensor([tokenizer.encode("The ")])
-    assert model.generate(prompt, 20, temperature=0).shape == (1, prompt.size(1) + 20)
+    assert generate(model, prompt, 20, temperature=0).shape == (1, prompt.size(1) + 20)
 
     single = workdir / "fsdp_single" / "run"
     shutil.copytree(run, single)

@@ -483,25 +483,6 @@ def test_dpo_mistakes_are_one_line(dpo_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_dpo_tunes_the_chat_model_and_measures_it_before_and_after(tmp_path, capsys):
-    import bench
-
-    ckpt = save_model(tmp_path / "chat.pt", random_model(0, block_size=64))
-    bench.main(
-        ["--dpo", "--pairs", "40", "--made-up", "--tool", "--chat-items", "2", "--held-out-pairs", "8"]
-        + ["--json", str(tmp_path / "dpo.json"), "--run.init_from", str(ckpt)]
-        + ["--run.device", "cpu", "--training.precision", "fp32"]
-        + ["--training.max_iters", "2", "--training.eval_interval", "2", "--training.eval_iters", "1"]
-    )
-    out = capsys.readouterr().out
-    assert "| held-out pairs: chosen preferred |" in out and "| reverse, greedy | 0/2 (0%) |" in out
-    assert "40 pairs of arithmetic,reverse,count; on made-up words; through the calculator" in out
-    report = json.loads((tmp_path / "dpo.json").read_text())
-    assert report["before"]["source"] == str(ckpt) and "/runs/dpo/ckpt_" in report["after"]["source"]
-    assert set(report["after"]["tasks"]) == {"arithmetic", "reverse", "count"}
-
-
-@pytest.mark.slow
 def test_two_ranks_of_dpo_equal_one_rank_with_accumulation(dpo_data, tmp_path):
     """Rank 0 computes and stores the reference log-probs while the other waits; 2 DDP ranks x accumulation 1 then
     draw exactly the pairs of 1 rank x accumulation 2, so their DPO losses and evaluations agree."""

@@ -16,6 +16,7 @@ from conftest import REPO_ROOT, gpt2_encoding_error, needs_gpt2_encoding, save_h
 
 from quillgpt import scoring
 from quillgpt.checkpoint import load_checkpoint
+from quillgpt.engine import generate
 from quillgpt.loading import load_model
 from quillgpt.scoring import (
     continuation_logprobs,
@@ -220,7 +221,7 @@ def test_harness_adapter_runs_a_local_task_and_equals_our_scorer(gpt2_dir, tmp_p
     direct = continuation_logprobs(model, [([tok.eot_id], tok.encode("A man walks in."))])[0].logprob
     assert rolling == pytest.approx(direct, abs=1e-6)
     text = lm.generate_until([Instance("generate_until", {}, ("A man", {"until": ["."], "max_gen_toks": 12}), 0)])[0]
-    greedy = model.generate(torch.tensor([tok.encode("A man")]), 12, temperature=0)[0, len(tok.encode("A man")) :]
+    greedy = generate(model, torch.tensor([tok.encode("A man")]), 12, temperature=0)[0, len(tok.encode("A man")) :]
     assert text == tok.decode(greedy.tolist()).split(".")[0]
 
 

@@ -19,6 +19,7 @@ from test_lora import built_trainer, logits, lora_overrides, lora_run, max_diff
 
 import export
 import sample
+from quillgpt.engine import KVCache, generate
 from quillgpt.errors import UserError, run_main
 from quillgpt.hf import export_hf
 from quillgpt.loading import load_model
@@ -48,7 +49,7 @@ def test_logits_and_greedy_decoding_equal_transformers(family_dir):
     assert max_diff(logits(model, X), logits(hf, X)) <= 1e-5
     prompt = torch.randint(2, 300, (1, 12), generator=torch.Generator().manual_seed(1))
     theirs = hf.generate(prompt, max_new_tokens=48, min_new_tokens=48, do_sample=False, eos_token_id=None)
-    assert torch.equal(model.generate(prompt, 48, temperature=0), theirs)  # the KV cache past every window
+    assert torch.equal(generate(model, prompt, 48, temperature=0), theirs)  # the KV cache past every window
 
 
 def test_loading_a_family_directory_leaves_torch_compile_unimported(transformers, tmp_path):
@@ -139,7 +140,7 @@ def peft_adapter(peft, transformers, directory, targets: list[str]):
 @pytest.mark.parametrize("family_dir", ["mistral", "gemma3"], indirect=True)
 def test_a_window_hides_what_lies_past_it_in_training_packed_rows_and_batched_decoding(family_dir):
     """The window's band mask changes the logits past it and only there; packed rows see it within each document;
-    decode_rows (the server's batched step, a masked cache) gives the full pass's logits."""
+    rows decoded a step apart (the server's batched step, a masked cache) give the full pass's logits."""
     family, directory, _ = family_dir
     model, x = load_model(directory).model.eval(), X[:1]
     windowed = logits(model, x)
@@ -154,10 +155,20 @@ def test_a_window_hides_what_lies_past_it_in_training_packed_rows_and_batched_de
         packed = model(x, positions=positions)[0]
     alone = torch.cat([logits(model, x[:, :split]), logits(model, x[:, split:])], dim=1)
     assert max_diff(packed, alone) <= 1e-5
-    cache = model.new_cache(1)
+    # two rows a step apart (the server's batch: each row at its own position, the span masked per row)
+    cache = KVCache.for_model(model, 2, T + 1)
+    steps = []
     with torch.no_grad():
-        steps = [model.decode_rows(x[:, i : i + 1], torch.tensor([i]), cache) for i in range(T)]
-    assert max_diff(torch.stack(steps, dim=1), windowed) <= 1e-5
+        for i in range(T + 1):
+            rows = 1 if i == 0 else 2  # row 1 starts a step later, so the rows' positions differ
+            tokens = torch.stack([x[0, min(i, T - 1)], x[0, max(i - 1, 0)]])[:rows, None]
+            cache.prepare(rows, 1)
+            out = model(tokens, cache=cache)[0][:, -1]
+            cache.advance()
+            steps.append(out[1] if rows == 2 else None)
+            if i < T:
+                assert max_diff(out[0], windowed[0, i]) <= 1e-5
+    assert max_diff(torch.stack(steps[1:]), windowed[0]) <= 1e-5
 
 
 def test_a_lora_fine_tune_of_gemma3_trains_and_samples(transformers, tmp_path, capsys):
@@ -222,7 +233,7 @@ def test_phi3_past_its_original_context_takes_the_long_factors_as_transformers_d
     prompt = torch.randint(2, 300, (1, prompt_length), generator=torch.Generator().manual_seed(2))
     new = 110 - prompt_length
     theirs = hf.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None)
-    assert torch.equal(model.generate(prompt, new, temperature=0), theirs)
+    assert torch.equal(generate(model, prompt, new, temperature=0), theirs)
     assert max_diff(logits(model, theirs[:, :100]), logits(hf, theirs[:, :100])) <= 1e-5
 
 

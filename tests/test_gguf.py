@@ -35,6 +35,7 @@ from test_lora import lora_run
 import export
 from model import GPT, GPTConfig
 from quillgpt.chat_template import chat_format, with_chat_tokens
+from quillgpt.engine import generate
 from quillgpt.errors import UserError
 from quillgpt.families import chunk_of, hf_names
 from quillgpt.gguf_export import gguf_arch, modelfile
@@ -560,7 +561,7 @@ def ours(model: GPT, prompt: list[int], n: int) -> tuple[np.ndarray, list[int]]:
     x = torch.tensor([prompt])
     with torch.no_grad():
         logits = model(x)[0][0].numpy()
-        return logits, model.generate(x, n, temperature=0)[0, len(prompt) :].tolist()
+        return logits, generate(model, x, n, temperature=0)[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("name", CASES)

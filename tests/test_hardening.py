@@ -132,6 +132,8 @@ def direct_write(node: ast.Call) -> bool:
         if has_mode and mode is None:
             return not to_proc  # a mode computed at run time may be a write mode
         return mode is not None and any(c in mode for c in "wax+") and not to_proc
+    if name in {"copy", "deepcopy"} and getattr(getattr(func, "value", None), "id", "") == "copy":
+        return False  # copy.copy(obj): an object's shallow copy, not a file's
     if name in ALWAYS_DIRECT:
         return True
     if name in TO_DESTINATION and isinstance(func, ast.Attribute):
@@ -193,7 +195,7 @@ def test_the_write_audit_catches_direct_writes(tmp_path):
     good = tmp_path / "good.py"
     good.write_text(
         "open(p, 'rb')\nopen('/proc/self/clear_refs', 'w')\ntorch.save(obj, f)\nfig.savefig(buf)\n"
-        "data = save(state)\ngzip.open(p, 'rb')\nos.open(p, os.O_RDONLY)\np.open()\n"
+        "data = save(state)\ngzip.open(p, 'rb')\nos.open(p, os.O_RDONLY)\np.open()\ncopy.copy(obj)\n"
     )
     assert len(direct_writes(bad)) == 12 and direct_writes(good) == []
 

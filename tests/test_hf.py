@@ -25,6 +25,7 @@ import export
 import sample
 from model import GPT, GPTConfig
 from quillgpt.checkpoint import RunDir, load_checkpoint
+from quillgpt.engine import generate
 from quillgpt.errors import UserError, run_main
 from quillgpt.hf import export_hf
 from quillgpt.loading import load_model
@@ -86,7 +87,7 @@ def test_greedy_decoding_with_the_kv_cache_equals_transformers_generate(family_d
     theirs = hf.generate(
         prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0
     )
-    ours = model.generate(prompt, 64, temperature=0)
+    ours = generate(model, prompt, 64, temperature=0)
     assert ours.shape == (1, 76) and torch.equal(ours, theirs)
 
 

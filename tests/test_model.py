@@ -1,9 +1,9 @@
-"""model.py and kernels.py: shapes, causality, initialisation, KV-cache generation, sampling filters, and the CPU attention and dropout paths against their PyTorch definitions."""
+"""model.py and kernels.py: shapes, causality, initialisation, the model left plain (no decoding code, no global torch
+state at import), and the CPU training kernels swapped in against their PyTorch definitions. Decoding is
+test_decoding.py's, its kernels test_decoding_kernels.py's."""
 
 import hashlib
-import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import REPO_ROOT, uncached_greedy
 
-from model import GPT, GPTConfig, cache_length, sample_next
+from model import GPT, GPTConfig
 from quillgpt import kernels
-from quillgpt.kernels import CPUCausalAttention, Dropout, causal_softmax, cpu_keep_mask
+from quillgpt.engine import generate
+from quillgpt.kernels import CPUCausalAttention, Dropout, causal_softmax, cpu_keep_mask, use_cpu_training_kernels
 
 MODERN = dict(
     pos_emb="rope",
@@ -81,69 +83,28 @@ def test_zero_init_proj_zeroes_the_projections_and_the_untied_head():
 
 
 @pytest.mark.parametrize("kw", VARIANTS)
-def test_kv_cache_greedy_matches_no_cache(kw):
+def test_the_engines_greedy_tokens_are_the_uncached_forward_passes(kw):
     model = tiny(**kw).eval()
     prompt = torch.randint(0, 50, (2, 5))
-    with_cache = model.generate(prompt, 20, temperature=0, use_cache=True)
-    without = model.generate(prompt, 20, temperature=0, use_cache=False)
-    assert with_cache.shape == (2, 25)
-    assert torch.equal(with_cache, without)
+    cached = generate(model, prompt, 20, temperature=0)
+    assert cached.shape == (2, 25) and torch.equal(cached, uncached_greedy(model, prompt, 20))
 
 
-@pytest.mark.slow
-def test_compiled_decoding_gives_the_eager_tokens(tmp_path, monkeypatch):
-    """The compiled one-token step (a cache allocated once, attended over whole with the unfilled part masked)
-    gives exactly the eager path's greedy tokens, for a modern model with grouped-query attention and past
-    block_size (the cache is refilled); within block_size both equal the uncached path."""
-    monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path))  # its package kept from the other tests' models
-    model = tiny(**MODERN, n_head=4, n_kv_head=2).eval()
-    prompt = torch.randint(0, 50, (2, 5))
-    eager = model.generate(prompt, 40, temperature=0)
-    assert torch.equal(model.generate(prompt, 40, temperature=0, compile=True), eager)
-    assert torch.equal(model.generate(prompt, 20, temperature=0, use_cache=False), eager[:, :25])
-
-
-def test_decoding_allocates_one_cache_per_length_bucket():
-    assert [cache_length(n, 1024) for n in (1, 64, 65, 300, 600, 5000)] == [64, 64, 128, 512, 1024, 1024]
-    assert cache_length(100, 96) == 96
-
-
-def test_generate_crops_long_prompts_and_runs_past_block_size():
-    model = tiny().eval()
-    prompt = torch.randint(0, 50, (1, 40))  # longer than block_size 32
-    out = model.generate(prompt, 50, temperature=1.0, top_k=10)
-    assert out.shape == (1, 32 + 50)
-    assert out.max() < 50
-
-
-def test_kv_cache_costs_one_position_per_token():
-    """After the prefill, each generated token runs the model on exactly one new position."""
-    model = tiny().eval()
-    seen = []
-    handle = model.transformer.wte.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1]))
-    list(model.generate_stream(torch.randint(0, 50, (1, 8)), 10, temperature=0))
-    handle.remove()
-    assert seen == [8] + [1] * 9
-
-
-def test_sampling_draws_only_the_tokens_top_k_top_p_and_temperature_keep():
-    """top-k 2 draws only the two best tokens, top-p 0.5 only the one holding that mass, temperature 0 the argmax."""
-    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0, -1.0]])
-    g = torch.Generator().manual_seed(0)
-    draws = {sample_next(logits.clone(), 1.0, 2, None, g).item() for _ in range(200)}
-    assert draws <= {0, 1}
-    # top-p 0.5: token 0 alone has ~0.71 of the mass
-    draws = {sample_next(logits.clone(), 1.0, None, 0.5, g).item() for _ in range(200)}
-    assert draws == {0}
-    assert sample_next(logits.clone(), 0.0, None, None).item() == 0
-
-
-def test_sampling_is_deterministic_under_a_seed():
-    model = tiny().eval()
-    prompt = torch.randint(0, 50, (3, 4))
-    a = model.generate(prompt, 15, temperature=1.0, generator=torch.Generator().manual_seed(3))
-    b = model.generate(prompt, 15, temperature=1.0, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(a, b)
+def test_the_model_is_plain_torch_and_importing_it_changes_no_global_state():
+    """model.py's layers are torch's own (nn.Linear, nn.Dropout, SDPA), and importing it (or building a model)
+    leaves torch's global state alone: no compile-cache tag, no custom op; the CPU training kernels are swapped into
+    a built model (use_cpu_training_kernels) and then tag the caches."""
+    code = (
+        "import torch; before = torch.compiler.config.cache_key_tag\n"
+        "import model\n"
+        "m = model.GPT(model.GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=1, n_embd=8))\n"
+        "print(torch.compiler.config.cache_key_tag == before, hasattr(torch.ops, 'quill') and hasattr(torch.ops.quill, 'keep_mask'))\n"
+        "print(sorted({type(x).__module__ for x in m.modules()}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    unchanged, modules = out.stdout.splitlines()
+    assert unchanged == "True False"
+    assert all(m == "model" or m.startswith("torch.nn.modules.") for m in eval(modules)), modules
 
 
 def test_flops_per_token_exceed_6n_and_mfu_divides_by_the_peak():
@@ -280,16 +241,17 @@ def test_causal_softmax_op_is_masked_softmax_with_its_gradients():
 
 def test_compile_caches_are_keyed_by_the_kernels_source():
     """torch.compile's on-disk caches do not see a custom op's registered backward (pytorch/pytorch#144344: an edited
-    backward kept running the old compiled one, from another process's cache); importing kernels.py tags every cache
-    key with the file's hash, once however often it is called."""
+    backward kept running the old compiled one, from another process's cache); swapping kernels.py's kernels into a
+    model tags every cache key with the file's hash, once however often it is done."""
     digest = hashlib.sha256(Path(kernels.__file__).read_bytes()).hexdigest()[:16]
+    for _ in range(2):
+        use_cpu_training_kernels(tiny())
     assert f"quill-kernels-{digest}" in torch.compiler.config.cache_key_tag.split("+")
-    kernels.tag_compile_caches_with_this_file()
     assert torch.compiler.config.cache_key_tag.count("quill-kernels-") == 1
 
 
 def test_cpu_dropout_layer_and_attention_match_their_definitions():
-    """Eager CPU training uses our dropout mask in the residual/embedding Dropout and in attention:
+    """CPU training swaps our dropout mask into the residual/embedding Dropout and attention (use_cpu_training_kernels):
     the outputs and gradients are dropout's (the same mask, replayed from the same seed)."""
     x = torch.randn(3, 7, 10, requires_grad=True)
     drop = Dropout(0.3)
@@ -303,7 +265,9 @@ def test_cpu_dropout_layer_and_attention_match_their_definitions():
     assert torch.equal(drop.eval()(x), x)
 
     model = GPT(GPTConfig(block_size=12, vocab_size=11, n_layer=1, n_head=2, n_embd=8, dropout=0.25, bias=False))
+    use_cpu_training_kernels(model)
     attn = model.transformer.h[0].attn
+    assert type(attn.resid_dropout) is Dropout and type(model.transformer.drop) is Dropout
     h = torch.randn(2, 12, 8, requires_grad=True)
     torch.manual_seed(9)
     got = attn(h, None, None)
@@ -327,138 +291,3 @@ def test_cpu_dropout_layer_and_attention_match_their_definitions():
     assert not torch.allclose(
         got, attn.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 12, 8))
     )
-
-
-@pytest.fixture
-def two_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_a_decoding_rows_linear_splits_where_the_machine_runs_that_faster(monkeypatch, two_threads):
-    """kernels.linear is F.linear; a few fp32 rows without autograd on a machine where the split measured faster go
-    through one batched matmul of the weight's row blocks (aten::bmm), to fp32 rounding of F.linear; anything else
-    (autograd, bf16, many rows, a small weight, a machine where it measured slower) is F.linear itself."""
-    torch.manual_seed(0)
-    weight, bias, row = torch.randn(1536, 384), torch.randn(1536), torch.randn(1, 1, 384)
-    monkeypatch.setitem(kernels._split_pays, 2, True)
-
-    def ops(*args):
-        with torch.profiler.profile() as prof:
-            out = kernels.linear(*args)
-        return out, {e.key for e in prof.key_averages()}
-
-    with torch.no_grad():
-        for rows in (row, torch.randn(3, 5, 384)):  # a decoding row, a batcher's 15
-            got, ran = ops(rows, weight, bias)
-            assert (
-                kernels.split_parts(rows, weight) == 2 and "aten::bmm" in ran and got.shape == (*rows.shape[:-1], 1536)
-            )
-            assert torch.allclose(got, F.linear(rows, weight, bias), rtol=1e-5, atol=1e-4)
-        plain = [(torch.randn(17, 384), weight), (row[..., :64], weight[:64, :64])]
-        for x, w in plain:
-            got, ran = ops(x, w)
-            assert kernels.split_parts(x, w) == 1 and "aten::bmm" not in ran and torch.equal(got, F.linear(x, w))
-        monkeypatch.setitem(kernels._split_pays, 2, False)
-        assert kernels.split_parts(row, weight) == 1 and torch.equal(kernels.linear(row, weight), F.linear(row, weight))
-    monkeypatch.setitem(kernels._split_pays, 2, True)
-    x = row.clone().requires_grad_()
-    assert kernels.split_parts(x, weight) == 1  # training: autograd's F.linear
-    (grad,) = torch.autograd.grad(kernels.linear(x, weight).sum(), x)
-    assert torch.allclose(grad, weight.sum(0).view(1, 1, -1), atol=1e-4)
-
-
-def test_an_exported_decoding_step_splits_bf16_products_too(monkeypatch, two_threads):
-    """A graph being compiled splits a row's bf16 product as well as fp32's (inductor writes split products as its
-    own loops), by what this process measured, never probing while tracing; eager bf16 stays F.linear."""
-    layer = kernels.Linear(384, 1536, bias=False).to(torch.bfloat16).eval()
-    row = torch.randn(1, 1, 384, dtype=torch.bfloat16)
-
-    def exported_ops() -> set[str]:
-        with torch.no_grad():
-            graph = torch.export.export(layer, (row,), strict=False).graph
-        return {str(node.target) for node in graph.nodes if node.op == "call_function"}
-
-    for pays in (True, False):
-        monkeypatch.setitem(kernels._split_pays, 2, pays)
-        assert ("aten.bmm.default" in exported_ops()) == pays
-        with torch.no_grad():
-            assert kernels.split_parts(row, layer.weight) == 1  # eager
-    monkeypatch.delitem(kernels._split_pays, 2)
-    assert "aten.bmm.default" not in exported_ops() and 2 not in kernels._split_pays  # unmeasured: not split
-
-
-def test_the_split_is_measured_once_per_machine_and_kept(tmp_path):
-    """split_pays measures, keeps the ratio in the cache directory under the machine's key, and a later process
-    takes the kept answer without measuring (here a planted one each way)."""
-    env = {**os.environ, "QUILLGPT_CACHE": str(tmp_path)}
-    code = "from quillgpt import kernels, precision; print(kernels.split_pays(), precision.machine_key())"
-    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    measured, key = first.stdout.strip().split(" ", 1)
-    kept = json.loads((tmp_path / "split_linear.json").read_text())
-    assert list(kept) == [key] and (kept[key] >= kernels.SPLIT_MARGIN) == (measured == "True")
-    for ratio, answer in ((9.0, "True"), (0.5, "False")):
-        (tmp_path / "split_linear.json").write_text(json.dumps({key: ratio}))
-        again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert again.stdout.split(" ", 1)[0] == answer
-        assert json.loads((tmp_path / "split_linear.json").read_text()) == {key: ratio}  # read, not measured again
-
-
-def test_a_bf16_decoding_row_runs_pytorchs_own_product_and_leaves_onednn_as_it_found_it(monkeypatch):
-    """kernels.linear of a row or two in bf16 or fp16 without autograd is F.linear with oneDNN switched off (which
-    reorders the weight on every call), to the bit; four rows, autograd, fp32, or a graph being traced keep
-    F.linear as it is; the global oneDNN switch ends as it began, on or off."""
-    torch.manual_seed(0)
-    calls = []  # whether oneDNN was on at each F.linear kernels.linear made
-    plain_linear = F.linear
-
-    def spy(*args):
-        calls.append(torch.backends.mkldnn.enabled)
-        return plain_linear(*args)
-
-    def onednn_during(x, w, b=None) -> bool:
-        calls.clear()
-        kernels.linear(x, w, b)
-        return calls[0]
-
-    monkeypatch.setattr(F, "linear", spy)
-    for dtype in (torch.bfloat16, torch.float16):
-        weight, bias = torch.randn(1536, 384, dtype=dtype), torch.randn(1536, dtype=dtype)
-        with torch.no_grad():
-            for rows in (torch.randn(1, 1, 384, dtype=dtype), torch.randn(2, 1, 384, dtype=dtype)):
-                assert not onednn_during(rows, weight, bias) and torch.backends.mkldnn.enabled
-                with torch.backends.mkldnn.flags(enabled=False):
-                    assert torch.equal(kernels.linear(rows, weight, bias), plain_linear(rows, weight, bias))
-                    assert not onednn_during(rows, weight) and not torch.backends.mkldnn.enabled  # left off
-            assert onednn_during(torch.randn(4, 1, 384, dtype=dtype), weight, bias)
-            assert not kernels.reduced_rows(torch.randn(1, 384), weight.float())  # fp32: F.linear or the split
-        assert onednn_during(torch.randn(1, 384, dtype=dtype, requires_grad=True), weight)
-    monkeypatch.setattr(kernels, "tracing", lambda: True)
-    with torch.no_grad():
-        assert not kernels.reduced_rows(torch.randn(1, 384, dtype=torch.bfloat16), weight.bfloat16())
-
-
-def test_gelu_of_a_few_rows_runs_pytorchs_kernel_and_leaves_onednn_as_it_found_it():
-    """kernels.gelu is F.gelu; a decoding step's few rows get PyTorch's own kernel (what F.gelu computes with
-    oneDNN switched off, bit for bit), a training batch's stay with oneDNN, and the global oneDNN switch ends as
-    it began, on or off."""
-    torch.manual_seed(0)
-    row, batch = torch.randn(1, 1, 1536) * 3, torch.randn(64, 1536) * 3
-    assert kernels.ONEDNN_GELU_FROM > row.numel() and kernels.ONEDNN_GELU_FROM <= batch.numel()
-    torch.backends.mkldnn.enabled = False
-    try:
-        native_row = F.gelu(row)
-        # off already: gelu runs as it is and does not switch oneDNN back on
-        assert torch.equal(kernels.gelu(row), native_row) and not torch.backends.mkldnn.enabled
-    finally:
-        torch.backends.mkldnn.enabled = True
-    assert torch.equal(kernels.gelu(row), native_row) and torch.backends.mkldnn.enabled
-    assert torch.equal(kernels.gelu(batch), F.gelu(batch))
-    assert torch.allclose(kernels.gelu(row), F.gelu(row), rtol=0, atol=1e-5)
-    assert torch.equal(kernels.gelu(row, approximate="tanh"), F.gelu(row, approximate="tanh"))
-    x = row.clone().requires_grad_()
-    (grad,) = torch.autograd.grad(kernels.gelu(x).sum(), x)
-    (want,) = torch.autograd.grad(F.gelu(x).sum(), x)
-    assert torch.allclose(grad, want, atol=1e-6)

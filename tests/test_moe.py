@@ -236,7 +236,7 @@ def skewed_router_loads(data_dir, out_dir, rate: float, steps: int = 30) -> list
     loads = []
     for it in range(steps):
         train_step(tr, it)
-        loads.append(tr.routing.figures()["expert_load"])
+        loads.append(tr.objective.routing.figures()["expert_load"])
     return loads
 
 

@@ -173,7 +173,8 @@ def test_int8_activations_follow_the_int8_products_rates(tmp_path, monkeypatch):
     for rates, expected in (((100.0, 120.0), torch.float32), ((100.0, 1300.0), torch.bfloat16)):
         monkeypatch.setattr(precision, "read_int8_rates", lambda width, r=rates: r)
         precision.int8_activations.cache_clear()
-        model, _, label = generate.load_for_sampling(ckpt, "cpu", "int8")
+        model, _, plan = generate.load_for_sampling(ckpt, "cpu", "int8")
+        label = plan.label
         assert model.transformer.wte.weight.dtype == expected and model.lm_head.weight.dtype == torch.int8
         assert model.lm_head.scale.dtype == expected
         assert f"int8 ({'bf16' if expected == torch.bfloat16 else 'fp32'} activations)" in label
@@ -199,7 +200,7 @@ def test_sampling_dtype_is_bf16_where_a_row_runs_clearly_faster_in_it_and_a_batc
     ]
     for i, ((row, rows), expected) in enumerate(cases):
         monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / f"cache-{i}"))
-        monkeypatch.setattr(generate, "measure_bf16_speedup", lambda width, n, a=row, b=rows: {1: a, batch: b}[n])
+        monkeypatch.setattr(generate, "measure_bf16_speedup", lambda width, n, pays, a=row, b=rows: {1: a, batch: b}[n])
         model, _, _ = generate.load_for_sampling(ckpt, "cpu", "auto")
         assert model.transformer.wte.weight.dtype == expected
 
@@ -216,19 +217,20 @@ def test_decodings_speed_ups_are_measured_once_per_machine_and_kept(tmp_path, mo
     monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "cache"))
     kept = tmp_path / "cache" / "bf16_decoding_speedup.json"
     ckpt = write_char_checkpoint(tmp_path / "ckpt.pt")
-    monkeypatch.setattr(generate, "measure_bf16_speedup", lambda width, rows: 2.0)
+    monkeypatch.setattr(generate, "measure_bf16_speedup", lambda width, rows, pays: 2.0)
     model, _, _ = generate.load_for_sampling(ckpt, "cpu", "auto")
     key = f"{precision.machine_key()}|{model.config.n_embd}"
     row, batch = f"{key}|1 rows", f"{key}|{generate.DECODING_BATCH_ROWS} rows"
     assert json.loads(kept.read_text()) == {row: 2.0, batch: 2.0}
 
-    def unmeasured(width, rows):
+    def unmeasured(width, rows, pays):
         raise AssertionError("measured again")
 
     monkeypatch.setattr(generate, "measure_bf16_speedup", unmeasured)
     for planted, dtype in (((2.0, 1.5), torch.bfloat16), ((2.0, 0.5), torch.float32), ((1.0, 2.0), torch.float32)):
         kept.write_text(json.dumps(dict(zip((row, batch), planted))))
-        model, _, label = generate.load_for_sampling(ckpt, "cpu", "auto")
+        model, _, plan = generate.load_for_sampling(ckpt, "cpu", "auto")
+        label = plan.label
         name = "bf16" if dtype == torch.bfloat16 else "fp32"
         assert model.transformer.wte.weight.dtype == dtype and label.endswith(f"{name} on cpu")
     kept.write_text("{not json")
@@ -244,14 +246,14 @@ def test_decodings_probe_measures_both_precisions_and_auto_follows_it(tmp_path, 
     from quillgpt import generate, precision
 
     monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path))
-    chosen = generate.decoding_precision("auto", torch.device("cpu"), 96)
+    chosen, why = generate.decoding_precision("auto", torch.device("cpu"), 96)
     kept = json.loads((tmp_path / "bf16_decoding_speedup.json").read_text())
     row = kept[f"{precision.machine_key()}|96|1 rows"]
     batch = kept.get(f"{precision.machine_key()}|96|{generate.DECODING_BATCH_ROWS} rows")  # not where a row is slower
     assert row > 0 and (batch is None or batch > 0)
     bf16 = row >= generate.DECODING_BF16_MARGIN and batch >= 1.0
-    assert chosen == ("bf16" if bf16 else "fp32")
-    assert generate.decoding_precision("fp32", torch.device("cpu"), 96) == "fp32"
+    assert chosen == ("bf16" if bf16 else "fp32") and f"ran {row:.2f}x as fast in bf16" in why
+    assert generate.decoding_precision("fp32", torch.device("cpu"), 96) == ("fp32", "--dtype")
 
 
 def test_an_unwritable_cache_directory_costs_only_the_probe_again(tmp_path, monkeypatch):
@@ -264,7 +266,7 @@ def test_an_unwritable_cache_directory_costs_only_the_probe_again(tmp_path, monk
 
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "a-file" / "cache"))
-    monkeypatch.setattr(generate, "measure_bf16_speedup", lambda width, rows: 2.0)
+    monkeypatch.setattr(generate, "measure_bf16_speedup", lambda width, rows, pays: 2.0)
     model, _, _ = generate.load_for_sampling(write_char_checkpoint(tmp_path / "ckpt.pt"), "cpu", "auto")
     assert model.transformer.wte.weight.dtype == torch.bfloat16
 

@@ -14,13 +14,14 @@ import torch
 
 import quillgpt.rl as rl
 import quillgpt.tasks as tasks
-from model import GPT, GPTConfig, KVCache, sample_next
+from model import GPT, GPTConfig
 from quillgpt.chat_template import chat_format, with_chat_tokens
 from quillgpt.checkpoint import save_checkpoint
 from quillgpt.config import ConfigError, RLConfig
+from quillgpt.engine import Engine, KVCache
 from quillgpt.errors import UserError
 from quillgpt.replies import Reply, sample_groups
-from quillgpt.rl import RL, Rollouts, grader_reward, length_parts, load_reward, token_logprobs
+from quillgpt.rl import Reinforcement, Rollouts, grader_reward, length_parts, load_reward, token_logprobs
 from quillgpt.tasks import WORDS, conversations, split_keys, split_of
 from quillgpt.tokenizer import CharTokenizer
 from train import train
@@ -120,9 +121,11 @@ def test_an_rl_run_never_reads_a_test_item_and_picks_its_best_checkpoint_on_vali
     """The evaluations that choose ckpt_best.pt grade val items only, and the steps ask made-up words or the train
     split: no step or evaluation reads a test item, which are eval.py's alone."""
     graded, asked = [], []
-    grade, items = tasks.grade, rl.RL.items
+    grade, items = tasks.grade, rl.Reinforcement.items
     monkeypatch.setattr(tasks, "grade", lambda item, reply: graded.append(item) or grade(item, reply))
-    monkeypatch.setattr(rl.RL, "items", lambda self, step: asked.extend(items(self, step)) or items(self, step))
+    monkeypatch.setattr(
+        rl.Reinforcement, "items", lambda self, step: asked.extend(items(self, step)) or items(self, step)
+    )
     overrides = {"training.max_iters": 4, "training.eval_interval": 2, "training.best_metric": "task_acc"}
     train(None, overrides=rl_overrides(rl_setup, tmp_path, **overrides))
     assert len(graded) == 3 * 2 * 3  # 3 evaluations (steps 0, 2, 4) of 3 items of 2 tasks
@@ -172,7 +175,9 @@ def test_the_pass_over_question_rows_gives_the_loss_and_gradients_of_each_reply_
     rewards = torch.tensor([[1.0, 0.0, 0.5], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
     rollouts = Rollouts(prompts, replies, rewards)
     assert max(rollouts.lengths()) > config.block_size  # a question's row holds more than a context: positions don't
-    pg = RL(RLConfig(kl_coef=0.1, group_size=3), 0, tok, chat_format(tok), grader_reward, reference, {})
+    pg = Reinforcement(
+        RLConfig(kl_coef=0.1, group_size=3), 0, tok, chat_format(tok), grader_reward, reference, {}, None, None
+    )
 
     # each reply alone: its row prompt + reply, the loss written out
     advantages = rollouts.advantages(scale=True)
@@ -198,6 +203,7 @@ def test_the_pass_over_question_rows_gives_the_loss_and_gradients_of_each_reply_
     for batch_size, split, passes in ((9, length_parts, 2), (3, length_parts, 3), (9, one_pass, 1)):
         trainer = SimpleNamespace(
             raw_model=model,
+            model=model,
             optimizers=[],
             scaler=torch.amp.GradScaler(enabled=False),
             rt=SimpleNamespace(device=torch.device("cpu"), autocast=torch.autocast("cpu", enabled=False)),
@@ -212,7 +218,7 @@ def test_the_pass_over_question_rows_gives_the_loss_and_gradients_of_each_reply_
         for got, want in zip((p.grad for p in model.parameters()), expected, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
         assert len(split(rollouts.lengths(), batch_size // 3)) == passes
-    assert pg.tokens_per_step < sum(len(p) + len(r.ids) - 1 for p, g in zip(prompts, replies) for r in g)
+    assert pg.tokens < sum(len(p) + len(r.ids) - 1 for p, g in zip(prompts, replies) for r in g)
 
 
 def rows_that_end_apart():
@@ -235,17 +241,23 @@ def test_the_sampler_samples_from_the_policy_the_step_trains(monkeypatch):
     Rollouts.rows lays it out (each question read once, its replies after it), for every sampled token of every row."""
     tok, fmt, model, prompts = rows_that_end_apart()
     end = tok.special_tokens["<|im_end|>"]
-    seen = []
+    added, seen = [], {}  # the engine's rows, in the replies' order; per row, what each of its tokens was drawn from
+    add, pick = Engine.add, Engine.pick
 
-    def recording(logits, *args, **kwargs):
-        seen.append(logits.log_softmax(-1))  # (rows, V): what each row's token was drawn from
-        return sample_next(logits, *args, **kwargs)
+    def recording(self, rows):
+        logp = self.logits[:, : self.vocab].float().log_softmax(-1)  # (rows in use, V), in the cache's row order
+        for i, row in enumerate(rows):
+            seen.setdefault(id(row), []).append(logp[i])
+        return pick(self, rows)
 
-    monkeypatch.setattr("quillgpt.replies.sample_next", recording)
+    monkeypatch.setattr(Engine, "add", lambda self, rows: added.extend(rows) or add(self, rows))
+    monkeypatch.setattr(Engine, "pick", recording)
     groups = sample_groups(model, tok, fmt, prompts, 4, 12, 1.0, None, torch.Generator().manual_seed(1))
     replies = [r for g in groups for r in g]
     assert len({len(r.ids) for r in replies}) > 2 and any(r.ids[-1] == end for r in replies)
-    sampler = [[seen[k][i, t].item() for k, t in enumerate(r.ids) if r.sampled[k]] for i, r in enumerate(replies)]
+    sampler = [
+        [seen[id(row)][k][t].item() for k, t in enumerate(r.ids) if r.sampled[k]] for row, r in zip(added, replies)
+    ]
     rollouts = Rollouts(prompts, groups, torch.zeros(3, 4))
     rows = rollouts.rows(torch.device("cpu"), rollouts.advantages(scale=False))
     with torch.no_grad():
@@ -262,15 +274,15 @@ def test_under_autocast_the_sampler_keeps_keys_and_values_in_its_dtype_and_sampl
     tok, fmt, model, prompts = rows_that_end_apart()
     cfg = model.config
 
-    def fp32_cache(self, batch, length=None):
-        length = min(length or cfg.block_size, cfg.block_size)
-        return KVCache(cfg.n_layer, batch, cfg.kv_heads, length, cfg.head_width, torch.device("cpu"), torch.float32)
+    def fp32_cache(model, rows, length):
+        length = min(length, cfg.block_size)
+        return KVCache(cfg.n_layer, rows, cfg.kv_heads, length, cfg.head_width, torch.device("cpu"), torch.float32)
 
-    assert model.new_cache(2, 16).k[0].dtype == torch.float32  # outside autocast: the weights'
+    assert KVCache.for_model(model, 2, 16).k[0].dtype == torch.float32  # outside autocast: the weights'
     with torch.autocast("cpu", torch.bfloat16):
-        assert model.new_cache(2, 16).k[0].dtype == torch.bfloat16
+        assert KVCache.for_model(model, 2, 16).k[0].dtype == torch.bfloat16
         ours = sample_groups(model, tok, fmt, prompts, 4, 12, 1.0, None, torch.Generator().manual_seed(1))
-        monkeypatch.setattr(GPT, "new_cache", fp32_cache)
+        monkeypatch.setattr(KVCache, "for_model", staticmethod(fp32_cache))
         fp32 = sample_groups(model, tok, fmt, prompts, 4, 12, 1.0, None, torch.Generator().manual_seed(1))
     assert len({len(r.ids) for g in ours for r in g}) > 2  # rows ended apart: relocated rows, shrinking steps
     assert [[r.ids for r in g] for g in ours] == [[r.ids for r in g] for g in fp32]
@@ -341,7 +353,7 @@ def test_questions_are_made_up_words_or_the_training_split_and_a_step_repeats_it
 
     def questions(kind: str, step: int) -> list:
         cfg = RLConfig(enabled=True, tasks=names, prompts_per_step=60, questions=kind)
-        return rl.RL(cfg, 0, tok, chat_format(tok), rl.grader_reward, None, pools).items(step)
+        return rl.Reinforcement(cfg, 0, tok, chat_format(tok), rl.grader_reward, None, pools, None, None).items(step)
 
     made_up = questions("made_up", 0)
     assert [i.task for i in made_up[:3]] == names and made_up == questions("made_up", 0) != questions("made_up", 1)

@@ -16,8 +16,9 @@ from conftest import REPO_ROOT, chatml_without_tool
 import sample
 from model import GPT, GPTConfig
 from quillgpt.checkpoint import save_checkpoint
+from quillgpt.engine import showable_length
 from quillgpt.errors import UserError
-from quillgpt.generate import generate_texts, load_for_sampling, pick_device, showable_length, unescape
+from quillgpt.generate import generate_texts, load_for_sampling, pick_device, unescape
 from quillgpt.tokenizer import CharTokenizer
 
 CHARS = list("\n abcdefghijklmnopqrstuvwxyz.,:")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO_ROOT, chatml_without_tool, require_llama_cpp
+from test_chat import greedy_reencoding
 from test_chat_template import FORGED_CHATML, FORGED_LLAMA3, TEMPLATES, save_template_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -29,7 +30,7 @@ from model import GPT, GPTConfig  # noqa: E402
 from quillgpt.chat_session import ChatSession  # noqa: E402
 from quillgpt.chat_template import chat_format  # noqa: E402
 from quillgpt.checkpoint import save_checkpoint  # noqa: E402
-from quillgpt.generate import encode_prompt, generate_texts, load_for_sampling  # noqa: E402
+from quillgpt.generate import encode_prompt, generate_texts, load_for_sampling, plan_decoding  # noqa: E402
 from quillgpt.serve.batcher import Batcher, Finish, GenRequest  # noqa: E402
 from quillgpt.tokenizer import CharTokenizer, hf_tokenizer  # noqa: E402
 
@@ -112,20 +113,17 @@ def chat(client, messages: list[dict], **kw) -> str:
 
 
 def greedy_chat_reference(loaded, messages: list[dict], max_tokens: int) -> str:
-    """The reply as the model decodes it alone, through sample.py's generation (GPT.generate_stream), ended at the
-    template's end-of-turn ids."""
+    """The reply as the model gives it alone, without a cache (greedy_reply), ended at the template's end-of-turn
+    ids."""
     return greedy_reply(loaded, chat_format(loaded[1]).prompt_ids(messages), max_tokens)
 
 
 def greedy_reply(loaded, prompt: list[int], max_tokens: int) -> str:
-    """The greedy reply to these prompt ids, through GPT.generate_stream, ended at the chat template's end ids."""
+    """The greedy reply to these prompt ids, each token from a forward pass over the whole sequence (no cache),
+    ended at the chat template's end ids."""
     model, tokenizer = loaded
     fmt = chat_format(tokenizer)
-    ids = []
-    for token in model.generate_stream(torch.tensor([prompt]), max_tokens, temperature=0):
-        if int(token) in fmt.stop_ids:
-            break
-        ids.append(int(token))
+    ids = [t for t in greedy_reencoding(model, prompt, max_tokens, fmt.stop_ids) if t not in fmt.stop_ids]
     return tokenizer.decode_after(prompt[-8:], ids)
 
 
@@ -331,12 +329,12 @@ def batcher_replies(batcher: Batcher, requests: list[tuple[int, GenRequest]]) ->
 
     def step() -> None:
         submit_due()
-        active.append(len(batcher.active))
+        active.append(len(batcher.engine.rows))
         decode_step()
 
     submit_due()
     batcher.step = step
-    batcher.run(until=lambda: not (waiting or batcher.active or batcher.pending))
+    batcher.run(until=lambda: not (waiting or batcher.engine.rows or batcher.pending))
     loop.run_until_complete(asyncio.sleep(0))  # the replies' text, put on their queues from the batcher
     replies = []
     for handle in handles:
@@ -352,8 +350,9 @@ def test_without_a_kept_step_the_batcher_compiles_nothing_and_decodes_eagerly(lo
     request runs the rows' eager step and start-up compiles nothing."""
     monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path))
     model, tokenizer = loaded
-    assert Batcher(model, tokenizer, compile=None).lone is None
-    assert Batcher(model, tokenizer, compile=False).lone is None
+    for compile in (None, False):
+        plan = plan_decoding(model, torch.device("cpu"), "fp32", compile)[1]
+        assert not Batcher(model, tokenizer, plan=plan).lone
     assert not list(tmp_path.rglob("*.pt2"))
 
 
@@ -369,11 +368,12 @@ def test_a_lone_request_is_decoded_by_the_compiled_step_and_hands_over_to_the_ba
     model, tokenizer = loaded
     long, short = GenRequest(tokenizer.encode("the king "), 60, 0.0), GenRequest(tokenizer.encode("o"), 12, 0.0)
     plan = [(0, long), (10, short)]  # the short one joins at step 10 and leaves before the long one ends
-    eager, eager_active = batcher_replies(Batcher(model, tokenizer, max_batch=4, compile=False), plan)
-    batcher = Batcher(model, tokenizer, max_batch=4, compile=True)
-    row, compiled = batcher.lone
+    eager, eager_active = batcher_replies(Batcher(model, tokenizer, max_batch=4), plan)
+    compiled_plan = plan_decoding(model, torch.device("cpu"), "fp32", True)[1]
+    batcher = Batcher(model, tokenizer, max_batch=4, plan=compiled_plan)
+    compiled = batcher.engine.lone
     lone_steps = []
-    batcher.lone = (row, lambda *a: lone_steps.append(1) or compiled(*a))  # counts the compiled step's calls
+    batcher.engine.lone = lambda *a: lone_steps.append(1) or compiled(*a)  # counts the compiled step's calls
     replies, active = batcher_replies(batcher, plan)
     assert replies == eager and active == eager_active
     assert len(lone_steps) == active.count(1) and 1 in active and 2 in active

@@ -15,6 +15,7 @@ from quillgpt import trainer
 from quillgpt.config import build_config
 from quillgpt.data import BatchSource, find_dataset
 from quillgpt.distributed import DistInfo
+from quillgpt.objective import LanguageModeling
 from quillgpt.optim import make_optimizers
 from quillgpt.precision import autocast as precision_autocast
 from train import train
@@ -173,7 +174,8 @@ def test_a_training_step_reads_nothing_back_on_the_meta_device(
     evaluation = trainer.Evaluation(torch.ones(dataset.vocab_size, dtype=torch.long, device=meta), None)
     optimizers = make_optimizers(model, cfg.optimizer, "cuda")
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    tr = trainer.Trainer(cfg, rt, dataset, model, model, optimizers, scaler, batches, None, {}, evaluation)
+    objective = LanguageModeling(batches, None)
+    tr = trainer.Trainer(cfg, rt, dataset, model, model, optimizers, scaler, objective, None, {}, evaluation)
     guard = trainer.NonfiniteGuard(meta, 0)
     for it in range(2):
         loss, norm, skipped = trainer.train_step(tr, it)

@@ -269,7 +269,7 @@ def test_the_server_puts_the_output_in_and_streams_it():
     loop = asyncio.new_event_loop()
     try:
         handle = batcher.submit(GenRequest(prompt, 40, temperature=0.0, stop_ids=fmt.stop_ids), loop)
-        batcher.run(until=lambda: not batcher.active and not batcher.pending)
+        batcher.run(until=lambda: not batcher.engine.rows and not batcher.pending)
         items = []
         loop.run_until_complete(asyncio.sleep(0))
         while not handle.queue.empty():

@@ -218,7 +218,8 @@ def test_accumulation_matches_one_big_batch(tiny_data, tmp_path):
         )
         rt = setup(cfg, DistInfo())  # seeds torch: both trainers start from the same weights
         tr = build_trainer(cfg, rt, find_dataset(cfg, DistInfo()))
-        tr = replace(tr, optimizers=[torch.optim.SGD(tr.model.parameters(), lr=1.0)], batches=FixedBatches(x, y, batch))
+        tr.objective.batches = FixedBatches(x, y, batch)
+        tr = replace(tr, optimizers=[torch.optim.SGD(tr.model.parameters(), lr=1.0)])
         before = [p.detach().clone() for p in tr.model.parameters()]
         train_step(tr, 0)
         deltas.append([p.detach() - b for p, b in zip(tr.model.parameters(), before)])
