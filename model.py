@@ -153,7 +153,7 @@ class DocumentMask:
     FlexAttention's block mask where torch trains with it fused (CUDA, under torch.compile, without attention
     dropout: the blocks of the (T, T) scores that no document reaches are skipped), else a (B, 1, T, T) boolean mask
     for SDPA: torch has no FlexAttention backward on the CPU, and eager FlexAttention materialises the scores anyway
-    (docs/chat.md has the choice and its measurements)."""
+    (docs/LOG.md has the measurements)."""
 
     def __init__(self, positions: torch.Tensor, flex: bool, window: int = 0):
         B, T = positions.shape

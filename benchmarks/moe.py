@@ -1,5 +1,5 @@
 """--moe: a mixture of experts against the dense model at the same active FLOPs per token, on this machine (--part
-dispatch|train; both by default, as docs/moe.md reports them). (a) dispatch: one MoE layer's forward+backward against
+dispatch|train; both by default, as docs/benchmarks.md reports them). (a) dispatch: one MoE layer's forward+backward against
 the dense MLP as wide as its active experts together, a few shapes, the MoE's time split into routing, the experts'
 matmuls and the dispatch (sort, gather, weighting, scatter-add), and the layer on torch._grouped_mm where this torch
 has a CPU kernel for it. (b) train: base.toml against base_moe.toml, each trained by train.py for the same wall time

@@ -328,7 +328,7 @@ class BatchSource:
 
     On chat data every row starts at a conversation (drawn at random) and the targets the mask leaves out are -1,
     which the loss ignores: rows "padded" count the first conversation's targets only, rows "packed" go on into the
-    conversations that follow, each conversation attending only within itself (docs/chat.md has the measurements).
+    conversations that follow, each conversation attending only within itself (docs/LOG.md has the measurements).
     On text data, document_mask keeps the documents of a row apart the same way (each ends with <|endoftext|>)."""
 
     def __init__(

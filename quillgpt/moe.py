@@ -11,7 +11,7 @@ One module, read top to bottom:
 The block builds it from the config in place of the dense MLP (model.make_mlp) and does not know which it holds. GPT
 adds the layers' router losses to the training loss; the trainer keeps their balance over each step (RouterTally),
 moves the biases and reports both. Expert parallelism (experts on different devices) is out of scope: under DDP and
-FSDP every rank holds every expert. docs/moe.md has the switches and the measurements.
+FSDP every rank holds every expert. docs/moe.md has the switches, docs/benchmarks.md the measurements.
 
 References: Shazeer et al. 2017 (sparsely-gated MoE); Switch Transformer (Fedus et al. 2021) for the auxiliary loss;
 ST-MoE (Zoph et al. 2022) for the z-loss; DeepSeek-V3 (2024) for the bias; MegaBlocks (Gale et al. 2022) for dropless
