@@ -225,7 +225,7 @@ class DataConfig:
         "packed",
         "chat data: rows start at a conversation and go on into the following ones, each attending only within "
         "itself, its positions from 0 (packed), or count the first conversation's targets only (padded); packed "
-        "measured better at equal wall time (docs/chat.md)",
+        "measured better at equal wall time (docs/LOG.md)",
         choices=("packed", "padded"),
     )
     document_mask: bool = _f(
@@ -310,14 +310,21 @@ class EvalConfig:
 class OptimizerConfig:
     name: str = _f("adamw", "adamw | muon (Muon for 2-D hidden weights, AdamW for the rest)", choices=("adamw", "muon"))
     learning_rate: float = _f(6e-4, "peak learning rate (AdamW)")
-    min_lr: float = _f(6e-5, "learning rate at the end of the cosine decay")
+    min_lr: float = _f(6e-5, "learning rate at the end of the decay (cosine's or the warmdown's)")
     weight_decay: float = _f(0.1, "AdamW weight decay on matrices and embeddings")
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     grad_clip: float = _f(1.0, "clip gradients to this global L2 norm (0: off)")
-    decay_lr: bool = _f(True, "cosine decay after warmup (false: constant learning_rate)")
+    decay_lr: bool = _f(True, "decay the learning rate after warmup (false: constant learning_rate)")
+    schedule: str = _f(
+        "cosine",
+        "after warmup: cosine decay to min_lr at lr_decay_iters, or wsd (warmup, stable, decay): the peak held, then "
+        "a linear warmdown to min_lr over the last warmdown_ratio of lr_decay_iters (nanochat's)",
+        choices=("cosine", "wsd"),
+    )
+    warmdown_ratio: float = _f(0.65, "wsd: the share of lr_decay_iters spent in the final linear warmdown")
     warmup_iters: int = _f(100, "linear warmup steps")
-    lr_decay_iters: int | None = _f(None, "steps of cosine decay (None: max_iters)")
+    lr_decay_iters: int | None = _f(None, "steps the decay ends at (None: max_iters)")
     muon_lr: float = _f(0.02, "Muon learning rate (name = muon)")
     muon_momentum: float = _f(0.95, "Muon momentum")
     fused: bool | None = _f(None, "fused AdamW kernel (None: where the device supports it)")
@@ -807,6 +814,11 @@ def check_optimizer(cfg: Config, world_size: int) -> Problems:
             f"optimizer.lr_decay_iters = {o.lr_decay_iters} must be positive",
         ),
         ("optimizer.muon_lr", o.muon_lr > 0, f"optimizer.muon_lr = {o.muon_lr} must be positive"),
+        (
+            "optimizer.warmdown_ratio",
+            0 < o.warmdown_ratio <= 1,
+            f"optimizer.warmdown_ratio = {o.warmdown_ratio} must be in (0, 1]",
+        ),
     )
     return problems + [
         (f"optimizer.{k}", f"optimizer.{k} = {getattr(o, k)} must be in [0, 1)")

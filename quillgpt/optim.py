@@ -69,7 +69,8 @@ def make_optimizers(
 
 
 def lr_multiplier(it: int, cfg: Config) -> float:
-    """Linear warmup, cosine decay to min_lr over lr_decay_iters, then constant; as a fraction of peak."""
+    """Linear warmup, then cosine decay to min_lr at lr_decay_iters, or (schedule "wsd") the peak held and a linear
+    warmdown to min_lr over the last warmdown_ratio of lr_decay_iters; then constant; as a fraction of peak."""
     o = cfg.optimizer
     if not o.decay_lr:
         return 1.0
@@ -79,6 +80,10 @@ def lr_multiplier(it: int, cfg: Config) -> float:
         return (it + 1) / (o.warmup_iters + 1)
     if it >= decay_iters:
         return floor
+    if o.schedule == "wsd":
+        warmdown = max(1, round(o.warmdown_ratio * decay_iters))
+        left = min(1.0, (decay_iters - it) / warmdown)  # 1 until the warmdown starts, then down to 0 at decay_iters
+        return floor + left * (1.0 - floor)
     ratio = (it - o.warmup_iters) / max(1, decay_iters - o.warmup_iters)
     return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
 

@@ -100,3 +100,26 @@ def test_muon_in_fp32_orthogonalises_as_in_bf16():
     bf16 = zeropower_via_newtonschulz(G).float()
     assert fp32.dtype == torch.float32
     assert torch.allclose(fp32, bf16, atol=0.05) and (fp32 - bf16).abs().mean() < 0.01
+
+
+def test_wsd_holds_the_peak_then_warms_down_linearly_to_min_lr():
+    """schedule "wsd" (nanochat's): warmup as cosine's, the peak held until the last warmdown_ratio of
+    lr_decay_iters, then a straight line down to min_lr at lr_decay_iters, and min_lr after."""
+    cfg = build_config(
+        None,
+        {
+            "optimizer.schedule": "wsd",
+            "optimizer.warmdown_ratio": 0.5,
+            "optimizer.learning_rate": 1.0,
+            "optimizer.min_lr": 0.1,
+            "optimizer.warmup_iters": 10,
+            "optimizer.lr_decay_iters": 100,
+            "training.max_iters": 120,
+        },
+    )
+    assert lr_multiplier(9, cfg) == pytest.approx(10 / 11)
+    assert lr_multiplier(10, cfg) == lr_multiplier(50, cfg) == 1.0
+    assert lr_multiplier(75, cfg) == pytest.approx(0.55)  # halfway down the warmdown: a line, not a cosine
+    assert lr_multiplier(100, cfg) == lr_multiplier(119, cfg) == pytest.approx(0.1)
+    steps = [lr_multiplier(it, cfg) for it in range(50, 101)]
+    assert all(a > b for a, b in zip(steps, steps[1:]))

@@ -106,6 +106,30 @@ def test_resume_reproduces_uninterrupted_losses(tiny_data, tmp_path):
     assert a == b  # exact, not approximate
 
 
+def test_a_wsd_run_logs_its_schedule_and_resumes_exactly(tiny_data, tmp_path):
+    """A real run with schedule "wsd": the logged learning rates hold the peak, then fall on the warmdown's line to
+    min_lr at the last step; stopped halfway and resumed, the losses equal the straight run's."""
+    common = {
+        "optimizer.schedule": "wsd",
+        "optimizer.warmdown_ratio": 0.5,
+        "optimizer.warmup_iters": 2,
+        "optimizer.learning_rate": 1e-3,
+        "optimizer.min_lr": 1e-4,
+        "optimizer.lr_decay_iters": 16,
+        "training.save_interval": 8,
+    }
+    train(None, overrides=tiny_overrides(tiny_data, tmp_path / "straight", **common, **{"training.max_iters": 16}))
+    train(None, overrides=tiny_overrides(tiny_data, tmp_path / "split", **common, **{"training.max_iters": 8}))
+    train(None, overrides={"training.max_iters": 16}, resume=str(tmp_path / "split" / "t"))
+    assert losses(tmp_path / "straight" / "t") == losses(tmp_path / "split" / "t")
+    history = json.loads((tmp_path / "straight" / "t" / "train_log.json").read_text())["history"]
+    lr = {r["iter"]: r["lr"] for r in history if r["kind"] == "train"}
+    # iter i logs the learning rate its step (i - 1) ran with: held to the warmdown's start at step 8, then a line
+    # that would reach min_lr at step 16
+    assert lr[4] == lr[9] == pytest.approx(1e-3)
+    assert lr[13] == pytest.approx(1e-4 + 0.5 * 9e-4) and lr[16] == pytest.approx(1e-4 + 9e-4 / 8)
+
+
 def test_existing_run_is_not_overwritten(tiny_data, tmp_path, capsys):
     from quillgpt.errors import UserError
 
