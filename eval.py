@@ -5,9 +5,11 @@
     python eval.py --ckpt exports/base.safetensors --text docs.jsonl notes/ --data data/pystdlib --split val
     python eval.py --ckpt path/to/hf-gpt2 --hellaswag hellaswag_val.jsonl --limit 1000
     python eval.py --ckpt path/to/hf-gpt2 --hellaswag                    # downloads it once (hash-checked)
+    python eval.py --ckpt checkpoints/base --core --max-per-task 500     # DCLM's CORE as nanochat computes it
     python eval.py --ckpt checkpoints/base --tasks hellaswag,arc_easy,lambada_openai   # the harness: '.[eval]'
     python eval.py --ckpt checkpoints/chat --tasks my_task --task-dir my_tasks/ --apply-chat-template   # chat mode
     python eval.py --ckpt checkpoints/chat --chat-task arithmetic,reverse,count --chat-items 200  # answers graded
+    python eval.py --ckpt checkpoints/chat --chat-eval arc_easy,mmlu,gsm8k,humaneval --eval-data evals/ --max-per-task 200
     python eval.py --ckpt X --split val --hellaswag h.jsonl --json results.json        # every figure, traceable
 
 --ckpt takes a checkpoint file, a run directory (its best checkpoint), a .safetensors file from
@@ -21,6 +23,12 @@ traced to its run.
 --chat-task asks the held-out items of the synthetic chat tasks (quillgpt/tasks.py) and grades the greedy answers:
 a model with a chat template in it (a reply ends at its end-of-turn token), a base model in a plain few-shot form
 ("Q: ...\nA: ..."), so that a base model and its fine-tuned chat model answer the same items (docs/chat.md).
+
+--chat-eval scores a chat model on nanochat's chat evaluations as nanochat scores them (quillgpt/chat_eval.py): ARC and
+MMLU by the answer letter's logit, GSM8K by its "#### N", HumanEval by its tests, run in quillgpt/sandbox.py.
+
+--core scores DCLM's CORE over nanochat's eval_bundle as nanochat's base_eval.py does (quillgpt/core_eval.py): each
+task's accuracy, centred on its random baseline, and their mean; GPT-2 (1.5B) scores 0.2565.
 """
 
 from __future__ import annotations
@@ -68,6 +76,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalRequest]
         help="HellaSwag's validation jsonl (no FILE: downloaded once into data/hellaswag/)",
     )
     p.add_argument(
+        "--core",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="DCLM's CORE as nanochat computes it, over DIR, an unpacked eval_bundle (no DIR: $QUILLGPT_EVAL_BUNDLE, "
+        "else data/eval_bundle, downloaded there once); --max-per-task N: the first N of each task's seeded shuffle",
+    )
+    p.add_argument(
         "--tasks",
         nargs="+",
         action="extend",
@@ -88,6 +105,26 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalRequest]
     )
     p.add_argument("--chat-items", type=int, default=100, help="held-out items of each chat task (default 100)")
     p.add_argument(
+        "--chat-eval",
+        metavar="TASKS",
+        help="nanochat's chat evaluations, comma-separated: arc_easy, arc_challenge, mmlu, gsm8k, humaneval",
+    )
+    p.add_argument(
+        "--eval-data",
+        metavar="DIR",
+        help="--chat-eval's data: DIR/<task>.jsonl or .parquet, the hub datasets' columns (default: from the hub, "
+        "downloaded once into data/chat_eval/)",
+    )
+    p.add_argument(
+        "--max-per-task", type=int, default=None, metavar="N", help="score at most N items of each task (default: all)"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=512,
+        help="tokens a generated --chat-eval reply (gsm8k, humaneval) may take (default 512, nanochat's)",
+    )
+    p.add_argument(
         "--map-unknown",
         action="store_true",
         help="score characters a char model has never seen as a stand-in character instead of stopping",
@@ -103,13 +140,23 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalRequest]
     p.add_argument("--json", metavar="FILE", help="write every figure, the checkpoint, data hashes and settings here")
     args = p.parse_args(argv)
     harness_tasks = [t for given in args.tasks or [] for t in given.split(",") if t]
-    if not (args.text or args.split or args.hellaswag is not None or harness_tasks or args.chat_task):
+    asked = (args.text, args.split, args.hellaswag is not None, args.core is not None, harness_tasks, args.chat_task)
+    if not (any(asked) or args.chat_eval):
         args.split = "val"
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be at least 1")
     chat_tasks = parse_tasks(args.chat_task) if args.chat_task else []  # an unknown name stops here, before loading
     if args.chat_items < 1:
         p.error("--chat-items must be at least 1")
+    chat_eval = []
+    if args.chat_eval:
+        from quillgpt.chat_eval import parse_names
+
+        chat_eval = parse_names(args.chat_eval)  # an unknown name stops here, too
+    if args.max_per_task is not None and args.max_per_task < 1:
+        p.error("--max-per-task must be at least 1")
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be at least 1")
     if args.apply_chat_template and not args.tasks:
         p.error("--apply-chat-template is for harness tasks: give --tasks")
     if args.context < 2:
@@ -124,6 +171,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalRequest]
         context=args.context,
         stride=args.stride,
         hellaswag=args.hellaswag,
+        core=args.core,
         tasks=tuple(harness_tasks),
         task_dir=args.task_dir,
         apply_chat_template=args.apply_chat_template,
@@ -131,6 +179,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalRequest]
         limit=args.limit,
         chat_tasks=tuple(chat_tasks),
         chat_items=args.chat_items,
+        chat_eval=tuple(chat_eval),
+        eval_data=args.eval_data,
+        max_per_task=args.max_per_task,
+        max_new_tokens=args.max_new_tokens,
         map_unknown=args.map_unknown,
         device=str(device),
         precision=args.precision,

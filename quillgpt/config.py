@@ -303,6 +303,15 @@ class TrainingConfig:
 class EvalConfig:
     hellaswag: str | None = _f(None, "HellaSwag validation jsonl scored at every evaluation (acc, acc_norm; none: off)")
     hellaswag_limit: int = _f(500, "HellaSwag items scored per evaluation (0: all)")
+    core_every: int = _f(
+        0,
+        "score DCLM's CORE (as nanochat computes it; eval.py --core) at the evaluations every this many steps and at "
+        "the last (0: off); a multiple of training.eval_interval",
+    )
+    core_max_per_task: int = _f(500, "CORE items per task during training (nanochat's 500; 0: all)")
+    core_bundle: str | None = _f(
+        None, "the CORE bundle directory (None: $QUILLGPT_EVAL_BUNDLE, else data/eval_bundle, downloaded once there)"
+    )
     map_unknown: bool = _f(False, "score characters a char model lacks as a stand-in instead of stopping")
 
 
@@ -778,13 +787,25 @@ def check_training(cfg: Config, world_size: int) -> Problems:
 
 
 def check_eval(cfg: Config, world_size: int) -> Problems:
-    e = cfg.eval
+    e, interval = cfg.eval, cfg.training.eval_interval
     return rules(
         (
             "eval.hellaswag_limit",
             e.hellaswag_limit >= 0,
             f"eval.hellaswag_limit = {e.hellaswag_limit} must be >= 0 (0: all)",
-        )
+        ),
+        ("eval.core_every", e.core_every >= 0, f"eval.core_every = {e.core_every} must be >= 0 (0: off)"),
+        (
+            "eval.core_every",
+            e.core_every <= 0 or (interval > 0 and e.core_every % interval == 0),
+            f"eval.core_every = {e.core_every} must be a multiple of training.eval_interval = {interval}: CORE is "
+            "scored at evaluations",
+        ),
+        (
+            "eval.core_max_per_task",
+            e.core_max_per_task >= 0,
+            f"eval.core_max_per_task = {e.core_max_per_task} must be >= 0 (0: all)",
+        ),
     )
 
 

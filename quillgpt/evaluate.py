@@ -1,8 +1,9 @@
 """Score a model where runs are compared: bits per byte on text, HellaSwag, lm-evaluation-harness tasks, and the
 accuracy of its answers on the synthetic chat tasks. eval.py is the command line over `evaluate(EvalRequest)`; how
 each figure is
-computed: scoring.py (bits per byte, HellaSwag), lm_harness.py (lm-evaluation-harness), run_chat_tasks below (chat
-tasks, quillgpt/tasks.py)."""
+computed: scoring.py (bits per byte, HellaSwag), core_eval.py (DCLM's CORE, as nanochat computes it), lm_harness.py
+(lm-evaluation-harness), run_chat_tasks below (chat
+tasks, quillgpt/tasks.py), chat_eval.py (nanochat's chat evaluations: ARC, MMLU, GSM8K, HumanEval)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from tqdm import tqdm
 
 from model import GPT
 from quillgpt import corpus, tasks
-from quillgpt.chat_template import chat_format
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.data import check_vocab_compatible, load_dataset
 from quillgpt.errors import UserError
@@ -28,7 +28,7 @@ from quillgpt.loading import load_model
 from quillgpt.machine import keep_freed_memory
 from quillgpt.precision import autocast as precision_autocast
 from quillgpt.precision import inference_precision
-from quillgpt.replies import Reply, sample_groups
+from quillgpt.replies import chat_answers
 from quillgpt.scoring import TextScore, document_streams, hellaswag_items, map_unknown, score_hellaswag, score_text
 from quillgpt.tokenizer import Tokenizer, tokenizer_from_dict, tokenizer_label
 
@@ -38,7 +38,6 @@ HELLASWAG_BLOB_SHA1 = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
 HELLASWAG_PATH = Path("data") / "hellaswag" / "hellaswag_val.jsonl"
 DEFAULT_CONTEXT = 2048
 ANSWER_TOKENS = 32  # a chat task's answer is a few characters: a reply longer than this is wrong anyway
-REPLY_CACHE_BYTES = 256 * 2**20  # one pass of batched chat answers: its rows' keys and values, at the length they need
 FEW_SHOT = 3  # a base model's examples of the answer's form, fewer when they would not fit its context
 
 
@@ -57,6 +56,7 @@ class EvalRequest:
     context: int = DEFAULT_CONTEXT  # at most this many tokens of context a window
     stride: int | None = None  # tokens a window moves on (None: half the context)
     hellaswag: str | None = None  # HellaSwag's validation jsonl ("": downloaded once); None: not asked
+    core: str | None = None  # nanochat's CORE bundle directory ("": found or downloaded once); None: not asked
     tasks: tuple[str, ...] = ()  # lm-evaluation-harness tasks
     task_dir: str | None = None
     apply_chat_template: bool = False
@@ -64,6 +64,10 @@ class EvalRequest:
     limit: int | None = None  # HellaSwag items and harness documents
     chat_tasks: tuple[str, ...] = ()  # synthetic chat tasks to answer and grade
     chat_items: int = 100
+    chat_eval: tuple[str, ...] = ()  # nanochat's chat evaluations (quillgpt/chat_eval.py): arc_easy, ..., humaneval
+    eval_data: str | None = None  # their files' directory (None: the hub's, downloaded once)
+    max_per_task: int | None = None  # items of each task scored (None: all)
+    max_new_tokens: int = 512  # a generated chat_eval reply's tokens at most (nanochat's default)
     map_unknown: bool = False
     device: str = "auto"  # as generate.pick_device takes it: auto is cuda, else mps, else cpu
     precision: str = "auto"
@@ -129,6 +133,17 @@ def hellaswag_file(given: str | None) -> Path:
 
 def evaluate(req: EvalRequest) -> dict:
     """Every figure the request asks for, in one report (print_report prints it, eval.py --json writes it)."""
+    core_bundle = None
+    if req.core is not None:  # a missing or malformed bundle is a line at once, before a model loads
+        from quillgpt.core_eval import find_bundle, read_bundle
+
+        core_bundle = find_bundle(req.core)
+        read_bundle(core_bundle)
+    chat_eval_tasks = None
+    if req.chat_eval:  # their data too: read and checked (or downloaded) before a model loads
+        from quillgpt.chat_eval import load_tasks
+
+        chat_eval_tasks = load_tasks(list(req.chat_eval), req.eval_data, req.max_per_task)
     loaded = load_model(req.ckpt)
     if loaded.tokenizer is None:
         raise UserError(f"{loaded.source} records no tokenizer, so no text can be encoded for it")
@@ -162,8 +177,10 @@ def evaluate(req: EvalRequest) -> dict:
         },
         "text": [],
         "hellaswag": None,
+        "core": None,
         "harness": None,
         "chat_tasks": None,
+        "chat_eval": None,
     }
     if Path(loaded.source).is_file():
         report["checkpoint_sha256"] = sha256_file(Path(loaded.source))
@@ -182,6 +199,19 @@ def evaluate(req: EvalRequest) -> dict:
         )
     if req.hellaswag is not None:
         report["hellaswag"] = run_hellaswag(req, model, tokenizer, autocast)
+    if core_bundle is not None:
+        from quillgpt.core_eval import core_score
+
+        report["core"] = core_score(
+            model,
+            tokenizer,
+            core_bundle,
+            req.max_per_task,
+            device,
+            autocast=autocast,
+            map_unknown=req.map_unknown,
+            progress=True,
+        )
     if req.tasks:
         from quillgpt.lm_harness import run_tasks
 
@@ -198,6 +228,11 @@ def evaluate(req: EvalRequest) -> dict:
     if req.chat_tasks:
         with autocast:
             report["chat_tasks"] = run_chat_tasks(model, tokenizer, list(req.chat_tasks), req.chat_items)
+    if chat_eval_tasks is not None:
+        from quillgpt.chat_eval import run_chat_eval
+
+        with autocast:
+            report["chat_eval"] = run_chat_eval(model, tokenizer, chat_eval_tasks, req.max_new_tokens)
     return report
 
 
@@ -254,7 +289,10 @@ def run_chat_tasks(model: GPT, tokenizer: Tokenizer, names: list[str], n_items: 
         items = tasks.sample_items(name, split, n_items, seed=0, distinct=True)
         t0 = time.perf_counter()
         if chat:
-            replies = [(r.text, r.answer) for r in chat_answers(model, tokenizer, [i.question for i in items], name)]
+            replies = [
+                (r.text, r.answer)
+                for r in chat_answers(model, tokenizer, [i.question for i in items], ANSWER_TOKENS, name)
+            ]
         else:
             shots = tasks.sample_items(name, "train", FEW_SHOT, seed=0, distinct=True)
             answers = (plain_answer(model, tokenizer, item, shots) for item in items)
@@ -273,27 +311,6 @@ def run_chat_tasks(model: GPT, tokenizer: Tokenizer, names: list[str], n_items: 
             ],
         }
     return out
-
-
-def chat_answers(model: GPT, tokenizer: Tokenizer, questions: list[str], label: str = "") -> list[Reply]:
-    """Each question's greedy reply, asked alone in the chat template: what ChatSession.reply answers it, decoded
-    together (quillgpt/replies.py) in passes of REPLY_CACHE_BYTES of keys and values, counted at the length the
-    replies need (the cache rounds it up to a power of two, so at most twice that)."""
-    fmt = chat_format(tokenizer)
-    prompts = [fmt.prompt_ids([{"role": "user", "content": q}]) for q in questions]
-    cfg, weights = model.config, model.transformer.wte.weight  # the cache takes the embedding's dtype
-    length = min(cfg.block_size, max(map(len, prompts)) + ANSWER_TOKENS)
-    row_bytes = 2 * cfg.n_layer * cfg.kv_heads * length * cfg.head_width * weights.element_size()
-    per_pass = max(1, REPLY_CACHE_BYTES // row_bytes)
-    replies: list[Reply] = []
-    with tqdm(total=len(prompts), desc=label, unit="item", leave=False, disable=None) as bar:
-        for first in range(0, len(prompts), per_pass):
-            chunk = prompts[first : first + per_pass]
-            replies += [
-                group[0] for group in sample_groups(model, tokenizer, fmt, chunk, 1, ANSWER_TOKENS, 0, None, None)
-            ]
-            bar.update(len(chunk))
-    return replies
 
 
 def plain_answer(model: GPT, tokenizer: Tokenizer, item: tasks.Item, shots: list[tasks.Item]) -> str:
@@ -329,6 +346,10 @@ def print_report(report: dict) -> None:
             f"hellaswag (0-shot, completion): acc {h['acc']:.4f} | acc_norm {h['acc_norm']:.4f} | {h['items']:,} items "
             f"in {h['seconds']:.1f}s ({h['seconds_per_1000_items']:.0f}s per 1,000)"
         )
+    if report.get("core"):
+        from quillgpt.core_eval import print_core
+
+        print_core(report["core"])
     for task, metrics in (report["harness"] or {}).items():
         print(f"{task}: " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     if report.get("chat_tasks"):
@@ -338,3 +359,7 @@ def print_report(report: dict) -> None:
                 f"chat task {task} ({chat['form']}, greedy): acc {r['acc']:.4f} | {r['correct']}/{r['items']} "
                 f"held-out items in {r['seconds']:.1f}s"
             )
+    if report.get("chat_eval"):
+        from quillgpt.chat_eval import print_chat_eval
+
+        print_chat_eval(report["chat_eval"])

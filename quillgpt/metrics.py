@@ -257,6 +257,7 @@ class MetricsLog:
 
     def evaluation(self, it: int, metrics: dict[str, float], improved: bool, tokens: int) -> None:
         hellaswag = f" | hellaswag {metrics['hellaswag_acc_norm']:.4f}" if "hellaswag_acc_norm" in metrics else ""
+        hellaswag += f" | CORE {metrics['core']:.4f}" if "core" in metrics else ""
         if "task_acc" in metrics:  # an RL run's validation accuracy, per task
             tasks = [k.removesuffix("_acc") for k in metrics if k.endswith("_acc") and k not in NOT_TASKS]
             hellaswag += (
@@ -353,6 +354,7 @@ def render_loss_curve(history: list[dict], path: Path, title: str) -> None:
             ("val_bpb", "val bits per byte"),
             ("val_reward_acc", "val reward accuracy (DPO)"),
             ("hellaswag_acc_norm", "HellaSwag acc_norm"),
+            ("core", "CORE (centred)"),
         )
         if any(key in p for p in evals)
     ]

@@ -8,13 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from model import GPT
-from quillgpt.chat_template import ChatFormat
+from quillgpt.chat_template import ChatFormat, chat_format
 from quillgpt.engine import Draws, Engine, Row, Sampling, cache_length
 from quillgpt.errors import UserError
 from quillgpt.tokenizer import Tokenizer
 from quillgpt.tools import answer_text, calculator_for, reply_parts
+
+REPLY_CACHE_BYTES = 256 * 2**20  # one pass of batched chat answers: its rows' keys and values, at the length they need
 
 
 @dataclass
@@ -73,3 +76,27 @@ def sample_groups(
         text = tokenizer.decode_after(row.prompt[-8:], kept) if kept else ""
         replies.append(Reply(row.new, row.sampled, text, answer_text(reply_parts(tokenizer, kept) or text)))
     return [replies[p * group_size : (p + 1) * group_size] for p in range(len(prompts))]
+
+
+def chat_answers(
+    model: GPT, tokenizer: Tokenizer, questions: list[str], max_new_tokens: int, label: str = ""
+) -> list[Reply]:
+    """Each question's greedy reply of at most max_new_tokens, asked alone in the chat template: what
+    ChatSession.reply answers it, decoded together (sample_groups) in passes of REPLY_CACHE_BYTES of keys and
+    values, counted at the length the replies need (the cache rounds it up to a power of two, so at most twice
+    that)."""
+    fmt = chat_format(tokenizer)
+    prompts = [fmt.prompt_ids([{"role": "user", "content": q}]) for q in questions]
+    cfg, weights = model.config, model.transformer.wte.weight  # the cache takes the embedding's dtype
+    length = min(cfg.block_size, max(map(len, prompts)) + max_new_tokens)
+    row_bytes = 2 * cfg.n_layer * cfg.kv_heads * length * cfg.head_width * weights.element_size()
+    per_pass = max(1, REPLY_CACHE_BYTES // row_bytes)
+    replies: list[Reply] = []
+    with tqdm(total=len(prompts), desc=label, unit="item", leave=False, disable=None) as bar:
+        for first in range(0, len(prompts), per_pass):
+            chunk = prompts[first : first + per_pass]
+            replies += [
+                group[0] for group in sample_groups(model, tokenizer, fmt, chunk, 1, max_new_tokens, 0, None, None)
+            ]
+            bar.update(len(chunk))
+    return replies

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -33,6 +34,7 @@ from model import GPT
 from quillgpt import distributed
 from quillgpt.checkpoint import Resolution, RunDir, TrainingCheckpoint, TrainState, rng_state, set_rng_state
 from quillgpt.config import Config, EvalConfig, TrainingConfig, resolved, summary, to_toml
+from quillgpt.core_eval import core_score, find_bundle, read_bundle
 from quillgpt.data import BatchSource, Dataset
 from quillgpt.distributed import DistInfo
 from quillgpt.dpo import build_preference_pairs
@@ -218,19 +220,23 @@ def callers_determinism_restored() -> Iterator[None]:
 @dataclass
 class Evaluation:
     """What an evaluation scores besides the loss, read once when the run is built: the bytes of each token (bits per
-    byte) and eval.hellaswag's items."""
+    byte), eval.hellaswag's items and the CORE bundle (found and checked before the first step)."""
 
     token_bytes: torch.Tensor  # UTF-8 bytes of each token id, on the run's device
     hellaswag: list[HellaSwagItem] | None  # the first eval.hellaswag_limit items; None: eval.hellaswag is off
+    core: Path | None = None  # the CORE bundle when eval.core_every is on
 
     @classmethod
     def load(cls, cfg: EvalConfig, dataset: Dataset, device: torch.device) -> Evaluation:
         token_bytes = torch.as_tensor(dataset.tokenizer.token_bytes(), device=device)
-        if not cfg.hellaswag:
-            return cls(token_bytes, None)
-        return cls(
-            token_bytes, hellaswag_items(cfg.hellaswag, dataset.tokenizer, cfg.hellaswag_limit, cfg.map_unknown)[0]
-        )
+        hellaswag = None
+        if cfg.hellaswag:
+            hellaswag = hellaswag_items(cfg.hellaswag, dataset.tokenizer, cfg.hellaswag_limit, cfg.map_unknown)[0]
+        core = None
+        if cfg.core_every:
+            core = find_bundle(cfg.core_bundle)
+            read_bundle(core)  # a missing or malformed bundle stops the run here, in one line
+        return cls(token_bytes, hellaswag, core)
 
 
 @dataclass
@@ -512,6 +518,8 @@ def evaluate_and_track(tr: Trainer, state: TrainState, log: MetricsLog | None, f
     evaluations without improvement. Returns why training should stop early, or ""."""
     t = tr.cfg.training
     metrics = eval_metrics(tr, t.final_eval_iters if final else None)
+    if core_due(tr, state.iter_num, final):
+        metrics.update(core_metrics(tr))
     state.best_val_loss = min(state.best_val_loss, metrics["val_loss"])
     score = best_metric_score(metrics, t.best_metric)
     improved = score < state.best_score - t.early_stopping_min_delta
@@ -531,6 +539,31 @@ def evaluate_and_track(tr: Trainer, state: TrainState, log: MetricsLog | None, f
             f"{state.bad_evals} evaluations (best {best_metric_value(state.best_score, t.best_metric):.4f})"
         )
     return ""
+
+
+def core_due(tr: Trainer, it: int, final: bool) -> bool:
+    """CORE at the evaluations every eval.core_every steps (not the one before the first step), at the last, and
+    at an eval_only run's one."""
+    every = tr.cfg.eval.core_every
+    return bool(tr.evaluation.core) and (final or tr.cfg.training.eval_only or (it > 0 and it % every == 0))
+
+
+def core_metrics(tr: Trainer) -> dict[str, float]:
+    """CORE and each task's centred score (core_<label>), over eval.core_max_per_task items a task, the items dealt
+    to the ranks (core_eval.core_score sums their results, so every rank logs one process's figures)."""
+    e, dist = tr.cfg.eval, tr.rt.dist
+    core = core_score(
+        tr.raw_model,
+        tr.dataset.tokenizer,
+        tr.evaluation.core,
+        e.core_max_per_task or None,
+        tr.rt.device,
+        dist.rank,
+        dist.world_size,
+        autocast=tr.rt.autocast,
+        map_unknown=e.map_unknown,
+    )
+    return {"core": core["core"], **{f"core_{label}": t["centered"] for label, t in core["tasks"].items()}}
 
 
 def best_metric_score(metrics: dict[str, float], name: str) -> float:

@@ -444,10 +444,10 @@ def test_transformers_chats_with_our_export_and_replies_as_we_do(tmp_path):
 def test_chat_task_answers_decoded_together_are_each_questions_reply_alone(
     monkeypatch, rows_per_pass, prompts_per_read
 ):
-    """evaluate.chat_answers decodes every question's reply in one batch (or passes of a few rows, the cache's
+    """replies.chat_answers decodes every question's reply in one batch (or passes of a few rows, the cache's
     bound), a finished reply leaving the batch, its prompts read together, right-padded (or a few at a time, the
     logits' bound): each reply is ChatSession's to that question alone, with replies ending at different steps."""
-    from quillgpt import engine, evaluate
+    from quillgpt import engine, evaluate, replies
     from quillgpt.replies import sample_groups
     from quillgpt.tasks import sample_items
 
@@ -460,12 +460,12 @@ def test_chat_task_answers_decoded_together_are_each_questions_reply_alone(
     longest = max(len(chat_format(tok).prompt_ids([{"role": "user", "content": q}])) for q in questions)
     cfg = model.config
     row = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_width * 4 * min(cfg.block_size, longest + evaluate.ANSWER_TOKENS)
-    monkeypatch.setattr(evaluate, "REPLY_CACHE_BYTES", row * rows_per_pass)
+    monkeypatch.setattr(replies, "REPLY_CACHE_BYTES", row * rows_per_pass)
     if prompts_per_read:
         monkeypatch.setattr(engine, "PROMPT_LOGITS_BYTES", 4 * (longest + 1) * cfg.vocab_size * prompts_per_read)
     passes = []
     monkeypatch.setattr(
-        evaluate,
+        replies,
         "sample_groups",
         lambda m, t, f, prompts, *a: passes.append(len(prompts)) or sample_groups(m, t, f, prompts, *a),
     )
@@ -476,7 +476,7 @@ def test_chat_task_answers_decoded_together_are_each_questions_reply_alone(
             batch_sizes.append(inputs[0].size(0))
 
     hook = model.transformer.wte.register_forward_hook(steps)
-    answers = evaluate.chat_answers(model, tok, questions)
+    answers = replies.chat_answers(model, tok, questions, evaluate.ANSWER_TOKENS)
     hook.remove()
     if rows_per_pass > len(questions):  # one pass: a finished reply leaves the batch, the others go on
         assert batch_sizes == sorted(batch_sizes, reverse=True) and batch_sizes[0] > batch_sizes[-1]
