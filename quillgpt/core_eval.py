@@ -58,7 +58,7 @@ from model import GPT
 from quillgpt import distributed
 from quillgpt.errors import UserError, WriteError
 from quillgpt.files import atomic_write, atomic_write_json, sha256_file
-from quillgpt.scoring import rows_per_pass, to_device, unknown_characters
+from quillgpt.scoring import rows_per_pass, to_device, unknown_table
 from quillgpt.tokenizer import Tokenizer
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # nanochat's base_eval.py
@@ -427,25 +427,17 @@ def score_task(
 def map_items(task: CoreTask, items: list[dict], tokenizer: Tokenizer, allow: bool) -> tuple[list[dict], str]:
     """A char model's items with the characters it has never seen replaced, when allowed (as --map-unknown does for
     text); a note for the report. Byte-level tokenizers encode anything: items unchanged."""
-    texts = [s for item in items for s in item_texts(item)]
-    unknown = unknown_characters(tokenizer, texts)
-    if not unknown:
+    table, note = unknown_table(
+        tokenizer, [s for item in items for s in item_texts(item)], allow, f"CORE task {task.label}"
+    )
+    if table is None:
         return items, ""
-    stand_in = next(c for c in ("\ufffd", " ", tokenizer.chars[0]) if c in tokenizer.chars)
-    shown = "".join(unknown[:20]) + ("..." if len(unknown) > 20 else "")
-    if not allow:
-        raise UserError(
-            f"CORE task {task.label} has {len(unknown)} characters the model's char vocabulary lacks ({shown!r}): "
-            f"pass --map-unknown to score them as {stand_in!r}"
-        )
-    table = str.maketrans({c: stand_in for c in unknown})
 
     def mapped(value):
         if isinstance(value, str):
             return value.translate(table)
         return [mapped(v) for v in value] if isinstance(value, list) else value
 
-    note = f"{len(unknown)} unknown characters ({shown!r}) scored as {stand_in!r}"
     return [{k: mapped(v) for k, v in item.items()} for item in items], note
 
 

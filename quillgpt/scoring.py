@@ -160,9 +160,16 @@ def unknown_characters(tokenizer: Tokenizer, texts: Sequence[str]) -> list[str]:
 def map_unknown(tokenizer: Tokenizer, texts: list[str], allow: bool, what: str) -> tuple[list[str], str]:
     """texts with characters a char model has never seen replaced, when allowed (UserError otherwise); returns
     them and a note for the report."""
+    table, note = unknown_table(tokenizer, texts, allow, what)
+    return ([t.translate(table) for t in texts] if table else texts), note
+
+
+def unknown_table(tokenizer: Tokenizer, texts: list[str], allow: bool, what: str) -> tuple[dict | None, str]:
+    """The str.translate table that maps the characters of texts a char model has never seen to a stand-in, when
+    allowed (UserError otherwise), and a note for the report; (None, "") when every character is known."""
     unknown = unknown_characters(tokenizer, texts)
     if not unknown:
-        return texts, ""
+        return None, ""
     stand_in = next(c for c in ("\ufffd", " ", tokenizer.chars[0]) if c in tokenizer.chars)
     shown = "".join(unknown[:20]) + ("..." if len(unknown) > 20 else "")
     if not allow:
@@ -171,7 +178,7 @@ def map_unknown(tokenizer: Tokenizer, texts: list[str], allow: bool, what: str) 
             f"pass --map-unknown to score them as {stand_in!r}"
         )
     table = str.maketrans({c: stand_in for c in unknown})
-    return [t.translate(table) for t in texts], f"{len(unknown)} unknown characters ({shown!r}) scored as {stand_in!r}"
+    return table, f"{len(unknown)} unknown characters ({shown!r}) scored as {stand_in!r}"
 
 
 # ---- continuations: HellaSwag and the harness ---------------------------------------------------
