@@ -3,6 +3,7 @@ loops, writes outside the sandbox, the parent's secrets, the network, processes 
 Outcome that did not pass, within their limit, with nothing of theirs left running and nothing written outside their
 directory; the OS layers (uid, rlimits, network namespace) hold on their own with the audit hook left out."""
 
+import dataclasses
 import json
 import os
 import select
@@ -185,3 +186,44 @@ def test_limits_must_be_positive():
         Limits(seconds=0)
     with pytest.raises(ValueError, match="positive"):
         Limits(processes=-1)
+
+
+NOT_ROOT_RUNNER = """
+import json, os, sys, time
+from quillgpt.sandbox import Limits, run_python
+assert os.geteuid() != 0
+out = []
+for program, limits in json.load(sys.stdin):
+    started = time.monotonic()
+    outcome = run_python(program, Limits(**limits))
+    out.append([outcome.status, time.monotonic() - started, outcome.stdout])
+print(json.dumps(out))
+"""
+
+
+def test_without_root_each_hostile_program_fails_within_its_limit_and_leaves_nothing(places, tmp_path):
+    """The path a user who is not root takes (no uid of its own; a user namespace for the network): the whole hostile
+    table run from a user namespace whose euid is not 0, as `unshare --user` gives one. The root-only case (a
+    setsid() grandchild, which only the uid sweep finds) is left out: docs/evaluation.md says so."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--user", "true"]).returncode != 0:
+        pytest.skip("no unprivileged user namespace here (unshare --user)")
+    cases = [p.values for p in HOSTILE if not p.marks]
+    given = [[fill(program, places), dataclasses.asdict(limits)] for program, limits, _ in cases]
+    env = {**os.environ, SECRET: "hunter2", "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(
+        ["unshare", "--user", sys.executable, "-c", NOT_ROOT_RUNNER],
+        input=json.dumps(given), capture_output=True, text=True, env=env, timeout=120, check=True,
+    )  # fmt: skip
+    for (program, limits, status), (got, seconds, stdout) in zip(cases, json.loads(done.stdout), strict=True):
+        assert got == status, (program, got, stdout)
+        assert seconds < limits.seconds + 2, program
+        assert "hunter2" not in stdout
+        if stdout.startswith("ids"):
+            sid = int(stdout.split()[1])
+            assert alive(sid, os.getuid()) == [], f"left running: {program}"
+    assert not places["OUTSIDE"].exists() and not os.path.exists(places["IN_TMP"])
+    assert select.select([places["server"]], [], [], 0)[0] == [], "the server got a connection"
