@@ -40,13 +40,13 @@ from pathlib import Path
 
 from quillgpt import distributed
 from quillgpt.checkpoint import TrainState, resolve_run
-from quillgpt.config import build_config, load_toml, parse_overrides
+from quillgpt.config import build_config, load_toml, parse_overrides, plan_lines
 from quillgpt.data import find_dataset
 from quillgpt.errors import run_main
 from quillgpt.feasibility import check_memory, report_feasibility
 from quillgpt.generate import keep_decoding_step, keeps_decoding_step
 from quillgpt.metrics import MetricsLog
-from quillgpt.run_model import plan_model
+from quillgpt.run_model import horizon, plan_model
 from quillgpt.trainer import (
     Outcome,
     StopRequest,
@@ -90,6 +90,9 @@ def train(
             run_dir = distributed.broadcast_object(run_dir, dist)  # an unnamed run is named by each rank's clock
             dataset = find_dataset(cfg, dist)
             plan = distributed.on_every_rank(plan_model, dist, cfg, dataset, ckpt)  # the one model both paths take
+            cfg, steps = horizon(cfg, plan.config, dist.world_size)  # max_iters, from a target where one is set
+            if dist.is_main:
+                print("\n".join(["plan: " + line for line in plan_lines(cfg)] + ["plan: " + steps]), flush=True)
             checked = check_memory(cfg, rt, plan) if validate_only else None
             tr = build_trainer(cfg, rt, dataset, run_dir, ckpt, plan)
             if validate_only:

@@ -59,6 +59,7 @@ class TrainState:
     bad_evals: int = 0  # evaluations in a row without an improvement of early_stopping_min_delta
     tokens_seen: int = 0
     nonfinite_streak: int = field(default=0, metadata=OPTIONAL)  # optimizer steps in a row skipped as non-finite
+    train_seconds: float = field(default=0.0, metadata=OPTIONAL)  # seconds of training steps (training.time_budget_s)
     wandb_run_id: str | None = field(default=None, metadata=OPTIONAL)
 
 

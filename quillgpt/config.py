@@ -47,6 +47,13 @@ def _f(default, help: str, **kw):
 class GPTConfig:
     """Model arguments. Stored in every checkpoint as a plain dict; rebuilds the model."""
 
+    depth: int = _f(
+        0,
+        "the one size dial (nanochat's --depth; see 'the size dial' below): n_layer = depth, n_embd = depth x aspect_ratio "
+        "rounded up to a multiple of the head width (head_dim, else 128), n_head = n_embd / head width, and the "
+        "learning rates scaled by 1/sqrt(n_embd); a key set in the file or on the command line wins (0: off)",
+    )
+    aspect_ratio: int = _f(64, "the dial's width per layer (nanochat's 64)")
     block_size: int = _f(1024, "context length in tokens")
     vocab_size: int | None = _f(
         None, "vocabulary size; None takes the dataset's exactly (set a larger multiple of 64 yourself for speed)"
@@ -245,7 +252,25 @@ class TrainingConfig:
     batch_size: int = _f(12, "micro-batch size per step and rank")
     grad_accum_steps: int = _f(1, "micro-steps accumulated per optimizer step")
     global_batch_size: int | None = _f(None, "if set, must equal batch_size * grad_accum_steps * world_size")
-    max_iters: int = _f(5000, "optimizer steps to train for")
+    max_iters: int = _f(
+        5000, "optimizer steps to train for (set, it wins over target_flops and target_param_data_ratio)"
+    )
+    target_param_data_ratio: float | None = _f(
+        None,
+        "the horizon from data: max_iters = this x the scaling parameters (the blocks' matrices and the head, as "
+        "nanochat counts them) / tokens a step (nanochat's 12; Chinchilla's 20; None: off)",
+    )
+    target_flops: float | None = _f(
+        None,
+        "the horizon from compute: max_iters = this / (training FLOPs a token x tokens a step); before "
+        "target_param_data_ratio (None: off)",
+    )
+    time_budget_s: float = _f(
+        0.0,
+        "end training after this many seconds of training steps (evaluations and saves not counted), the decay laid "
+        "over the time instead of the steps so that the warmdown ends at the budget, then the final evaluation; a "
+        "resumed run has the budget that was left; max_iters caps it only where set (0: off)",
+    )
     precision: str = _f(
         "auto", "fp32 | fp16 | bf16 | auto (bf16/fp16 on CUDA, fp32 on CPU)", choices=("fp32", "fp16", "bf16", "auto")
     )
@@ -332,6 +357,9 @@ class OptimizerConfig:
         choices=("cosine", "wsd"),
     )
     warmdown_ratio: float = _f(0.65, "wsd: the share of lr_decay_iters spent in the final linear warmdown")
+    final_lr_frac: float | None = _f(
+        None, "min_lr as this fraction of learning_rate (None: min_lr as set; under model.depth: 0.05, nanochat's)"
+    )
     warmup_iters: int = _f(100, "linear warmup steps")
     lr_decay_iters: int | None = _f(None, "steps the decay ends at (None: max_iters)")
     muon_lr: float = _f(0.02, "Muon learning rate (name = muon)")
@@ -626,6 +654,8 @@ def build_config(
     for dotted, value in items:
         section, _, key = dotted.partition(".")
         _apply(cfg, section, key, value, "command line", errors)
+    if not errors:  # the dial computes from values of the right type
+        notes += apply_dial(cfg, explicit_keys(toml, items))
     errors += validate(cfg, world_size)  # fields with type errors kept their defaults, so this is safe
     print_notes(notes)
     if errors:
@@ -698,6 +728,106 @@ def load_config(path: str | Path | None, cli_args: list[str] | None = None, worl
     return build_config(toml, parse_overrides(cli_args or []), source=str(path or "config"), world_size=world_size)
 
 
+# ---- the size dial ----------------------------------------------------------------------------
+# As nanochat sizes its miniseries (scripts/base_train.py), applied as a config is built (build_config).
+#
+# One number, model.depth, sets the shape: n_layer = depth, n_embd = depth x aspect_ratio rounded up to a multiple of
+# the head width (model.head_dim, else nanochat's 128), n_head = n_embd / head width. It sets the learning rates too,
+# scaled by 1/sqrt(width) from the width they were tuned at here (REFERENCE_WIDTH, speedrun_cpu.toml's). A key set
+# in the config file or on the command line at the dial's layer or above wins (apply_dial is told which were set).
+#
+# The horizon: training.target_flops, else training.target_param_data_ratio, gives max_iters (run_model.horizon,
+# once the vocabulary is known); an explicit training.max_iters wins over both, which apply_dial settles here.
+#
+# What the dial leaves as set: the batch (nanochat sizes it from the horizon, Bopt ~ D^0.383 from its d12's 2^19
+# tokens, which a CPU batch of 10^3 tokens is three orders of magnitude below) and with it the weight decay, which
+# nanochat scales by that batch rule (docs/training.md, "The size dial").
+DIAL_HEAD_DIM = 128  # nanochat's --head-dim
+REFERENCE_WIDTH = 128  # the width speedrun_cpu.toml tuned its rates at (docs/LOG.md)
+REFERENCE_LR = 3e-3  # AdamW (embeddings, head, norms) at REFERENCE_WIDTH
+REFERENCE_MUON_LR = 2.5e-3  # Muon (hidden matrices) at REFERENCE_WIDTH; our Muon's update RMS is AdamW's at any width
+DIAL_FINAL_LR_FRAC = 0.05  # nanochat's --final-lr-frac
+NO_CAP = 10**9  # max_iters under a time budget that sets no step count: the budget ends the run
+
+
+def dial_shape(depth: int, aspect_ratio: int, head_dim: int | None) -> dict[str, int]:
+    """n_layer, n_embd and n_head of a depth, as nanochat's build_model_meta: the width nudged up to a multiple of
+    the head width so that every head has exactly that width."""
+    width = head_dim or DIAL_HEAD_DIM
+    n_embd = math.ceil(depth * aspect_ratio / width) * width
+    return {"n_layer": depth, "n_embd": n_embd, "n_head": n_embd // width}
+
+
+def dial_values(cfg: Config) -> dict[str, tuple[object, str]]:
+    """Every key the dial sets, with the value it gives and why (the shape from model.*, then the rates)."""
+    m = cfg.model
+    shape = dial_shape(m.depth, m.aspect_ratio, m.head_dim)
+    width = m.head_dim or DIAL_HEAD_DIM
+    why_width = f"depth {m.depth} x aspect_ratio {m.aspect_ratio}, up to a multiple of head width {width}"
+    out: dict[str, tuple[object, str]] = {
+        "model.n_layer": (shape["n_layer"], f"depth {m.depth}"),
+        "model.n_embd": (shape["n_embd"], why_width),
+    }
+    n_embd = cfg.model.n_embd  # the width the model has (the dial's, or one set)
+    out["model.n_head"] = (max(1, n_embd // width), f"n_embd {n_embd} / head width {width}")
+    scale = (n_embd / REFERENCE_WIDTH) ** -0.5
+    why = f"x (n_embd {n_embd} / {REFERENCE_WIDTH})^-0.5 = {scale:.3f}"
+    out["optimizer.learning_rate"] = (REFERENCE_LR * scale, f"{REFERENCE_LR:g} {why}")
+    out["optimizer.muon_lr"] = (REFERENCE_MUON_LR * scale, f"{REFERENCE_MUON_LR:g} {why}")
+    return out
+
+
+def apply_dial(cfg: Config, layers: dict[str, int]) -> list[str]:
+    """Set what model.depth and the horizon keys decide, on a config being built. layers: the dotted keys the config
+    file (1) and the command line (2) set; the higher layer wins, and of one layer the key set outright (a dial key:
+    `--model.depth 6` on the command line resizes a file's model, a file's own n_embd beside its depth stays).
+    Returns the notes for the user (a target that an explicit max_iters overrides)."""
+    t, o, notes = cfg.training, cfg.optimizer, []
+    depth_layer = layers.get("model.depth", 0)
+    if cfg.model.depth > 0:
+        for key in dial_values(cfg):  # in order, each from those before: the heads from the width, the rates too
+            if layers.get(key, 0) < depth_layer:
+                section, _, name = key.partition(".")
+                setattr(getattr(cfg, section), name, dial_values(cfg)[key][0])
+        if o.final_lr_frac is None and layers.get("optimizer.min_lr", 0) < depth_layer:
+            o.final_lr_frac = DIAL_FINAL_LR_FRAC
+    if o.final_lr_frac is not None:
+        o.min_lr = o.learning_rate * o.final_lr_frac
+    steps_layer = layers.get("training.max_iters", 0)
+    targets = [k for k in ("target_flops", "target_param_data_ratio") if getattr(t, k) is not None]
+    target_layer = max((layers.get(f"training.{k}", 0) for k in targets), default=0)
+    if targets and steps_layer >= target_layer:
+        notes.append(f"note: training.max_iters = {t.max_iters} is set, so training.{targets[0]} is not used")
+        t.target_flops = t.target_param_data_ratio = None
+    elif t.time_budget_s > 0 and not targets and steps_layer < layers.get("training.time_budget_s", 0):
+        t.max_iters = NO_CAP  # unless set beside the budget or above it, no step count caps the budget
+    return notes
+
+
+def explicit_keys(toml: dict, overrides) -> dict[str, int]:
+    """The dotted keys a TOML layer (1) and the overrides (2) set, each with the highest layer that set it."""
+    keys = {f"{s}.{k}": 1 for s, table in toml.items() if isinstance(table, dict) for k in table}
+    items = overrides.items() if isinstance(overrides, dict) else (overrides or [])
+    return keys | {dotted: 2 for dotted, _ in items}
+
+
+def plan_lines(cfg: Config) -> list[str]:
+    """The dial's keys as the run has them, each with where its value came from: the dial's rule, or set."""
+    if cfg.model.depth <= 0:
+        return []
+    lines = []
+    for key, (value, why) in dial_values(cfg).items():
+        section, _, name = key.partition(".")
+        have = getattr(getattr(cfg, section), name)
+        same = have == value if isinstance(have, int) else math.isclose(have, value, rel_tol=1e-9)
+        source = f"the dial: {why}" if same else f"set; the dial's is {value:.4g}"
+        lines.append(f"{key} = {have:.4g} ({source})" if isinstance(have, float) else f"{key} = {have} ({source})")
+    o = cfg.optimizer
+    if o.final_lr_frac is not None:
+        lines.append(f"optimizer.min_lr = {o.min_lr:.4g} (learning_rate x final_lr_frac {o.final_lr_frac:g})")
+    return lines
+
+
 # ---- validation ---------------------------------------------------------------------------------
 
 
@@ -766,6 +896,17 @@ def check_training(cfg: Config, world_size: int) -> Problems:
             t.best_metric != "task_acc" or cfg.rl.enabled,
             "training.best_metric = 'task_acc' is the validation accuracy of an RL run: it needs rl.enabled",
         ),
+    )
+    problems += rules(
+        *(
+            (
+                f"training.{k}",
+                getattr(t, k) is None or getattr(t, k) > 0,
+                f"training.{k} = {getattr(t, k)} must be positive",
+            )
+            for k in ("target_param_data_ratio", "target_flops")
+        ),
+        ("training.time_budget_s", t.time_budget_s >= 0, f"training.time_budget_s = {t.time_budget_s} must be >= 0"),
     )
     if t.global_batch_size is not None and t.batch_size > 0 and t.grad_accum_steps > 0:
         g, got = t.global_batch_size, t.batch_size * t.grad_accum_steps * world_size
@@ -836,6 +977,11 @@ def check_optimizer(cfg: Config, world_size: int) -> Problems:
         ),
         ("optimizer.muon_lr", o.muon_lr > 0, f"optimizer.muon_lr = {o.muon_lr} must be positive"),
         (
+            "optimizer.final_lr_frac",
+            o.final_lr_frac is None or 0 <= o.final_lr_frac <= 1,
+            f"optimizer.final_lr_frac = {o.final_lr_frac} must be in [0, 1]",
+        ),
+        (
             "optimizer.warmdown_ratio",
             0 < o.warmdown_ratio <= 1,
             f"optimizer.warmdown_ratio = {o.warmdown_ratio} must be in (0, 1]",
@@ -855,6 +1001,10 @@ def check_model(cfg: Config, world_size: int) -> Problems:
         for k in ("n_layer", "n_head", "n_embd", "block_size")
         if getattr(m, k) <= 0
     ]
+    problems += rules(
+        ("model.depth", m.depth >= 0, f"model.depth = {m.depth} must be >= 0 (0: the dial off)"),
+        ("model.aspect_ratio", m.aspect_ratio > 0, f"model.aspect_ratio = {m.aspect_ratio} must be positive"),
+    )
     problems += [
         (f"model.{k}", f"model.{k} = {getattr(m, k)} must be positive")
         for k in ("vocab_size", "n_kv_head", "head_dim", "mlp_hidden")

@@ -160,15 +160,17 @@ def report_feasibility(tr: Trainer, checked: dict) -> dict:
     the measured step and projected run time."""
     t = tr.cfg.training
     step_s = time_steps(tr)
-    evals = t.max_iters // t.eval_interval + 1 if t.eval_interval else 1
+    steps = min(t.max_iters, round(t.time_budget_s / step_s)) if t.time_budget_s > 0 else t.max_iters
+    evals = steps // t.eval_interval + 1 if t.eval_interval else 1
     eval_s = evals * 2 * t.eval_iters * step_s / (3 * t.grad_accum_steps)  # a forward is ~1/3 of a step
-    total = t.max_iters * step_s + eval_s
+    total = steps * step_s + eval_s
     print(
         f"measured: {step_s * 1000:.1f} ms/iter ({tr.tokens_per_step / step_s:,.0f} tokens/s) on {tr.rt.device}, "
         f"{tr.rt.precision}"
     )
     print(
-        f"estimated run: {t.max_iters:,} iters, {t.max_iters * tr.tokens_per_step:,} tokens, "
+        f"estimated run: {steps:,} iters{' in the time budget' if t.time_budget_s > 0 else ''}, "
+        f"{steps * tr.tokens_per_step:,} tokens, "
         f"about {format_duration(total)} (evaluation {format_duration(eval_s)})"
     )
     print("ok: this config would run")

@@ -212,7 +212,7 @@ class MetricsLog:
     def step(
         self,
         it: int,
-        max_iters: int,
+        max_iters: int | None,
         loss: float,
         lr: float,
         grad_norm: float,
@@ -221,8 +221,10 @@ class MetricsLog:
         mfu: float,
         tokens: int,
         extra: dict[str, float] | None = None,
+        eta_s: float | None = None,
     ) -> None:
-        """extra: more figures of the step (an RL run's reward), added to the line and the record."""
+        """extra: more figures of the step (an RL run's reward), added to the line and the record. max_iters None: no
+        step count ends the run (a time budget does, and eta_s says when)."""
         extra = extra or {}
         print(
             format_step_line(
@@ -234,7 +236,7 @@ class MetricsLog:
                 seconds_per_step,
                 tokens_per_s,
                 mfu,
-                (max_iters - it) * seconds_per_step,
+                (max_iters - it) * seconds_per_step if eta_s is None else eta_s,
                 self.loss_name,
             )
             + "".join(f" | {k.replace('_', ' ')} {v:.4g}" for k, v in extra.items()),
@@ -443,7 +445,7 @@ def draw_scores(ax, evals: list[dict], scores: list[tuple[str, str]]) -> None:
 
 def format_step_line(
     it: int,
-    max_iters: int,
+    max_iters: int | None,
     loss: float,
     lr: float,
     grad_norm: float,
@@ -454,7 +456,7 @@ def format_step_line(
     loss_name: str = "loss",
 ) -> str:
     return (
-        f"iter {it:>6}/{max_iters} | {loss_name} {loss:.4f} | lr {lr:.2e} | norm {grad_norm:.2f} | "
+        f"iter {it:>6}{f'/{max_iters}' if max_iters else ''} | {loss_name} {loss:.4f} | lr {lr:.2e} | norm {grad_norm:.2f} | "
         f"{dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | {mfu_text(mfu)} | eta {format_duration(eta_s)}"
     )
 

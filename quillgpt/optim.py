@@ -68,9 +68,10 @@ def make_optimizers(
     raise ValueError(f"unknown optimizer {o.name!r}")
 
 
-def lr_multiplier(it: int, cfg: Config) -> float:
+def lr_multiplier(it: int, cfg: Config, seconds: float = 0.0) -> float:
     """Linear warmup, then cosine decay to min_lr at lr_decay_iters, or (schedule "wsd") the peak held and a linear
-    warmdown to min_lr over the last warmdown_ratio of lr_decay_iters; then constant; as a fraction of peak."""
+    warmdown to min_lr over the last warmdown_ratio of lr_decay_iters; then constant; as a fraction of peak. Under
+    training.time_budget_s the decay runs over the budget's seconds instead (`seconds` of it spent), warmup in steps."""
     o = cfg.optimizer
     if not o.decay_lr:
         return 1.0
@@ -78,6 +79,14 @@ def lr_multiplier(it: int, cfg: Config) -> float:
     floor = o.min_lr / o.learning_rate
     if it < o.warmup_iters:
         return (it + 1) / (o.warmup_iters + 1)
+    if cfg.training.time_budget_s > 0:
+        spent = min(1.0, seconds / cfg.training.time_budget_s)
+        left = (
+            min(1.0, (1.0 - spent) / o.warmdown_ratio)
+            if o.schedule == "wsd"
+            else 0.5 * (1.0 + math.cos(math.pi * spent))
+        )
+        return floor + left * (1.0 - floor)
     if it >= decay_iters:
         return floor
     if o.schedule == "wsd":

@@ -15,6 +15,7 @@ resumed LoRA run checks before anything else.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 
 import torch
@@ -23,7 +24,7 @@ import torch.nn as nn
 from model import GPT
 from quillgpt.chat_template import with_chat_tokens
 from quillgpt.checkpoint import TrainingCheckpoint
-from quillgpt.config import Config, GPTConfig
+from quillgpt.config import NO_CAP, Config, GPTConfig
 from quillgpt.data import Dataset, check_fits, check_vocab_compatible
 from quillgpt.errors import UserError
 from quillgpt.loading import (
@@ -191,3 +192,35 @@ def grow_vocabulary(model: GPT, vocab_size: int) -> None:
     model.lm_head.weight = model.transformer.wte.weight if tied else grown(model.lm_head.weight)
     model.lm_head.out_features = vocab_size
     model.config = replace(model.config, vocab_size=vocab_size)
+
+
+def scaling_params(model_config: GPTConfig) -> tuple[int, float]:
+    """(the blocks' matrices plus the head's weights, training FLOPs per token) of a model, built on the meta device."""
+    with torch.device("meta"):
+        model = GPT(model_config)
+    matrices = sum(p.numel() for p in model.transformer.h.parameters() if p.dim() >= 2)
+    return matrices + model.lm_head.weight.numel(), model.flops_per_token()
+
+
+def horizon(cfg: Config, model_config: GPTConfig, world_size: int) -> tuple[Config, str]:
+    """cfg with max_iters from its horizon target (the targets then cleared: the run records the steps), and the line
+    that says where max_iters came from."""
+    t = cfg.training
+    tokens = t.batch_size * model_config.block_size * t.grad_accum_steps * world_size  # one optimizer step
+    params, flops = scaling_params(model_config)
+    if t.target_flops is not None:
+        steps = max(1, round(t.target_flops / (flops * tokens)))
+        why = f"target_flops {t.target_flops:.3g} / ({flops:.3g} FLOPs a token x {tokens:,} tokens a step)"
+    elif t.target_param_data_ratio is not None:
+        steps = max(1, int(t.target_param_data_ratio * params) // tokens)
+        why = f"target_param_data_ratio {t.target_param_data_ratio:g} x {params:,} scaling parameters / {tokens:,} tokens a step"
+    elif t.max_iters == NO_CAP:
+        return cfg, f"training.max_iters: no cap (training.time_budget_s {t.time_budget_s:g} ends the run)"
+    else:
+        ratio = t.max_iters * tokens / params
+        return (
+            cfg,
+            f"training.max_iters = {t.max_iters:,} ({ratio:.3g} tokens per scaling parameter, {params:,} of them)",
+        )
+    training = dataclasses.replace(t, max_iters=steps, target_flops=None, target_param_data_ratio=None)
+    return dataclasses.replace(cfg, training=training), f"training.max_iters = {steps:,} ({why})"

@@ -33,7 +33,7 @@ import torch.nn as nn
 from model import GPT
 from quillgpt import distributed
 from quillgpt.checkpoint import Resolution, RunDir, TrainingCheckpoint, TrainState, rng_state, set_rng_state
-from quillgpt.config import Config, EvalConfig, TrainingConfig, resolved, summary, to_toml
+from quillgpt.config import NO_CAP, Config, EvalConfig, TrainingConfig, resolved, summary, to_toml
 from quillgpt.core_eval import core_score, find_bundle, read_bundle
 from quillgpt.data import BatchSource, Dataset
 from quillgpt.distributed import DistInfo
@@ -652,6 +652,7 @@ class StepClock:
         self.first: float | None = None  # seconds of the first step
         self.windows: list[tuple[float, int]] = []  # (seconds, steps) of the latest windows, RECENT steps or a few more
         self.pending = 0  # steps queued since the window opened
+        self.total = 0.0  # seconds of all closed windows, the first step's included
         self.restart()
 
     def tick(self) -> None:
@@ -665,6 +666,8 @@ class StepClock:
         """Wait for the device and close the window: its steps' time counts."""
         self.synchronize()
         now = self.now()
+        if self.pending:
+            self.total += now - self._start
         if self.pending and self.first is None:
             self.first = now - self._start
         elif self.pending:
@@ -692,6 +695,34 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+class Budget:
+    """training.time_budget_s on a clock every rank agrees on. The seconds of training steps (evaluations and saves
+    left out: StepClock's) are measured where the loop reads back anyway, and rank 0's are agreed on there (agree);
+    between those steps they are projected from the agreed seconds per step, so that every rank sets the same rate
+    and stops at the same step with no read-back per step. A resumed run starts from the seconds its checkpoint
+    spent (TrainState.train_seconds): the budget left is exactly what was left."""
+
+    def __init__(self, seconds: float, spent: float, it: int) -> None:
+        self.seconds, self.begun = seconds, spent  # the budget; what earlier sessions of the run spent
+        self.spent, self.mark, self.rate = spent, it, 0.0  # agreed at step `mark`; seconds a step since
+
+    def at(self, it: int) -> float:
+        """The seconds spent by the start of step `it` (projected past the last agreement)."""
+        return self.spent + (it - self.mark) * self.rate
+
+    def over(self, it: int) -> bool:
+        return self.seconds > 0 and self.at(it) >= self.seconds
+
+    def agree(self, it: int, clock: StepClock, state: TrainState, info: distributed.DistInfo) -> None:
+        """Rank 0's measured seconds and rate, on every rank (a collective): stored in state for the checkpoint."""
+        measured = [self.begun + clock.total, clock.seconds_per_step]
+        self.spent, self.rate = distributed.broadcast_object(measured, info)
+        self.mark, state.train_seconds = it, self.spent
+
+    def remaining(self) -> float:
+        return max(0.0, self.seconds - self.spent)
+
+
 @dataclass
 class Outcome:
     state: TrainState
@@ -714,8 +745,9 @@ def fit(tr: Trainer, state: TrainState, log: MetricsLog | None, stop: StopReques
     clock, last_loss, loss = StepClock(lambda: synchronize(tr.rt.device)), None, None
     guard = NonfiniteGuard(tr.rt.device, state.nonfinite_streak)
     single = tr.rt.dist.world_size == 1
-    while state.iter_num < t.max_iters and not reason:
-        lr = set_lr(tr.optimizers, lr_multiplier(state.iter_num, tr.cfg))
+    budget = Budget(t.time_budget_s, state.train_seconds, state.iter_num)
+    while state.iter_num < t.max_iters and not budget.over(state.iter_num) and not reason:
+        lr = set_lr(tr.optimizers, lr_multiplier(state.iter_num, tr.cfg, budget.at(state.iter_num)))
         loss, norm, skipped = train_step(tr, state.iter_num)
         guard.record(skipped, state.iter_num)
         state.iter_num += 1
@@ -723,15 +755,19 @@ def fit(tr: Trainer, state: TrainState, log: MetricsLog | None, stop: StopReques
         clock.tick()
         if clock.steps == 1 and log and tr.rt.compile:
             print(f"first step took {clock.first:.1f}s (torch.compile); later steps are fast", flush=True)
-        done = state.iter_num >= t.max_iters
+        done = state.iter_num >= t.max_iters or budget.over(state.iter_num)
         logging = bool(t.log_interval and state.iter_num % t.log_interval == 0)
         due = done or logging or evaluation_due(state.iter_num, t, done) or save_due(state.iter_num, t, False)
-        if not (due or (single and stop.requested)):
+        measuring = budget.seconds > 0 and clock.steps <= 3  # the first step may compile: the rate needs the next ones
+        if not (due or measuring or (single and stop.requested)):
             continue
         clock.settle()
+        if budget.seconds > 0:
+            budget.agree(state.iter_num, clock, state, tr.rt.dist)
+            done = done or budget.over(state.iter_num)
         reason = guard.settle(state, t.max_nonfinite_steps, tr.rt.dist.is_main)
         if logging:
-            last_loss = log_step(tr, state, log, loss, lr, norm, clock)
+            last_loss = log_step(tr, state, log, loss, lr, norm, clock, budget)
         # every rank agrees; not stored back in stop.requested: a signal that arrives while any_rank
         # waits would be overwritten (and lost), whereas this way it is agreed on at the next such step
         signalled = distributed.any_rank(stop.requested)
@@ -742,6 +778,8 @@ def fit(tr: Trainer, state: TrainState, log: MetricsLog | None, stop: StopReques
             save(tr, state, "last", final=done or bool(reason))
             if log:
                 log.flush()
+        if done:  # a budget's end once projected stays the end: its final evaluation was just taken
+            break
         clock.restart()
     if last_loss is None and loss is not None:
         last_loss = distributed.mean_over_ranks(loss, tr.rt.dist)
@@ -802,6 +840,7 @@ def log_step(
     lr: float,
     norm: torch.Tensor,
     clock: StepClock,
+    budget: Budget,
 ) -> float:
     """The step's loss averaged over the ranks (a collective); rank 0 prints and records it with lr, gradient
     norm, speed, MFU and ETA."""
@@ -809,9 +848,14 @@ def log_step(
     if log:
         seconds = clock.seconds_per_step
         tokens_per_s = tr.tokens_per_step / seconds
+        max_iters = tr.cfg.training.max_iters
+        eta = None
+        if budget.seconds > 0:
+            eta = min(budget.remaining(), (max_iters - state.iter_num) * seconds)
+            max_iters = None if max_iters == NO_CAP else max_iters
         log.step(
             state.iter_num,
-            tr.cfg.training.max_iters,
+            max_iters,
             mean_loss,
             lr,
             float(norm),
@@ -820,6 +864,7 @@ def log_step(
             tr.raw_model.estimate_mfu(tokens_per_s, tr.rt.peak_flops),
             state.tokens_seen,
             tr.objective.figures(),
+            eta,
         )
     return mean_loss
 
