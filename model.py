@@ -225,13 +225,23 @@ class CausalSelfAttention(nn.Module):
         self.q_scale = config.attn_scale * self.head_dim**0.5 if config.attn_scale else 1.0
         self.window = layer_window(config, layer)
         self.rope_kind = layer_rope(config, layer)
+        # value embeddings: a gate per key/value head from the first VE_GATE_INPUTS channels of the input
+        self.ve_gate = nn.Linear(VE_GATE_INPUTS, self.n_kv_head, bias=False) if has_value_embed(config, layer) else None
 
-    def forward(self, x: torch.Tensor, rope, cache=None, documents: DocumentMask | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope, cache=None, documents: DocumentMask | None = None, ve=None
+    ) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C). With a cache (decoding: quillgpt/engine.py) the cache stores the new keys and
-        values and attends over what it holds; with documents, each attends only within itself (packed rows)."""
+        values and attends over what it holds; with documents, each attends only within itself (packed rows). ve
+        (B, T, nkv * hs): the layer's value embeddings of the tokens, added to the values through the gate."""
         B, T, C = x.size()
         heads = self.c_attn(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh + 2 * nkv, T, hs)
         q, k, v = heads.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)  # (B, nh | nkv | nkv, T, hs)
+        if ve is not None:  # the gate in (0, 3), as nanochat's
+            gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_INPUTS])).transpose(1, 2).unsqueeze(
+                -1
+            )  # (B, nkv, T, 1)
+            v = v + gate * ve.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         if self.qk_norm:
             q, k = self.norm_queries_and_keys(q, k)
         if rope is not None:
@@ -261,6 +271,14 @@ class CausalSelfAttention(nn.Module):
         q = self.q_norm(q.transpose(1, 2).reshape(B, T, -1)).view(B, T, -1, hs).transpose(1, 2)
         k = self.k_norm(k.transpose(1, 2).reshape(B, T, -1)).view(B, T, -1, hs).transpose(1, 2)
         return q, k
+
+
+VE_GATE_INPUTS = 12  # nanochat's ve_gate_channels
+
+
+def has_value_embed(config: GPTConfig, layer: int) -> bool:
+    """value_embeds: every other layer, counted back from the last (nanochat's has_ve)."""
+    return config.value_embeds and layer % 2 == (config.n_layer - 1) % 2
 
 
 def layer_window(config: GPTConfig, layer: int) -> int:
@@ -345,8 +363,8 @@ class Block(nn.Module):
         self.mlp = make_mlp(config, layer)
         self.post_mlp_norm = make_norm(config, used=config.post_norm)
 
-    def forward(self, x: torch.Tensor, rope=None, cache=None, documents=None) -> torch.Tensor:
-        x = x + self.post_attn_norm(self.attn(self.ln_1(x), rope, cache, documents))
+    def forward(self, x: torch.Tensor, rope=None, cache=None, documents=None, ve=None) -> torch.Tensor:
+        x = x + self.post_attn_norm(self.attn(self.ln_1(x), rope, cache, documents, ve))
         x = x + self.post_mlp_norm(self.mlp(self.ln_2(x)))
         return x
 
@@ -387,8 +405,32 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight
+        if config.value_embeds:  # one table per layer that has them, as wide as its values
+            kv_width = config.kv_heads * config.head_width
+            layers = [i for i in range(config.n_layer) if has_value_embed(config, i)]
+            self.value_embeds = nn.ModuleDict({str(i): embedding(config.vocab_size, kv_width) for i in layers})
+        if config.backout:  # per layer: the residual's and the embeddings' weights; the middle layer's share taken off
+            self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
+            self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
+            self.backout_lambda = nn.Parameter(torch.zeros(1))
         if not building_on_meta():
             self.apply(self._init_weights)
+            self.init_switches()
+
+    @torch.no_grad()
+    def init_switches(self) -> None:
+        """nanochat's starting values: value embeddings as wide as a normal(0, 0.02)'s spread, their gates just open;
+        the residual weighed 1.15 down to 1.05 by depth, the embeddings 0.20 down to 0.05, a fifth of the middle out."""
+        last = max(self.config.n_layer - 1, 1)
+        for i, block in enumerate(self.transformer.h):
+            if block.attn.ve_gate is not None:
+                nn.init.uniform_(block.attn.ve_gate.weight, 0.0, 0.02)
+                nn.init.uniform_(self.value_embeds[str(i)].weight, -(3**0.5) * 0.02, 3**0.5 * 0.02)
+            if self.config.backout:
+                self.resid_lambdas[i] = 1.15 - 0.10 * i / last
+                self.x0_lambdas[i] = 0.20 - 0.15 * i / last
+        if self.config.backout:
+            self.backout_lambda.fill_(0.2)
 
     def set_rope_tables(self) -> None:
         """The rotary tables of the config (rope_tables), as buffers not saved with the weights: rope_cos and
@@ -490,13 +532,20 @@ class GPT(nn.Module):
         if self.config.pos_emb == "learned":
             x = x + pick(self.transformer.wpe.weight)  # (T, C) or (B, T, C)
         ropes = self.ropes(pick, reach)
-        x = self.transformer.drop(x)
-        for block in self.transformer.h:
+        x = x0 = self.transformer.drop(x)
+        middle = None
+        for i, block in enumerate(self.transformer.h):
             rope, mask = ropes[block.attn.rope_kind], documents and documents[block.attn.window]
+            ve = self.value_embeds[str(i)](idx) if block.attn.ve_gate is not None else None  # (B, T, nkv * hs)
+            if self.config.backout:
+                x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             if self.gradient_checkpointing and self.training:
-                x = checkpoint(block, x, rope, None, mask, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, mask, ve, use_reentrant=False)
             else:
-                x = block(x, rope, cache, mask)
+                x = block(x, rope, cache, mask, ve)
+            middle = x if i == self.config.n_layer // 2 else middle
+        if self.config.backout:
+            x = x - self.backout_lambda * middle
         if last_only:
             x = x[:, [-1], :]  # (B, 1, C)
         if targets is not None and self.loss_chunks > 1 and self.training:

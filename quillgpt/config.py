@@ -128,6 +128,17 @@ class GPTConfig:
         "the Hugging Face family the weights came from (run.init_from; quillgpt/families.py): export.py writes that "
         "family again (None: the family the switches say)",
     )
+    value_embeds: bool = _f(
+        False,
+        "value embeddings (ResFormer's value residual, as nanochat has them): every other layer, the last included, "
+        "adds a token embedding of its own to its values, gated per head by its input; no Hugging Face family or "
+        "GGUF architecture has them",
+    )
+    backout: bool = _f(
+        False,
+        "nanochat's skips: each layer's input a learned mix of the residual and the embeddings (x0), and the head "
+        "reading the residual less a learned share of the middle layer's; no Hugging Face family or GGUF has them",
+    )
     n_experts: int = _f(0, "experts in each mixture-of-experts layer (0: dense MLPs; quillgpt/moe.py)")
     experts_per_token: int = _f(2, "experts each token is routed to (top-k)")
     expert_hidden: int | None = _f(None, "hidden width of each expert's MLP (None: the dense MLP's rule)")
@@ -364,6 +375,16 @@ class OptimizerConfig:
     lr_decay_iters: int | None = _f(None, "steps the decay ends at (None: max_iters)")
     muon_lr: float = _f(0.02, "Muon learning rate (name = muon)")
     muon_momentum: float = _f(0.95, "Muon momentum")
+    muon_coefficients: str = _f(
+        "quintic",
+        "Muon's orthogonalisation: quintic (Keller Jordan's Newton-Schulz, torch.optim.Muon's) | polar_express (a "
+        "coefficient triple per step: Amsel et al., as nanochat and modded-nanogpt run it)",
+        choices=("quintic", "polar_express"),
+    )
+    normuon: bool = _f(
+        False,
+        "NorMuon: each row of Muon's update scaled by a running second moment (beta2 0.9), its norm kept (nanochat's)",
+    )
     fused: bool | None = _f(None, "fused AdamW kernel (None: where the device supports it)")
 
 

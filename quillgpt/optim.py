@@ -15,10 +15,9 @@ from quillgpt.config import Config, OptimizerConfig
 
 
 def param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
-    """(2-D hidden matrices, embeddings + head, 1-D params) of a GPT: Muon takes the first group only."""
-    embed_ids = {id(model.transformer.wte.weight), id(model.lm_head.weight)}
-    if "wpe" in model.transformer:
-        embed_ids.add(id(model.transformer.wpe.weight))
+    """(2-D hidden matrices, embeddings + head, 1-D params) of a GPT: Muon takes the first group only. Embeddings
+    are every nn.Embedding's table (tokens, positions, value embeddings) and the head."""
+    embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} | {id(model.lm_head.weight)}
     hidden, embed, flat = [], [], []
     for p in model.parameters():  # parameters() yields a tied weight once
         if not p.requires_grad:
@@ -63,6 +62,8 @@ def make_optimizers(
             momentum=o.muon_momentum,
             weight_decay=o.weight_decay,
             ns_dtype=matmul_dtype,
+            polar_express=o.muon_coefficients == "polar_express",
+            normuon=o.normuon,
         )
         return [muon, adam]
     raise ValueError(f"unknown optimizer {o.name!r}")
@@ -109,27 +110,78 @@ def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> float:
 
 
 def make_muon(
-    groups: list[dict], lr: float, momentum: float, weight_decay: float, ns_dtype: torch.dtype = torch.bfloat16
+    groups: list[dict],
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    polar_express: bool = False,
+    normuon: bool = False,
 ) -> torch.optim.Optimizer:
-    return Muon(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, ns_dtype=ns_dtype)
+    return Muon(
+        groups,
+        lr=lr,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        ns_dtype=ns_dtype,
+        polar_express=polar_express,
+        normuon=normuon,
+    )
+
+
+QUINTIC = [(3.4445, -4.7750, 2.0315)] * 5  # Keller Jordan's, the same each step
+# Polar Express (Amsel et al., arXiv 2505.16932): a coefficient triple per step, for 5 steps (safety factor 2e-2,
+# cushion 2), as nanochat's and modded-nanogpt's Muon have them
+POLAR_EXPRESS = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+NORMUON_BETA2 = 0.9  # nanochat's
 
 
 def zeropower_via_newtonschulz(
-    G: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16
+    G: torch.Tensor,
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+    coefficients: list[tuple[float, float, float]] = QUINTIC,
 ) -> torch.Tensor:
     """Approximately orthogonalise each matrix of G (G, m, n) in `dtype`: Keller Jordan's quintic Newton-Schulz
-    iteration, as torch.optim.Muon runs it for one matrix, here for a batch of same-shape matrices at once."""
-    a, b, c = 3.4445, -4.7750, 2.0315
+    iteration, as torch.optim.Muon runs it for one matrix, here for a batch of same-shape matrices at once; or with
+    Polar Express's coefficients (the norm divided with 1% to spare, as nanochat does, since its first steps are
+    steep)."""
     X = G.to(dtype)
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT  # (G, n, m): the Gram matrix on the short side
-    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= 1
-    for _ in range(steps):
+    if coefficients is QUINTIC:
+        X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= 1
+    else:
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) * 1.01 + 1e-6)
+    for a, b, c in coefficients[:steps]:
         A = X @ X.mT
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
         X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
     return X.mT if tall else X
+
+
+def variance_reduced(ortho: torch.Tensor, buffers: list[torch.Tensor], weight) -> torch.Tensor:
+    """NorMuon (arXiv 2510.05491, as nanochat runs it): each row (a tall matrix: each column) of an orthogonalised
+    update (G, m, n) scaled by 1/sqrt of a running mean of its squared entries, then the whole matrix rescaled to its
+    norm before; buffers: each matrix's running mean, (m, 1) or (1, n), moved by `weight` (1 - beta2, times 0 for a
+    skipped step)."""
+    dim = -1 if ortho.size(-2) >= ortho.size(-1) else -2
+    u = ortho.float()
+    mean = u.square().mean(dim=dim, keepdim=True)  # (G, m, 1) or (G, 1, n)
+    stacked = torch.stack(buffers)
+    stacked.lerp_(mean, weight)
+    torch._foreach_copy_(buffers, list(stacked.unbind(0)))
+    scaled = u * stacked.clamp_min(1e-10).rsqrt()
+    norm = u.norm(dim=(-2, -1), keepdim=True) / scaled.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10)
+    return (scaled * norm).to(ortho.dtype)
 
 
 class Muon(torch.optim.Optimizer):
@@ -152,9 +204,13 @@ class Muon(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         ns_steps: int = 5,
         ns_dtype: torch.dtype = torch.bfloat16,
+        polar_express: bool = False,
+        normuon: bool = False,
     ):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
         self.ns_dtype = ns_dtype  # bf16 as torch.optim.Muon; fp32 where bf16 matmuls are emulated
+        self.coefficients = POLAR_EXPRESS if polar_express else QUINTIC
+        self.normuon = normuon  # a second_momentum_buffer per matrix besides torch.optim.Muon's momentum_buffer
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -185,7 +241,18 @@ class Muon(torch.optim.Optimizer):
         for grad, buf, out in zip(grads, bufs, update.unbind(0)):
             torch.lerp(grad, buf, momentum, out=out)
         # a stack of matrices (an MoE's experts, (E, m, n)) is orthogonalised matrix by matrix: (G * E, m, n)
-        ortho = zeropower_via_newtonschulz(update.flatten(0, -3), group["ns_steps"], dtype=self.ns_dtype)
+        flat = update.flatten(0, -3)  # (G * E, m, n)
+        ortho = zeropower_via_newtonschulz(flat, group["ns_steps"], dtype=self.ns_dtype, coefficients=self.coefficients)
+        if self.normuon:
+            m, n = flat.shape[-2:]
+            shape = (m, 1) if m >= n else (1, n)
+            state = [
+                self.state[p].setdefault("second_momentum_buffer", flat.new_zeros(*p.shape[:-2], *shape))
+                for p in params
+            ]
+            second = [view for b in state for view in b.view(-1, *shape).unbind(0)]  # one per matrix of flat
+            weight = 1 - NORMUON_BETA2 if keep is None else (1 - NORMUON_BETA2) * keep
+            ortho = variance_reduced(ortho, second, weight)
         ortho = ortho.view_as(update).to(params[0].dtype)
         scale = 0.2 * math.sqrt(max(params[0].shape[-2:]))
         if keep is None:

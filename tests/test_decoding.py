@@ -28,10 +28,13 @@ GPT2_STYLE = dict(block_size=64, n_layer=2, n_head=4, n_embd=64)  # learned posi
 MODERN_SWITCHES = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, n_kv_head=1, bias=False)
 MODERN = dict(GPT2_STYLE, **{**MODERN_SWITCHES, "n_kv_head": 2})
 WINDOWED = dict(MODERN, sliding_window=8)
+SKIPS = dict(MODERN, n_layer=3, value_embeds=True, backout=True)  # nanochat's value embeddings and skips
 real = compiled_step.compiled_row_step
 
 
-@pytest.fixture(scope="module", params=[GPT2_STYLE, MODERN, WINDOWED], ids=["gpt2-style", "modern-gqa", "window"])
+@pytest.fixture(
+    scope="module", params=[GPT2_STYLE, MODERN, WINDOWED, SKIPS], ids=["gpt2-style", "modern-gqa", "window", "skips"]
+)
 def loaded(request, tmp_path_factory):
     ckpt = write_char_checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt_best.pt", **request.param)
     model, tokenizer, _ = load_for_sampling(ckpt, "cpu", "fp32", compile=False)

@@ -142,3 +142,55 @@ def test_a_time_budget_ends_training_and_a_resumed_run_has_what_was_left(tiny_da
     train(None, resume=str(halfway), force=True)
     _, total = spent(run / "ckpt_last.pt")
     assert budget - 0.5 < total < budget + 0.5 and not math.isclose(total, half)
+
+
+def test_polar_express_orthogonalises_closer_than_the_quintic_in_as_many_steps():
+    from quillgpt.optim import POLAR_EXPRESS, QUINTIC, zeropower_via_newtonschulz
+
+    G = torch.randn(4, 64, 160, generator=torch.Generator().manual_seed(0))
+    spread = {}
+    for name, coefficients in (("quintic", QUINTIC), ("polar", POLAR_EXPRESS)):
+        sv = torch.linalg.svdvals(zeropower_via_newtonschulz(G, dtype=torch.float32, coefficients=coefficients))
+        spread[name] = (sv.max() - sv.min()).item()
+    assert spread["polar"] < 0.7 * spread["quintic"], spread
+
+
+def test_normuon_evens_the_rows_of_an_update_and_keeps_its_norm():
+    from quillgpt.optim import variance_reduced
+
+    u = torch.randn(2, 8, 4) * torch.tensor([1.0, 1, 1, 1, 1, 1, 1, 10.0]).view(1, 8, 1)  # one loud row (of 8)
+    buffers = [torch.zeros(8, 1), torch.zeros(8, 1)]
+    out = variance_reduced(u, buffers, 1.0)  # weight 1: the buffer is this step's mean square
+    assert torch.allclose(out.norm(dim=(-2, -1)), u.norm(dim=(-2, -1)), rtol=1e-5)
+    rows = out.square().mean(-1)
+    assert torch.allclose(rows, rows.mean(-1, keepdim=True), rtol=1e-4)  # every row as loud as the others
+    assert torch.allclose(buffers[0], u[0].square().mean(-1, keepdim=True))
+
+
+SWITCHES = {
+    "model.pos_emb": "rope",
+    "model.norm": "rmsnorm",
+    "model.mlp": "swiglu",
+    "model.value_embeds": True,
+    "model.backout": True,
+    "optimizer.name": "muon",
+    "optimizer.muon_coefficients": "polar_express",
+    "optimizer.normuon": True,
+}
+
+
+def test_a_run_with_every_switch_resumes_exactly(tiny_data, tmp_path):
+    """Value embeddings, the skips, Polar Express and NorMuon (its second moments in the checkpoint): stopped at step 8
+    and resumed, the losses equal a straight run's, exactly."""
+
+    def losses(run) -> dict:
+        history = json.loads((run / "train_log.json").read_text())["history"]
+        return {r["iter"]: r["loss"] for r in history if r["kind"] == "train"}
+
+    common = {**SWITCHES, "training.save_interval": 8, "optimizer.lr_decay_iters": 16}
+    train(None, overrides=tiny_overrides(tiny_data, tmp_path / "straight", **common, **{"training.max_iters": 16}))
+    train(None, overrides=tiny_overrides(tiny_data, tmp_path / "split", **common, **{"training.max_iters": 8}))
+    state = torch.load(tmp_path / "split" / "t" / "ckpt_last.pt", weights_only=True)["optimizers"][0]["state"]
+    assert all("second_momentum_buffer" in s for s in state.values())
+    train(None, overrides={"training.max_iters": 16}, resume=str(tmp_path / "split" / "t"))
+    assert losses(tmp_path / "straight" / "t") == losses(tmp_path / "split" / "t")
