@@ -35,6 +35,8 @@ import numpy as np
 from quillgpt.checkpoint import load_checkpoint
 from quillgpt.config import GPTConfig
 from quillgpt.errors import UserError, run_main
+from quillgpt.files import atomic_write_json
+from quillgpt.metrics import save_png
 from quillgpt.run_model import scaling_params
 
 REPO = Path(__file__).resolve().parent
@@ -137,21 +139,23 @@ def draw(points: list[dict], fitted: dict, path: Path, title: str) -> None:
     right.legend(fontsize=8)
     fig.suptitle(textwrap.fill(title, 150), fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/base/base.toml", help="the run's preset (default: the offline corpus)")
-    p.add_argument("--depths", nargs="+", type=int, default=[2, 3, 4, 5], help="model.depth of each point")
-    p.add_argument("--flops", nargs="+", type=float, default=[1e12, 3e12, 9e12], help="the FLOP budgets")
+    # extend: `--depths 2 3` and `--depths 2 --depths 3` alike; the defaults are filled in after parsing, as extend would
+    # add to a default list rather than replace it
+    p.add_argument(
+        "--depths", nargs="+", action="extend", type=int, help="model.depth of each point (default: 2 3 4 5)"
+    )
+    p.add_argument("--flops", nargs="+", action="extend", type=float, help="the FLOP budgets (default: 1e12 3e12 9e12)")
     p.add_argument("--png", default="bench_out/scaling/scaling_law.png", help="the figure")
     p.add_argument("--json", default="bench_out/scaling/scaling_law.json", help="the points and the fit")
     args, extra = p.parse_known_args(argv)
+    args.depths = args.depths or [2, 3, 4, 5]
+    args.flops = args.flops or [1e12, 3e12, 9e12]
     if len(args.depths) < 3:
         raise UserError("--depths: at least 3, for a parabola through each budget's points")
     points = []
@@ -171,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fit: val bpb = {law['a']:.4g} C^-{law['b']:.4f}; N* = {n['k']:.4g} C^{n['e']:.3f}")
     title = f"{args.config} {' '.join(extra)}: depths {args.depths}"
     draw(points, fitted, Path(args.png), title)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"points": points, **fitted}, indent=1))
+    atomic_write_json(args.json, {"points": points, **fitted})
     print(f"wrote {args.png} and {args.json}")
     return 0
 

@@ -1303,12 +1303,14 @@ def _toml_value(v: Any) -> str:
 
 
 def to_toml(cfg: Config) -> str:
-    """The resolved config as TOML (None values are omitted: they are every such field's default)."""
-    lines = []
+    """The resolved config as TOML (None values are omitted: they are every such field's default; so is max_iters
+    while a horizon target decides it, which a file holding both would give to max_iters)."""
+    t, lines = cfg.training, []
+    targeted = t.target_flops is not None or t.target_param_data_ratio is not None
     for section in SECTIONS:
         lines.append(f"[{section}]")
         for k, v in dataclasses.asdict(getattr(cfg, section)).items():
-            if v is not None:
+            if v is not None and not (targeted and section == "training" and k == "max_iters"):
                 lines.append(f"{k} = {_toml_value(v)}")
         lines.append("")
     return "\n".join(lines)

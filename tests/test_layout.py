@@ -25,7 +25,9 @@ def test_the_checks_see_a_cycle_and_an_import_of_a_script():
 
 def test_the_entry_scripts_build_from_the_package_not_from_each_other():
     graph = import_graph()
-    assert {"train", "sample", "prepare", "eval", "export", "bench", "speedrun", "serve"} <= entry_scripts(graph)
+    assert {"train", "sample", "prepare", "eval", "export", "bench", "speedrun", "scaling", "serve"} <= entry_scripts(
+        graph
+    )
     assert script_imports(graph) == []
     assert "quillgpt.trainer" in graph["train"] and "quillgpt.prepare" in graph["prepare"]
 
@@ -54,6 +56,7 @@ def test_the_root_holds_only_the_scripts_and_model():
         "model.py",
         "prepare.py",
         "sample.py",
+        "scaling.py",
         "serve.py",
         "speedrun.py",
         "tasks.py",
