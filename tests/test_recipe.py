@@ -5,11 +5,12 @@ import json
 import math
 
 import pytest
+import tomllib
 import torch
 from conftest import tiny_overrides
 
 from model import GPT
-from quillgpt.config import ConfigError, GPTConfig, build_config, plan_lines
+from quillgpt.config import ConfigError, GPTConfig, build_config, plan_lines, to_toml
 from quillgpt.optim import lr_multiplier
 from train import train
 
@@ -86,6 +87,16 @@ def test_the_horizon_comes_from_a_ratio_or_flops_and_an_explicit_max_iters_wins(
     capped = train(str(file), overrides={**overrides("m"), "training.max_iters": 7})
     assert capped.iterations == 7
     assert "training.max_iters = 7 is set, so training.target_param_data_ratio is not used" in capsys.readouterr().err
+
+
+def test_a_config_with_a_horizon_target_dumps_to_toml_that_reloads_to_it():
+    """A dump holding both max_iters and a target would reload with max_iters winning (a file's explicit key): while a
+    target decides the steps, the dump leaves max_iters out."""
+    cfg = build_config({"training": {"target_param_data_ratio": 8.0}})
+    text = to_toml(cfg)
+    assert "target_param_data_ratio = 8.0" in text and "max_iters" not in text
+    again = build_config(tomllib.loads(text))
+    assert again.training.target_param_data_ratio == 8.0 and to_toml(again) == text
 
 
 def test_validate_shows_the_dials_plan(tiny_data, tmp_path, capsys):
