@@ -3,9 +3,10 @@
 Defaults reproduce GPT-2 (learned positions, LayerNorm, GELU MLP, tied embeddings), so GPT-2
 weights load unchanged. A modern recipe is available through switches (quillgpt.config.GPTConfig):
 rotary positions, RMSNorm, QK-norm, ReLU^2 / SwiGLU MLPs, untied embeddings, logit soft-capping
-and zero-initialised output projections. Optimizers live in quillgpt/optim.py. Decoding (the KV cache, the
-one-token step, sampling) is quillgpt/engine.py's: a forward pass given a cache asks it for the positions of the new
-tokens and lets it store and attend. Speed tricks are swapped into a built model, never built into it: the CPU
+and zero-initialised output projections; nanochat's value embeddings, smear and skips. Optimizers live in
+quillgpt/optim.py. Decoding (the KV cache, the one-token step, sampling) is quillgpt/engine.py's: a forward pass
+given a cache asks it for the positions of the new tokens (and, for smear, the tokens before them) and lets it store
+and attend. Speed tricks are swapped into a built model, never built into it: the CPU
 training kernels by quillgpt/kernels.py, the decoding products and int8 weights by quillgpt/decoding_kernels.py.
 
 References: nanoGPT's model.py; GPT-2 (Radford et al. 2019); RoFormer (Su et al. 2021);
@@ -274,6 +275,7 @@ class CausalSelfAttention(nn.Module):
 
 
 VE_GATE_INPUTS = 12  # nanochat's ve_gate_channels
+SMEAR_GATE_INPUTS = 24  # the first channels of a token's embedding that gate its smear (nanochat's)
 
 
 def has_value_embed(config: GPTConfig, layer: int) -> bool:
@@ -409,6 +411,9 @@ class GPT(nn.Module):
             kv_width = config.kv_heads * config.head_width
             layers = [i for i in range(config.n_layer) if has_value_embed(config, i)]
             self.value_embeds = nn.ModuleDict({str(i): embedding(config.vocab_size, kv_width) for i in layers})
+        if config.smear:  # the gate's weights over the first channels (a vector: AdamW's), and the share
+            self.smear_gate = nn.Parameter(torch.zeros(min(SMEAR_GATE_INPUTS, config.n_embd)))
+            self.smear_lambda = nn.Parameter(torch.zeros(1))
         if config.backout:  # per layer: the residual's and the embeddings' weights; the middle layer's share taken off
             self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
             self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
@@ -420,7 +425,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_switches(self) -> None:
         """nanochat's starting values: value embeddings as wide as a normal(0, 0.02)'s spread, their gates just open;
-        the residual weighed 1.15 down to 1.05 by depth, the embeddings 0.20 down to 0.05, a fifth of the middle out."""
+        the residual weighed 1.15 down to 1.05 by depth, the embeddings 0.20 down to 0.05, a fifth of the middle out; no
+        smear."""
         last = max(self.config.n_layer - 1, 1)
         for i, block in enumerate(self.transformer.h):
             if block.attn.ve_gate is not None:
@@ -431,6 +437,9 @@ class GPT(nn.Module):
                 self.x0_lambdas[i] = 0.20 - 0.15 * i / last
         if self.config.backout:
             self.backout_lambda.fill_(0.2)
+        if self.config.smear:  # shut at first (the share 0), the gate half open
+            nn.init.uniform_(self.smear_gate, 0.0, 0.02)
+            self.smear_lambda.zero_()
 
     def set_rope_tables(self) -> None:
         """The rotary tables of the config (rope_tables), as buffers not saved with the weights: rope_cos and
@@ -469,6 +478,19 @@ class GPT(nn.Module):
         """Token embeddings (B, T, C), scaled where the family does so."""
         x = self.transformer.wte(idx)
         return x * self.embed_scale if self.embed_scale != 1.0 else x
+
+    def smear(self, x: torch.Tensor, idx: torch.Tensor, cache, positions: torch.Tensor | None) -> torch.Tensor:
+        """x (B, T, C) plus, at each token, a gated share of the previous token's embedding; a row's first token and
+        a document's (positions 0) have none. With a cache, the cache keeps the tokens and says which came before."""
+        if cache is not None:
+            before = cache.previous(idx)  # (B, T), -1 where there is none
+        else:
+            before = F.pad(idx[:, :-1], (1, 0), value=-1)  # (B, T)
+            if positions is not None:
+                before = before.masked_fill(positions == 0, -1)
+        previous = self.embed(before.clamp(min=0)) * (before >= 0).unsqueeze(-1).to(x.dtype)  # (B, T, C)
+        gate = torch.sigmoid(x[..., : self.smear_gate.numel()] @ self.smear_gate.to(x.dtype))  # (B, T)
+        return x + self.smear_lambda.to(x.dtype) * gate.unsqueeze(-1) * previous
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -518,6 +540,8 @@ class GPT(nn.Module):
         first one (DocumentMask), so a row may hold more than block_size tokens."""
         B, T = idx.size()
         x = self.embed(idx)  # (B, T, C)
+        if self.config.smear:
+            x = self.smear(x, idx, cache, positions)
         documents = None
         if cache is not None:
             pick, reach = cache.pick, cache.reach()

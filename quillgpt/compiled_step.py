@@ -59,25 +59,28 @@ class DecodeOne(nn.Module):
     what torch.export takes. The row's buffers (k0, v0, k1, ...) are the compiled model's too, and a caller binds
     its own cache's tensors in their place (bind), so the eager prompt pass and the compiled steps write one cache."""
 
-    def __init__(self, model: nn.Module, k: list[torch.Tensor], v: list[torch.Tensor]):
+    def __init__(self, model: nn.Module, k: list[torch.Tensor], v: list[torch.Tensor], ids: torch.Tensor):
         super().__init__()
         self.model, self.n_layer = model, len(k)
         for i, (ki, vi) in enumerate(zip(k, v)):
             self.register_buffer(f"k{i}", torch.zeros_like(ki))
             self.register_buffer(f"v{i}", torch.zeros_like(vi))
+        if model.config.smear:  # the row's tokens: smear reads the one before
+            self.register_buffer("ids", torch.zeros_like(ids))
 
     def forward(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         k = [getattr(self, f"k{i}") for i in range(self.n_layer)]
         v = [getattr(self, f"v{i}") for i in range(self.n_layer)]
-        logits, _ = self.model(token, cache=GraphCache(k, v, position))
+        logits, _ = self.model(token, cache=GraphCache(k, v, position, getattr(self, "ids", None)))
         return logits[:, -1, :]
 
 
 class Row0:
-    """The first row of a KVCache's buffers, (1, nkv, L, hs) views: what a compiled step binds and writes."""
+    """The first row of a KVCache's buffers, (1, nkv, L, hs) views and its tokens (1, L): what a compiled step binds
+    and writes."""
 
     def __init__(self, cache: KVCache):
-        self.k, self.v = [b[:1] for b in cache.k], [b[:1] for b in cache.v]
+        self.k, self.v, self.ids = [b[:1] for b in cache.k], [b[:1] for b in cache.v], cache.ids[:1]
 
 
 def bind(runner, model: nn.Module, cache) -> None:
@@ -90,6 +93,8 @@ def bind(runner, model: nn.Module, cache) -> None:
     weights = {f"model.{name}": t.detach() for name, t in named if f"model.{name}" in names}  # tied ones by each name
     runner.load_constants(weights, False, False, False, False)  # the active set, no full check, copied
     tensors = {f"{kind}{i}": t for kind in "kv" for i, t in enumerate(getattr(cache, kind))}
+    if model.config.smear:
+        tensors["ids"] = cache.ids
     runner.load_constants(tensors, False, False, True, False)  # user-managed: the kernels write the caller's cache
 
 
@@ -242,8 +247,8 @@ def graph_row_step(model: nn.Module, cache: KVCache) -> Callable:
     unwritten part masked), compiled once per model (kept on it) and shape."""
     if getattr(model, "_graph_step", None) is None:
 
-        def forward(token, position, k, v):
-            logits, _ = model(token, cache=GraphCache(k, v, position))
+        def forward(token, position, k, v, ids):
+            logits, _ = model(token, cache=GraphCache(k, v, position, ids))
             return logits[:, -1, :]
 
         model._graph_step = torch.compile(forward, dynamic=False, fullgraph=True)
@@ -252,7 +257,7 @@ def graph_row_step(model: nn.Module, cache: KVCache) -> Callable:
 
     def step(token: torch.Tensor, given: KVCache) -> torch.Tensor:
         at = cache.positions[0]
-        logits = model._graph_step(token, positions[at : at + 1], row.k, row.v)
+        logits = model._graph_step(token, positions[at : at + 1], row.k, row.v, row.ids)
         cache.positions[0] = at + 1
         return logits
 
@@ -303,7 +308,7 @@ def build_package(model: nn.Module, cache, directory: Path, key: str) -> Path:
     position = torch.zeros(1, dtype=torch.long, device=token.device)
     row = Row0(cache)
     with torch.no_grad():
-        exported = torch.export.export(DecodeOne(model, row.k, row.v), (token, position), strict=False)
+        exported = torch.export.export(DecodeOne(model, row.k, row.v, row.ids), (token, position), strict=False)
     # torch's own deprecation notice from inside the packaging (pytree's LeafSpec), not the user's to act on
     with tempfile.TemporaryDirectory(dir=directory, prefix=".compiling-") as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)

@@ -139,6 +139,11 @@ class GPTConfig:
         "nanochat's skips: each layer's input a learned mix of the residual and the embeddings (x0), and the head "
         "reading the residual less a learned share of the middle layer's; no Hugging Face family or GGUF has them",
     )
+    smear: bool = _f(
+        False,
+        "nanochat's smear: each token's embedding plus a share of the previous token's, gated by its own first 24 "
+        "channels (a bigram's worth of context before the first layer); no Hugging Face family or GGUF has it",
+    )
     n_experts: int = _f(0, "experts in each mixture-of-experts layer (0: dense MLPs; quillgpt/moe.py)")
     experts_per_token: int = _f(2, "experts each token is routed to (top-k)")
     expert_hidden: int | None = _f(None, "hidden width of each expert's MLP (None: the dense MLP's rule)")

@@ -76,6 +76,7 @@ class KVCache:
         shape = (rows, kv_heads, length, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.ids = torch.zeros((rows, length), dtype=torch.long, device=device)  # each position's token (smear's)
         self.length = length
         self.positions = [0] * rows  # positions written, per row (host ints: read without waiting for the device)
         self.prepare(1, 1)
@@ -124,6 +125,17 @@ class KVCache:
         """The furthest position the pass reads, per row where the rows differ (B, 1, 1): LongRoPE's switch."""
         return self.start + self.tokens - 1 if self.shared else self.at.view(-1, 1, 1)
 
+    def previous(self, idx: torch.Tensor) -> torch.Tensor:
+        """Keep the new tokens idx (B, T) and give the token before each (B, T), -1 before a row's first (smear)."""
+        if not self.shared:
+            self.ids[self.rows, self.at] = idx[:, 0]
+            before = self.ids[self.rows, (self.at - 1).clamp(min=0)].masked_fill(self.at == 0, -1)
+            return before.unsqueeze(1)  # (B, 1)
+        B, start, end = self.batch, self.start, self.start + self.tokens
+        self.ids[:B, start:end] = idx
+        first = self.ids[:B, start - 1 : start] if start > 0 else torch.full_like(idx[:, :1], -1)
+        return torch.cat([first, idx[:, :-1]], dim=1)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
         """Store the new keys and values (B, nkv, T, hs) and attend the queries (B, nh, T, hs) over what the rows hold:
         the filled prefix (a window's part of it), causally among the new tokens."""
@@ -149,17 +161,18 @@ class KVCache:
 
     # ---- rows: filled from a prefill, moved, grown ----
 
-    def fill(self, slot: int, k: list[torch.Tensor], v: list[torch.Tensor], copies: int, length: int) -> None:
-        """A prefilled prompt's per-layer k, v (1, nkv, T, hs; T >= length) into the first `length` positions of
-        `copies` rows from `slot` on (a group of replies to it)."""
-        for buffers, new in ((self.k, k), (self.v, v)):
+    def fill(self, slot: int, read: KVCache, i: int, copies: int, length: int) -> None:
+        """Row i of a prefill's cache `read` (its first `length` positions) into `copies` rows from `slot` on (a group
+        of replies to one prompt)."""
+        for buffers, new in ((self.k, read.k), (self.v, read.v)):
             for buffer, kv in zip(buffers, new):
-                buffer[slot : slot + copies, :, :length] = kv[:, :, :length]
+                buffer[slot : slot + copies, :, :length] = kv[i : i + 1, :, :length]
+        self.ids[slot : slot + copies, :length] = read.ids[i : i + 1, :length]
         self.positions[slot : slot + copies] = [length] * copies
 
     def copy_row(self, src: int, dst: int) -> None:
         """Row src into row dst, whole."""
-        for buffer in (*self.k, *self.v):
+        for buffer in (*self.k, *self.v, self.ids):
             buffer[dst] = buffer[src]
         self.positions[dst] = self.positions[src]
 
@@ -169,8 +182,8 @@ class GraphCache:
     positions masked, so that every position runs one graph, and the position is a tensor on the device (an
     exported graph would be specialised to a host int). quillgpt/compiled_step.py exports the model over it."""
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], position: torch.Tensor):
-        self.k, self.v, self.position = k, v, position  # (1, nkv, L, hs) each, (1,)
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], position: torch.Tensor, ids=None):
+        self.k, self.v, self.position, self.ids = k, v, position, ids  # (1, nkv, L, hs) each, (1,), (1, L) for smear
         self.length = k[0].size(2)
         self.visible = torch.arange(self.length, device=position.device) <= position  # (L,)
 
@@ -179,6 +192,11 @@ class GraphCache:
 
     def reach(self) -> torch.Tensor:
         return self.position
+
+    def previous(self, idx: torch.Tensor) -> torch.Tensor:
+        self.ids.index_copy_(1, self.position, idx)
+        before = self.ids.index_select(1, (self.position - 1).clamp(min=0))  # (1, 1)
+        return torch.where(self.position > 0, before, torch.full_like(before, -1))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
         self.k[layer].index_copy_(2, self.position, k.to(self.k[layer].dtype))
@@ -370,10 +388,10 @@ class Engine:
             self.resize(cache_length(needed, self.block_size))
         logits = [self.logits] if self.logits is not None else []
         done = 0
-        for (ks, vs, last), chunk in self.read([group[0].prompt for group in groups]):
+        for (read, last), chunk in self.read([group[0].prompt for group in groups]):
             for i, prompt in enumerate(chunk):
                 group, slot = groups[done + i], len(self.rows)
-                self.cache.fill(slot, [k[i : i + 1] for k in ks], [v[i : i + 1] for v in vs], len(group), len(prompt))
+                self.cache.fill(slot, read, i, len(group), len(prompt))
                 for j, row in enumerate(group):
                     row.slot = slot + j
                     self.rows.append(row)
@@ -382,7 +400,7 @@ class Engine:
         self.logits = torch.cat(logits)
 
     def read(self, prompts: list[list[int]]) -> Iterator[tuple[tuple, list[list[int]]]]:
-        """The prompts' keys and values and last logits, in passes of prompts right-padded to the longest (causal
+        """The prompts' cache (keys, values, tokens) and last logits, in passes of prompts right-padded to the longest (causal
         attention keeps a prompt blind to the padding after it), each pass's fp32 logits at most PROMPT_LOGITS_BYTES."""
         width = max(map(len, prompts))
         per_pass = max(1, PROMPT_LOGITS_BYTES // (4 * width * self.model.config.vocab_size))
@@ -395,7 +413,7 @@ class Engine:
             read.prepare(len(chunk), width)
             logits, _ = self.model(ids.to(self.device), cache=read)  # (n, width, V)
             last = torch.stack([logits[i, len(p) - 1] for i, p in enumerate(chunk)])
-            yield (read.k, read.v, last), chunk
+            yield (read, last), chunk
 
     def drop(self, row: Row) -> None:
         """The row leaves: the last row moves into its place (rows 0..n-1 stay the ones in use)."""
@@ -418,6 +436,7 @@ class Engine:
         held = min(old.length, self.cache.length)
         for new, kept in zip(self.cache.k + self.cache.v, old.k + old.v):
             new[:n, :, :held] = kept[:n, :, :held]
+        self.cache.ids[:n, :held] = old.ids[:n, :held]
         self.cache.positions = list(old.positions)
 
     # ---- one step ----
@@ -505,10 +524,9 @@ class Engine:
         full = [row for row in self.rows if self.cache.positions[row.slot] >= self.cache.length]
         recent = [row.ids[-(self.block_size // 2) : -1] for row in full]  # the last id is fed by this step
         done = 0
-        for (ks, vs, _), chunk in self.read(recent):
+        for (read, _), chunk in self.read(recent):
             for i, ids in enumerate(chunk):
-                kept = [k[i : i + 1] for k in ks], [v[i : i + 1] for v in vs]
-                self.cache.fill(full[done + i].slot, *kept, 1, len(ids))
+                self.cache.fill(full[done + i].slot, read, i, 1, len(ids))
             done += len(chunk)
 
     # ---- conversations: one row kept across turns ----

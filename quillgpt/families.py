@@ -108,6 +108,7 @@ PHI3_BLOCK = {
 # Llama's switches: what a family fixes at other values, or frees, is measured against these
 PLAIN = dict(
     value_embeds=False,
+    smear=False,
     backout=False,
     pos_emb="rope",
     norm="rmsnorm",

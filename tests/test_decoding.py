@@ -28,7 +28,9 @@ GPT2_STYLE = dict(block_size=64, n_layer=2, n_head=4, n_embd=64)  # learned posi
 MODERN_SWITCHES = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, n_kv_head=1, bias=False)
 MODERN = dict(GPT2_STYLE, **{**MODERN_SWITCHES, "n_kv_head": 2})
 WINDOWED = dict(MODERN, sliding_window=8)
-SKIPS = dict(MODERN, n_layer=3, value_embeds=True, backout=True)  # nanochat's value embeddings and skips
+SKIPS = dict(
+    MODERN, n_layer=3, value_embeds=True, backout=True, smear=True
+)  # nanochat's value embeddings, skips, smear
 real = compiled_step.compiled_row_step
 
 
@@ -38,6 +40,9 @@ real = compiled_step.compiled_row_step
 def loaded(request, tmp_path_factory):
     ckpt = write_char_checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt_best.pt", **request.param)
     model, tokenizer, _ = load_for_sampling(ckpt, "cpu", "fp32", compile=False)
+    if model.config.smear:  # nanochat's start shuts it: open it, or decoding would pass without the cache's tokens
+        with torch.no_grad():
+            model.smear_lambda.fill_(2.0)
     return model, tokenizer
 
 
@@ -104,7 +109,8 @@ def test_the_compiled_row_view_masks_what_is_unwritten_and_gives_the_eager_logit
         for pos in range(len(prompt), 32):
             token = torch.tensor([[pos % 20]])
             eager.feed([pos % 20])
-            view = GraphCache([b[:1] for b in masked.cache.k], [b[:1] for b in masked.cache.v], torch.tensor([pos]))
+            c = masked.cache
+            view = GraphCache([b[:1] for b in c.k], [b[:1] for b in c.v], torch.tensor([pos]), c.ids[:1])
             logits, _ = model(token, cache=view)
             masked.cache.positions[0] += 1
             torch.testing.assert_close(logits[:, -1], eager.logits, rtol=1e-5, atol=1e-5)
@@ -187,6 +193,22 @@ def test_a_compiled_step_is_kept_and_serves_every_model_of_its_shape_and_every_s
     assert replies[0] == replies[1] and len(replies[0]) > 5 and steps == [128] * 5
     wider = random_chat_model(block_size=128, **{**MODERN_SWITCHES, "n_kv_head": 2})  # another shape
     assert cpu(wider, None).step == "eager"
+
+
+@pytest.mark.slow
+def test_a_compiled_step_of_a_model_with_the_switches_gives_its_eager_tokens(tmp_path, monkeypatch):
+    """Value embeddings, the skips and smear (which reads the cache's tokens: the package binds them too), compiled
+    ahead of time: greedy tokens equal the eager ones, past block_size (a refill) included."""
+    monkeypatch.setenv("QUILLGPT_CACHE", str(tmp_path / "cache"))
+    switches = {k: v for k, v in SKIPS.items() if k not in GPT2_STYLE}  # n_layer 3 among them
+    model = random_chat_model(block_size=64, **switches)
+    with torch.no_grad():
+        model.smear_lambda.fill_(2.0)  # open: nanochat's start shuts it
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    eager = generate(model, prompt, 80, temperature=0, plan=cpu(model, False))
+    plan = cpu(model, True)
+    assert plan.step == "compiled"
+    assert torch.equal(generate(model, prompt, 80, temperature=0, plan=plan), eager)
 
 
 def test_only_a_finished_run_of_five_minutes_or_more_keeps_the_decoding_step_by_default():
@@ -327,7 +349,7 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("switches", [GPT2_STYLE, MODERN], ids=["gpt2-style", "modern-gqa"])
+@pytest.mark.parametrize("switches", [GPT2_STYLE, MODERN, SKIPS], ids=["gpt2-style", "modern-gqa", "skips"])
 def test_a_decoding_step_reads_nothing_back_on_the_meta_device(switches):
     """The meta device stands in for a GPU: its tensors have no values, so any read back to the host (int(), .item(),
     .tolist()) raises there. A prompt's pass and the model's steps (rows at one position, rows at their own) run

@@ -412,14 +412,18 @@ def test_shakespeare_finetune_preset_commands_train_tune_and_sample(shakespeare_
     assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:"), sampled.stderr
 
 
-def test_value_embeddings_and_the_skips_are_refused_by_the_hugging_face_export(tmp_path):
-    """No Hugging Face family has nanochat's value embeddings or its skips: one line naming both, exit 2, no files."""
-    switches = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, value_embeds=True, backout=True)
+def test_value_embeddings_smear_and_the_skips_are_refused_by_the_hugging_face_export(tmp_path):
+    """No Hugging Face family has nanochat's value embeddings, smear or skips: one line naming each, exit 2, no
+    files."""
+    switches = dict(
+        pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, value_embeds=True, backout=True, smear=True
+    )
     ckpt = write_char_checkpoint(tmp_path / "ckpt.pt", **switches)
     result = run_script("export.py", "--ckpt", str(ckpt), "--hf", str(tmp_path / "hf"))
     assert result.returncode == 2
     assert result.stderr == (
         f"error: {ckpt} cannot be exported as Hugging Face Llama: model.value_embeds = True (nearest that exports: "
-        "False); model.backout = True (nearest that exports: False) (export it with --safetensors instead)\n"
+        "False); model.smear = True (nearest that exports: False); model.backout = True (nearest that exports: False) "
+        "(export it with --safetensors instead)\n"
     )
     assert not (tmp_path / "hf").exists()

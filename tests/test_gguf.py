@@ -760,12 +760,15 @@ def unexportable(directory: Path, **switches) -> Path:
             "model.logit_softcap = 15.0 (nearest that exports: 0.0)",
         ),
         (
-            lambda d: unexportable(d, pos_emb="rope", norm="rmsnorm", mlp="swiglu", value_embeds=True, backout=True),
+            lambda d: unexportable(
+                d, pos_emb="rope", norm="rmsnorm", mlp="swiglu", value_embeds=True, backout=True, smear=True
+            ),
             [],
-            "model.value_embeds = True (nearest that exports: False); model.backout = True (nearest that exports: False)",
+            "model.value_embeds = True (nearest that exports: False); model.smear = True (nearest that exports: False); "
+            "model.backout = True (nearest that exports: False)",
         ),
     ],
-    ids=["outtype", "relu2", "softcap", "value-embeds-and-backout"],
+    ids=["outtype", "relu2", "softcap", "value-embeds-smear-and-backout"],
 )
 def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, make, args, message):
     ckpt = make(tmp_path)

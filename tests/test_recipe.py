@@ -184,6 +184,7 @@ SWITCHES = {
     "model.mlp": "swiglu",
     "model.value_embeds": True,
     "model.backout": True,
+    "model.smear": True,
     "optimizer.name": "muon",
     "optimizer.muon_coefficients": "polar_express",
     "optimizer.normuon": True,
@@ -191,7 +192,7 @@ SWITCHES = {
 
 
 def test_a_run_with_every_switch_resumes_exactly(tiny_data, tmp_path):
-    """Value embeddings, the skips, Polar Express and NorMuon (its second moments in the checkpoint): stopped at step 8
+    """Value embeddings, the skips, smear, Polar Express and NorMuon (its second moments in the checkpoint): stopped at step 8
     and resumed, the losses equal a straight run's, exactly."""
 
     def losses(run) -> dict:
