@@ -192,8 +192,8 @@ SWITCHES = {
 
 
 def test_a_run_with_every_switch_resumes_exactly(tiny_data, tmp_path):
-    """Value embeddings, the skips, smear, Polar Express and NorMuon (its second moments in the checkpoint): stopped at step 8
-    and resumed, the losses equal a straight run's, exactly."""
+    """Value embeddings, the skips, smear, Polar Express and NorMuon (its second moments in the checkpoint): stopped
+    at step 8 and resumed, the losses equal a straight run's, exactly."""
 
     def losses(run) -> dict:
         history = json.loads((run / "train_log.json").read_text())["history"]
@@ -206,3 +206,22 @@ def test_a_run_with_every_switch_resumes_exactly(tiny_data, tmp_path):
     assert all("second_momentum_buffer" in s for s in state.values())
     train(None, overrides={"training.max_iters": 16}, resume=str(tmp_path / "split" / "t"))
     assert losses(tmp_path / "straight" / "t") == losses(tmp_path / "split" / "t")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("compiled_step")
+def test_a_compiled_run_with_every_switch_trains_as_the_eager_one(tiny_data, tmp_path):
+    """torch.compile over value embeddings, the skips, smear, Polar Express and NorMuon: the same losses as the eager
+    run, step for step, within fp32's rounding (inductor may fuse the arithmetic in another order)."""
+
+    def losses(run) -> list[float]:
+        history = json.loads((run / "train_log.json").read_text())["history"]
+        return [r["loss"] for r in history if r["kind"] == "train"]
+
+    common = {**SWITCHES, "training.max_iters": 6, "training.save_interval": 0, "model.dropout": 0.0}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        train(None, overrides=tiny_overrides(tiny_data, tmp_path / name, **common, **{"training.compile": compiled}))
+    assert tomllib.loads((tmp_path / "compiled" / "t" / "config.toml").read_text())["training"]["compile"] is True
+    eager, compiled = losses(tmp_path / "eager" / "t"), losses(tmp_path / "compiled" / "t")
+    assert len(eager) == len(compiled) == 6
+    assert compiled == pytest.approx(eager, rel=1e-4)
