@@ -196,7 +196,7 @@ class GraphCache:
     def previous(self, idx: torch.Tensor) -> torch.Tensor:
         self.ids.index_copy_(1, self.position, idx)
         before = self.ids.index_select(1, (self.position - 1).clamp(min=0))  # (1, 1)
-        return torch.where(self.position > 0, before, torch.full_like(before, -1))
+        return before.masked_fill(self.position == 0, -1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
         self.k[layer].index_copy_(2, self.position, k.to(self.k[layer].dtype))
@@ -399,9 +399,10 @@ class Engine:
             done += len(chunk)
         self.logits = torch.cat(logits)
 
-    def read(self, prompts: list[list[int]]) -> Iterator[tuple[tuple, list[list[int]]]]:
-        """The prompts' cache (keys, values, tokens) and last logits, in passes of prompts right-padded to the longest (causal
-        attention keeps a prompt blind to the padding after it), each pass's fp32 logits at most PROMPT_LOGITS_BYTES."""
+    def read(self, prompts: list[list[int]]) -> Iterator[tuple[tuple[KVCache, torch.Tensor], list[list[int]]]]:
+        """The prompts' cache (keys, values, tokens) and last logits, in passes of prompts right-padded to the longest
+        (causal attention keeps a prompt blind to the padding after it), each pass's fp32 logits at most
+        PROMPT_LOGITS_BYTES."""
         width = max(map(len, prompts))
         per_pass = max(1, PROMPT_LOGITS_BYTES // (4 * width * self.model.config.vocab_size))
         for start in range(0, len(prompts), per_pass):

@@ -28,9 +28,8 @@ GPT2_STYLE = dict(block_size=64, n_layer=2, n_head=4, n_embd=64)  # learned posi
 MODERN_SWITCHES = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, n_kv_head=1, bias=False)
 MODERN = dict(GPT2_STYLE, **{**MODERN_SWITCHES, "n_kv_head": 2})
 WINDOWED = dict(MODERN, sliding_window=8)
-SKIPS = dict(
-    MODERN, n_layer=3, value_embeds=True, backout=True, smear=True
-)  # nanochat's value embeddings, skips, smear
+# nanochat's value embeddings, skips and smear
+SKIPS = dict(MODERN, n_layer=3, value_embeds=True, backout=True, smear=True)
 real = compiled_step.compiled_row_step
 
 

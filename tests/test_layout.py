@@ -25,9 +25,8 @@ def test_the_checks_see_a_cycle_and_an_import_of_a_script():
 
 def test_the_entry_scripts_build_from_the_package_not_from_each_other():
     graph = import_graph()
-    assert {"train", "sample", "prepare", "eval", "export", "bench", "speedrun", "scaling", "serve"} <= entry_scripts(
-        graph
-    )
+    scripts = {"train", "sample", "prepare", "eval", "export", "bench", "speedrun", "scaling", "serve"}
+    assert scripts <= entry_scripts(graph)
     assert script_imports(graph) == []
     assert "quillgpt.trainer" in graph["train"] and "quillgpt.prepare" in graph["prepare"]
 
