@@ -268,6 +268,13 @@ class TrainingConfig:
     batch_size: int = _f(12, "micro-batch size per step and rank")
     grad_accum_steps: int = _f(1, "micro-steps accumulated per optimizer step")
     global_batch_size: int | None = _f(None, "if set, must equal batch_size * grad_accum_steps * world_size")
+    batch_ramp_iters: int = _f(
+        0,
+        "grow each micro-batch from batch_ramp_start rows to batch_size over these first optimizer steps, linearly in "
+        "whole rows, as modded-nanogpt schedules its batch (language modelling only; the evaluations keep batch_size; "
+        "0: off)",
+    )
+    batch_ramp_start: int = _f(4, "the rows of a micro-batch at step 0 of a batch ramp (training.batch_ramp_iters)")
     max_iters: int = _f(
         5000, "optimizer steps to train for (set, it wins over target_flops and target_param_data_ratio)"
     )
@@ -901,6 +908,7 @@ def check_training(cfg: Config, world_size: int) -> Problems:
         "save_interval",
         "keep_last",
         "early_stopping_patience",
+        "batch_ramp_iters",
     )
     problems = [
         (f"training.{k}", f"training.{k} = {getattr(t, k)} must be positive") for k in positive if getattr(t, k) <= 0
@@ -933,6 +941,21 @@ def check_training(cfg: Config, world_size: int) -> Problems:
             for k in ("target_param_data_ratio", "target_flops")
         ),
         ("training.time_budget_s", t.time_budget_s >= 0, f"training.time_budget_s = {t.time_budget_s} must be >= 0"),
+        (
+            "training.batch_ramp_start",
+            t.batch_ramp_iters == 0 or 1 <= t.batch_ramp_start <= t.batch_size,
+            f"training.batch_ramp_start = {t.batch_ramp_start} must be in [1, batch_size {t.batch_size}]",
+        ),
+        (
+            "training.batch_ramp_iters",
+            t.batch_ramp_iters == 0 or not cfg.rl.enabled,
+            "training.batch_ramp_iters ramps language-model batches: rl.enabled steps on its own rollouts",
+        ),
+        (
+            "training.batch_ramp_iters",
+            t.batch_ramp_iters == 0 or not cfg.data.preference,
+            "training.batch_ramp_iters ramps language-model batches, not DPO's pairs (data.preference)",
+        ),
     )
     if t.global_batch_size is not None and t.batch_size > 0 and t.grad_accum_steps > 0:
         g, got = t.global_batch_size, t.batch_size * t.grad_accum_steps * world_size

@@ -274,6 +274,16 @@ def micro_batch_index(step: int, rank: int, micro: int, accum: int, world_size: 
     return (step * world_size + rank) * accum + micro
 
 
+def micro_batch_rows(batch_size: int, ramp_iters: int, ramp_start: int, step: int) -> int:
+    """The rows of each micro-batch of optimizer step `step`: batch_size, or under a batch ramp
+    (training.batch_ramp_iters) ramp_start at step 0, growing linearly in whole rows to batch_size at step ramp_iters.
+    A micro-batch of fewer rows is the first rows of the one batch_size would draw, so the data stays a pure function
+    of the step."""
+    if step >= ramp_iters:
+        return batch_size
+    return ramp_start + (batch_size - ramp_start) * step // ramp_iters
+
+
 def batch_rng(seed: int, split: str, index: int) -> np.random.Generator:
     """The generator for one micro-batch: a pure function of (seed, split, index).
 
@@ -398,8 +408,9 @@ class BatchSource:
             counted[np.arange(self.block_size + 1)[None, :] >= length[:, None]] = 0
         return rows[:, :-1], np.where(counted[:, 1:] == 1, rows[:, 1:], -1)
 
-    def get(self, split: str, index: int, next_index: int | None = None) -> Batch:
-        """The batch for (split, index); with next_index, start loading that one in the background."""
+    def get(self, split: str, index: int, next_index: int | None = None, rows: int | None = None) -> Batch:
+        """The batch for (split, index), or its first `rows` rows (a batch ramp); with next_index, start loading that
+        one in the background."""
         key = (split, index)
         if self._next is not None and self._next[0] == key:
             _, thread, box = self._next
@@ -413,4 +424,4 @@ class BatchSource:
             thread = threading.Thread(target=lambda: box.append(self._load(split, next_index)), daemon=True)
             thread.start()
             self._next = ((split, next_index), thread, box)
-        return Batch(*(None if t is None else t.to(self.device, non_blocking=True) for t in batch))
+        return Batch(*(None if t is None else t[:rows].to(self.device, non_blocking=True) for t in batch))

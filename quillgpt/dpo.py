@@ -193,9 +193,12 @@ class PairBatches:
         usable = self.usable[split]
         return usable[batch_rng(self.seed, split, index).integers(0, len(usable), size=self.batch_size)]
 
-    def get(self, split: str, index: int, next_index: int | None = None) -> tuple[torch.Tensor, ...]:
-        """The batch for (split, index). (next_index: BatchSource's prefetch hint; rows are read here, not ahead.)"""
-        pairs = self.drawn(split, index)
+    def get(
+        self, split: str, index: int, next_index: int | None = None, rows: int | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """The batch for (split, index), or its first `rows` pairs. (next_index: BatchSource's prefetch hint; rows
+        are read here, not ahead.)"""
+        pairs = self.drawn(split, index)[:rows]
         conversations = np.concatenate([2 * pairs, 2 * pairs + 1])  # chosen rows, then rejected rows
         x, y = (torch.from_numpy(np.ascontiguousarray(r)).to(self.device) for r in self.rows(split, conversations))
         stored = None if self.stored is None else torch.from_numpy(self.stored[split][conversations]).to(self.device)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from quillgpt import distributed
 from quillgpt.config import Config
-from quillgpt.data import BatchSource, Dataset, micro_batch_index
+from quillgpt.data import BatchSource, Dataset, micro_batch_index, micro_batch_rows
 from quillgpt.moe import RouterTally
 from quillgpt.scoring import HellaSwagItem, score_hellaswag
 
@@ -65,10 +65,16 @@ class Objective:
     def batch_line(self, tr: Trainer) -> str:
         t, world = tr.cfg.training, tr.rt.dist.world_size
         samples = "pairs (2 rows each)" if self.rows_per_sample == 2 else "sequences"
+        ramp = (
+            f"; from {t.batch_ramp_start} rows a micro-batch at step 0 to {t.batch_size} at step "
+            f"{t.batch_ramp_iters:,} (training.batch_ramp_iters)"
+            if t.batch_ramp_iters
+            else ""
+        )
         return (
             f"batch: {t.batch_size} x {t.grad_accum_steps} accum x {world} ranks = "
             f"{t.batch_size * t.grad_accum_steps * world} {samples}, {self.tokens_per_step(tr):,} tokens per "
-            "optimizer step"
+            f"optimizer step{ramp}"
         )
 
     def loss(self, tr: Trainer, batch: tuple) -> torch.Tensor:
@@ -82,9 +88,11 @@ class Objective:
         """The step line's figures besides the loss (None: none)."""
         return None
 
-    def tokens_per_step(self, tr: Trainer) -> int:
+    def tokens_per_step(self, tr: Trainer, it: int | None = None) -> int:
+        """Tokens an optimizer step trains on over all ranks: at full batch, or at step `it` (a batch ramp's)."""
         t = tr.cfg.training
-        return self.rows_per_sample * t.batch_size * t.grad_accum_steps * tr.rt.dist.world_size * tr.block_size
+        rows = t.batch_size if it is None else step_rows(t, it)
+        return self.rows_per_sample * rows * t.grad_accum_steps * tr.rt.dist.world_size * tr.block_size
 
     def reported(self, loss: torch.Tensor, accum: int) -> torch.Tensor:
         """The part of a micro-batch's loss (already divided by accum) the step line reports (LanguageModeling:
@@ -107,7 +115,7 @@ class Objective:
                 if micro + 1 < accum
                 else micro_batch_index(it + 1, rank, 0, accum, world)
             )
-            batch = self.batches.get("train", index, next_index=upcoming)
+            batch = self.batches.get("train", index, next_index=upcoming, rows=step_rows(tr.cfg.training, it))
             with distributed.no_sync(tr.model, last=micro == accum - 1):
                 with tr.rt.autocast:
                     loss = self.loss(tr, batch) / accum
@@ -116,6 +124,11 @@ class Objective:
         norm, skipped = apply_gradients(tr)
         self.end_step(skipped)
         return total, norm, skipped
+
+
+def step_rows(t, it: int) -> int:
+    """The rows of each micro-batch of step `it` (data.micro_batch_rows, with the run's batch ramp)."""
+    return micro_batch_rows(t.batch_size, t.batch_ramp_iters, t.batch_ramp_start, it)
 
 
 def apply_gradients(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -205,7 +205,7 @@ class Reinforcement(LanguageModeling):
         self.tokens = 0  # tokens in the last step's policy-gradient pass (prompts and replies)
         self.recent: list[tuple[float, float, float]] = []  # per step since figures(): reward, length, kl
 
-    def tokens_per_step(self, tr: Trainer) -> int:
+    def tokens_per_step(self, tr: Trainer, it: int | None = None) -> int:
         return self.tokens
 
     def batch_line(self, tr: Trainer) -> str:

@@ -16,6 +16,8 @@ resumed LoRA run checks before anything else.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,8 +26,8 @@ import torch.nn as nn
 from model import GPT
 from quillgpt.chat_template import with_chat_tokens
 from quillgpt.checkpoint import TrainingCheckpoint
-from quillgpt.config import NO_CAP, Config, GPTConfig
-from quillgpt.data import Dataset, check_fits, check_vocab_compatible
+from quillgpt.config import NO_CAP, Config, GPTConfig, TrainingConfig
+from quillgpt.data import Dataset, check_fits, check_vocab_compatible, micro_batch_rows
 from quillgpt.errors import UserError
 from quillgpt.loading import (
     base_record,
@@ -202,18 +204,35 @@ def scaling_params(model_config: GPTConfig) -> tuple[int, float]:
     return matrices + model.lm_head.weight.numel(), model.flops_per_token()
 
 
+def steps_for_tokens(t: TrainingConfig, target: float, row_tokens: int, rounding: Callable[[float], int]) -> int:
+    """The optimizer steps that train on `target` tokens, a step's micro-batch rows each worth `row_tokens` (block
+    size x accumulation x ranks): the batch ramp's smaller steps first (training.batch_ramp_iters), then full steps,
+    their count rounded by `rounding`; at least 1."""
+    steps, done = 0, 0
+    while steps < t.batch_ramp_iters and done < target:
+        done += micro_batch_rows(t.batch_size, t.batch_ramp_iters, t.batch_ramp_start, steps) * row_tokens
+        steps += 1
+    if done < target:
+        steps += rounding((target - done) / (t.batch_size * row_tokens))
+    return max(1, steps)
+
+
 def horizon(cfg: Config, model_config: GPTConfig, world_size: int) -> tuple[Config, str]:
     """cfg with max_iters from its horizon target (the targets then cleared: the run records the steps), and the line
     that says where max_iters came from."""
     t = cfg.training
     tokens = t.batch_size * model_config.block_size * t.grad_accum_steps * world_size  # one optimizer step
     params, flops = scaling_params(model_config)
+    ramp = " after the batch ramp's" if t.batch_ramp_iters else ""
     if t.target_flops is not None:
-        steps = max(1, round(t.target_flops / (flops * tokens)))
-        why = f"target_flops {t.target_flops:.3g} / ({flops:.3g} FLOPs a token x {tokens:,} tokens a step)"
+        steps = steps_for_tokens(t, t.target_flops / flops, tokens // t.batch_size, round)
+        why = f"target_flops {t.target_flops:.3g} / ({flops:.3g} FLOPs a token x {tokens:,} tokens a step{ramp})"
     elif t.target_param_data_ratio is not None:
-        steps = max(1, int(t.target_param_data_ratio * params) // tokens)
-        why = f"target_param_data_ratio {t.target_param_data_ratio:g} x {params:,} scaling parameters / {tokens:,} tokens a step"
+        steps = steps_for_tokens(t, int(t.target_param_data_ratio * params), tokens // t.batch_size, math.floor)
+        why = (
+            f"target_param_data_ratio {t.target_param_data_ratio:g} x {params:,} scaling parameters / {tokens:,} "
+            f"tokens a step{ramp}"
+        )
     elif t.max_iters == NO_CAP:
         return cfg, f"training.max_iters: no cap (training.time_budget_s {t.time_budget_s:g} ends the run)"
     else:

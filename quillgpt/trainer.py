@@ -268,6 +268,10 @@ class Trainer:
     def tokens_per_step(self) -> int:
         return self.objective.tokens_per_step(self)
 
+    def tokens_at(self, it: int) -> int:
+        """Tokens step `it` trains on (fewer than tokens_per_step during a batch ramp)."""
+        return self.objective.tokens_per_step(self, it)
+
 
 def muon_dtype(cfg: Config, rt: Runtime) -> torch.dtype:
     """The dtype of Muon's Newton-Schulz matmuls: bf16, as torch.optim.Muon runs them, except on a CPU where bf16
@@ -750,8 +754,8 @@ def fit(tr: Trainer, state: TrainState, log: MetricsLog | None, stop: StopReques
         lr = set_lr(tr.optimizers, lr_multiplier(state.iter_num, tr.cfg, budget.at(state.iter_num)))
         loss, norm, skipped = train_step(tr, state.iter_num)
         guard.record(skipped, state.iter_num)
+        state.tokens_seen += tr.tokens_at(state.iter_num)
         state.iter_num += 1
-        state.tokens_seen += tr.tokens_per_step
         clock.tick()
         if clock.steps == 1 and log and tr.rt.compile:
             print(f"first step took {clock.first:.1f}s (torch.compile); later steps are fast", flush=True)
@@ -847,7 +851,7 @@ def log_step(
     mean_loss = distributed.mean_over_ranks(loss, tr.rt.dist)
     if log:
         seconds = clock.seconds_per_step
-        tokens_per_s = tr.tokens_per_step / seconds
+        tokens_per_s = tr.tokens_at(state.iter_num - 1) / seconds
         max_iters = tr.cfg.training.max_iters
         eta = None
         if budget.seconds > 0:

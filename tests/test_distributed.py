@@ -390,17 +390,21 @@ def test_killed_rank_ends_the_job_quickly_and_leaves_a_loadable_checkpoint(workd
 def test_two_ranks_under_a_time_budget_stop_together_at_its_end(workdir):
     """training.time_budget_s under DDP: the ranks agree on rank 0's seconds where the loop reads back (every 7th step
     here) and project between, so both stop at the same step (a rank stopping alone would leave the other waiting in
-    a collective) with the budget spent, and the value embeddings train on both."""
+    a collective) with the budget spent, and the value embeddings and a batch ramp train on both."""
     out = workdir / "budget"
     budget = ("--training.time_budget_s", "4", "--training.eval_interval", "0", "--training.log_interval", "7")
+    ramp = ("--training.batch_ramp_iters", "10", "--training.batch_ramp_start", "2")
     launcher = self_launch(
-        "--config", config(workdir, 0.0), "--run.out_dir", str(out), *budget, "--model.value_embeds", "true"
+        "--config", config(workdir, 0.0), "--run.out_dir", str(out), *budget, *ramp, "--model.value_embeds", "true"
     )
     output, _ = ended(launcher, timeout=150)
     assert launcher.returncode == 0, output[-3000:]
     ckpt = load_checkpoint(out / "run" / "ckpt_last.pt")
-    assert 3.0 < ckpt["train_seconds"] < 5.5 and ckpt["iter_num"] > 14, (ckpt["train_seconds"], ckpt["iter_num"])
-    assert f"finished: {ckpt['iter_num']} iters" in output
+    steps = ckpt["iter_num"]
+    assert 3.0 < ckpt["train_seconds"] < 5.5 and steps > 14, (ckpt["train_seconds"], steps)
+    assert f"finished: {steps} iters" in output
+    rows = [2 + 6 * i // 10 for i in range(10)] + [8] * (steps - 10)  # each rank's micro-batch rows, step by step
+    assert ckpt["tokens_seen"] == 2 * 32 * sum(rows)  # 2 ranks x block_size 32
 
 
 @pytest.mark.slow

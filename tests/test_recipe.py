@@ -113,6 +113,33 @@ def test_validate_shows_the_dials_plan(tiny_data, tmp_path, capsys):
     assert report["model_args"]["n_embd"] == 32
 
 
+def test_a_batch_ramp_grows_the_micro_batch_row_by_row_from_the_full_batchs_first_rows(tiny_data, tmp_path):
+    """batch_ramp_iters 6 from 1 row to batch_size 4: rows 1, 1, 2, 2, 3, 3, then 4; each micro-batch the first rows
+    of the full one (the data a pure function of the step); the tokens counted are the rows trained on, and a ratio
+    horizon counts the ramp's smaller steps."""
+    from quillgpt.data import BatchSource, load_dataset, micro_batch_rows
+
+    assert [micro_batch_rows(4, 6, 1, i) for i in range(8)] == [1, 1, 2, 2, 3, 3, 4, 4]
+    source = BatchSource(load_dataset(tiny_data / "tiny"), 32, 4, 1337, torch.device("cpu"))
+    full, part = source.get("train", 5), source.get("train", 5, rows=2)
+    assert part.x.shape == (2, 32) and torch.equal(part.x, full.x[:2]) and torch.equal(part.y, full.y[:2])
+    ramp = {"training.batch_ramp_iters": 6, "training.batch_ramp_start": 1, "training.save_interval": 0}
+    done = train(None, overrides=tiny_overrides(tiny_data, tmp_path / "r", **ramp, **{"training.max_iters": 10}))
+    assert torch.load(done.checkpoint_path, weights_only=True)["tokens_seen"] == 32 * (12 + 4 * 4)
+    horizon = {k: v for k, v in tiny_overrides(tiny_data, tmp_path / "h", **ramp).items() if k != "training.max_iters"}
+    ratio = train(None, overrides={**horizon, "training.target_param_data_ratio": 0.3, "training.eval_interval": 0})
+    target = int(0.3 * scaling_parameters(torch.load(ratio.checkpoint_path, weights_only=True)["model_args"]))
+    assert ratio.iterations == 6 + (target - 32 * 12) // (32 * 4)  # the ramp's 12 rows of tokens, then full steps
+
+
+def test_a_batch_ramp_is_refused_where_it_would_not_apply():
+    with pytest.raises(ConfigError) as e:
+        build_config({"training": {"batch_ramp_iters": 10, "batch_ramp_start": 20, "batch_size": 8}})
+    assert "training.batch_ramp_start = 20 must be in [1, batch_size 8]" in str(e.value)
+    with pytest.raises(ConfigError, match="not DPO's pairs"):
+        build_config({"training": {"batch_ramp_iters": 10}, "data": {"preference": True}})
+
+
 def test_the_schedule_under_a_budget_runs_over_its_seconds():
     cfg = build_config({"training": {"time_budget_s": 100.0}, "optimizer": {"schedule": "wsd", "warmup_iters": 2}})
     floor = cfg.optimizer.min_lr / cfg.optimizer.learning_rate
@@ -188,12 +215,14 @@ SWITCHES = {
     "optimizer.name": "muon",
     "optimizer.muon_coefficients": "polar_express",
     "optimizer.normuon": True,
+    "training.batch_ramp_iters": 12,  # batch_size 4: 1 row at step 0, 4 from step 12 (past the resumed run's step 8)
+    "training.batch_ramp_start": 1,
 }
 
 
 def test_a_run_with_every_switch_resumes_exactly(tiny_data, tmp_path):
-    """Value embeddings, the skips, smear, Polar Express and NorMuon (its second moments in the checkpoint): stopped
-    at step 8 and resumed, the losses equal a straight run's, exactly."""
+    """Value embeddings, the skips, smear, Polar Express, NorMuon (its second moments in the checkpoint) and a batch
+    ramp: stopped at step 8 and resumed, the losses equal a straight run's, exactly."""
 
     def losses(run) -> dict:
         history = json.loads((run / "train_log.json").read_text())["history"]
@@ -211,7 +240,8 @@ def test_a_run_with_every_switch_resumes_exactly(tiny_data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.xdist_group("compiled_step")
 def test_a_compiled_run_with_every_switch_trains_as_the_eager_one(tiny_data, tmp_path):
-    """torch.compile over value embeddings, the skips, smear, Polar Express and NorMuon: the same losses as the eager
+    """torch.compile over value embeddings, the skips, smear, Polar Express, NorMuon and a batch ramp (micro-batches
+    of 1, 1, 1, 1, 2 and 2 rows: shapes the compiled model meets one after the other): the same losses as the eager
     run, step for step, within fp32's rounding (inductor may fuse the arithmetic in another order)."""
 
     def losses(run) -> list[float]:
@@ -219,6 +249,7 @@ def test_a_compiled_run_with_every_switch_trains_as_the_eager_one(tiny_data, tmp
         return [r["loss"] for r in history if r["kind"] == "train"]
 
     common = {**SWITCHES, "training.max_iters": 6, "training.save_interval": 0, "model.dropout": 0.0}
+    common["training.batch_ramp_iters"] = 8  # rows 1, 1, 1, 1, 2, 2 over the 6 steps
     for name, compiled in (("eager", False), ("compiled", True)):
         train(None, overrides=tiny_overrides(tiny_data, tmp_path / name, **common, **{"training.compile": compiled}))
     assert tomllib.loads((tmp_path / "compiled" / "t" / "config.toml").read_text())["training"]["compile"] is True

@@ -209,8 +209,8 @@ class FixedBatches:
     def __init__(self, x, y, b):
         self.x, self.y, self.b = x, y, b
 
-    def get(self, split, index, next_index=None):
-        s = slice(index * self.b, (index + 1) * self.b)
+    def get(self, split, index, next_index=None, rows=None):
+        s = slice(index * self.b, index * self.b + (rows or self.b))
         return Batch(self.x[s], self.y[s], None)
 
 
