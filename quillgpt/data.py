@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from quillgpt.config import DOCUMENT_MASK_ON_CHAT, Config
+from quillgpt.config import DOCUMENT_MASK_ON_CHAT, Config, TrainingConfig
 from quillgpt.distributed import DistInfo, on_every_rank, on_main
 from quillgpt.errors import UserError
 from quillgpt.files import read_json
@@ -274,14 +274,14 @@ def micro_batch_index(step: int, rank: int, micro: int, accum: int, world_size: 
     return (step * world_size + rank) * accum + micro
 
 
-def micro_batch_rows(batch_size: int, ramp_iters: int, ramp_start: int, step: int) -> int:
+def micro_batch_rows(t: TrainingConfig, step: int) -> int:
     """The rows of each micro-batch of optimizer step `step`: batch_size, or under a batch ramp
-    (training.batch_ramp_iters) ramp_start at step 0, growing linearly in whole rows to batch_size at step ramp_iters.
-    A micro-batch of fewer rows is the first rows of the one batch_size would draw, so the data stays a pure function
-    of the step."""
-    if step >= ramp_iters:
-        return batch_size
-    return ramp_start + (batch_size - ramp_start) * step // ramp_iters
+    (training.batch_ramp_iters) batch_ramp_start at step 0, growing linearly in whole rows to batch_size at step
+    batch_ramp_iters. A micro-batch of fewer rows is the first rows of the one batch_size would draw, so the data stays
+    a pure function of the step."""
+    if step >= t.batch_ramp_iters:
+        return t.batch_size
+    return t.batch_ramp_start + (t.batch_size - t.batch_ramp_start) * step // t.batch_ramp_iters
 
 
 def batch_rng(seed: int, split: str, index: int) -> np.random.Generator:

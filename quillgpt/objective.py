@@ -91,7 +91,7 @@ class Objective:
     def tokens_per_step(self, tr: Trainer, it: int | None = None) -> int:
         """Tokens an optimizer step trains on over all ranks: at full batch, or at step `it` (a batch ramp's)."""
         t = tr.cfg.training
-        rows = t.batch_size if it is None else step_rows(t, it)
+        rows = t.batch_size if it is None else micro_batch_rows(t, it)
         return self.rows_per_sample * rows * t.grad_accum_steps * tr.rt.dist.world_size * tr.block_size
 
     def reported(self, loss: torch.Tensor, accum: int) -> torch.Tensor:
@@ -115,7 +115,7 @@ class Objective:
                 if micro + 1 < accum
                 else micro_batch_index(it + 1, rank, 0, accum, world)
             )
-            batch = self.batches.get("train", index, next_index=upcoming, rows=step_rows(tr.cfg.training, it))
+            batch = self.batches.get("train", index, next_index=upcoming, rows=micro_batch_rows(tr.cfg.training, it))
             with distributed.no_sync(tr.model, last=micro == accum - 1):
                 with tr.rt.autocast:
                     loss = self.loss(tr, batch) / accum
@@ -124,11 +124,6 @@ class Objective:
         norm, skipped = apply_gradients(tr)
         self.end_step(skipped)
         return total, norm, skipped
-
-
-def step_rows(t, it: int) -> int:
-    """The rows of each micro-batch of step `it` (data.micro_batch_rows, with the run's batch ramp)."""
-    return micro_batch_rows(t.batch_size, t.batch_ramp_iters, t.batch_ramp_start, it)
 
 
 def apply_gradients(tr: Trainer) -> tuple[torch.Tensor, torch.Tensor]:

@@ -210,7 +210,7 @@ def steps_for_tokens(t: TrainingConfig, target: float, row_tokens: int, rounding
     their count rounded by `rounding`; at least 1."""
     steps, done = 0, 0
     while steps < t.batch_ramp_iters and done < target:
-        done += micro_batch_rows(t.batch_size, t.batch_ramp_iters, t.batch_ramp_start, steps) * row_tokens
+        done += micro_batch_rows(t, steps) * row_tokens
         steps += 1
     if done < target:
         steps += rounding((target - done) / (t.batch_size * row_tokens))
@@ -221,14 +221,15 @@ def horizon(cfg: Config, model_config: GPTConfig, world_size: int) -> tuple[Conf
     """cfg with max_iters from its horizon target (the targets then cleared: the run records the steps), and the line
     that says where max_iters came from."""
     t = cfg.training
-    tokens = t.batch_size * model_config.block_size * t.grad_accum_steps * world_size  # one optimizer step
+    row_tokens = model_config.block_size * t.grad_accum_steps * world_size  # one micro-batch row, over all ranks
+    tokens = t.batch_size * row_tokens  # one optimizer step
     params, flops = scaling_params(model_config)
-    ramp = " after the batch ramp's" if t.batch_ramp_iters else ""
+    ramp = f" after the batch ramp's {t.batch_ramp_iters:,} smaller steps" if t.batch_ramp_iters else ""
     if t.target_flops is not None:
-        steps = steps_for_tokens(t, t.target_flops / flops, tokens // t.batch_size, round)
+        steps = steps_for_tokens(t, t.target_flops / flops, row_tokens, round)
         why = f"target_flops {t.target_flops:.3g} / ({flops:.3g} FLOPs a token x {tokens:,} tokens a step{ramp})"
     elif t.target_param_data_ratio is not None:
-        steps = steps_for_tokens(t, int(t.target_param_data_ratio * params), tokens // t.batch_size, math.floor)
+        steps = steps_for_tokens(t, int(t.target_param_data_ratio * params), row_tokens, math.floor)
         why = (
             f"target_param_data_ratio {t.target_param_data_ratio:g} x {params:,} scaling parameters / {tokens:,} "
             f"tokens a step{ramp}"

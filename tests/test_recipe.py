@@ -119,7 +119,8 @@ def test_a_batch_ramp_grows_the_micro_batch_row_by_row_from_the_full_batchs_firs
     horizon counts the ramp's smaller steps."""
     from quillgpt.data import BatchSource, load_dataset, micro_batch_rows
 
-    assert [micro_batch_rows(4, 6, 1, i) for i in range(8)] == [1, 1, 2, 2, 3, 3, 4, 4]
+    ramped = build_config({"training": {"batch_size": 4, "batch_ramp_iters": 6, "batch_ramp_start": 1}}).training
+    assert [micro_batch_rows(ramped, i) for i in range(8)] == [1, 1, 2, 2, 3, 3, 4, 4]
     source = BatchSource(load_dataset(tiny_data / "tiny"), 32, 4, 1337, torch.device("cpu"))
     full, part = source.get("train", 5), source.get("train", 5, rows=2)
     assert part.x.shape == (2, 32) and torch.equal(part.x, full.x[:2]) and torch.equal(part.y, full.y[:2])
