@@ -776,7 +776,7 @@ def load_config(path: str | Path | None, cli_args: list[str] | None = None, worl
 # tokens, which a CPU batch of 10^3 tokens is three orders of magnitude below) and with it the weight decay, which
 # nanochat scales by that batch rule (docs/training.md, "The size dial").
 DIAL_HEAD_DIM = 128  # nanochat's --head-dim
-REFERENCE_WIDTH = 128  # the width speedrun_cpu.toml tuned its rates at (docs/LOG.md)
+REFERENCE_WIDTH = 128  # the width plain Muon's rates were tuned at (speedrun_cpu.toml's before NorMuon; docs/LOG.md)
 REFERENCE_LR = 3e-3  # AdamW (embeddings, head, norms) at REFERENCE_WIDTH
 REFERENCE_MUON_LR = 2.5e-3  # Muon (hidden matrices) at REFERENCE_WIDTH; our Muon's update RMS is AdamW's at any width
 DIAL_FINAL_LR_FRAC = 0.05  # nanochat's --final-lr-frac
